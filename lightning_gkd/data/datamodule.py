@@ -1,0 +1,109 @@
+"""ChatDataModule: chat ``messages`` rows -> batches for GKD / SFT."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.chat_collator import ChatMLCollator
+from lightning_gkd.data.sources import DataSource, load_rows
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.data.validation import validate_chat_rows
+
+log = logging.getLogger(__name__)
+
+
+class RowDataset(Dataset):
+    """Index-access view over rows (a ``datasets.Dataset`` or a list of dicts); collation does the tokenizing."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:
+        return self.rows[index]
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None
+                      ) -> PreTrainedTokenizerBase:
+    """Load the tokenizer if given by name, set ``chat_template`` if given, and fall back to EOS for padding."""
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"The tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has "
+                         "no chat template. Pass one with ChatDataModule(chat_template=...) "
+                         "(Hydra: data.chat_template=...), e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE.")
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
+        tokenizer.pad_token = tokenizer.eos_token
+        rank_zero_warn(f"The tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}. Padding is "
+                       "found by attention masks, never by id, so this is safe.")
+    return tokenizer
+
+
+class ChatDataModule(L.LightningDataModule):
+    """Batches of chat conversations for distillation.
+
+    Args:
+        tokenizer: a tokenizer with a chat template (or a folder / hub id to load one from).
+        train_data, val_data: a ``datasets.Dataset``, a list of ``{"messages": [...]}`` dicts, a local
+            ``.json``/``.jsonl``/``.parquet`` file or dataset folder, or a hub dataset id.
+        batch_size: rows per training batch (per device); ``val_batch_size`` defaults to it.
+        max_length: conversations longer than this keep their last ``max_length`` tokens.
+        chat_template: overrides the tokenizer's chat template.
+        train_split, val_split: the split to read when a source is a hub id, a dataset folder or a DatasetDict.
+        seed: seeds the shuffling of training rows.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | str, train_data: DataSource,
+                 val_data: DataSource | None = None, *, batch_size: int = 8, val_batch_size: int | None = None,
+                 max_length: int = 1024, chat_template: str | None = None, train_split: str = "train",
+                 val_split: str = "validation", num_workers: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        if max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {max_length}.")
+        self.tokenizer = prepare_tokenizer(tokenizer, chat_template)
+        self.train_source, self.val_source = train_data, val_data
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.max_length = max_length
+        self.train_split, self.val_split = train_split, val_split
+        self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
+        self.collator = ChatMLCollator(self.tokenizer, max_length=max_length)
+        self.train_rows: Sequence[Mapping[str, Any]] | None = None
+        self.val_rows: Sequence[Mapping[str, Any]] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is None:
+            self.train_rows = load_rows(self.train_source, split=self.train_split, name="train_data")
+            validate_chat_rows(self.train_rows, name="train_data")
+        if self.val_rows is None and self.val_source is not None:
+            self.val_rows = load_rows(self.val_source, split=self.val_split, name="val_data")
+            validate_chat_rows(self.val_rows, name="val_data")
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(RowDataset(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle,
+                          generator=generator, collate_fn=self.collator, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup("validate")
+        if self.val_rows is None:
+            return []
+        return DataLoader(RowDataset(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
+                          collate_fn=self.collator, num_workers=self.num_workers)

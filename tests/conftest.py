@@ -1,0 +1,30 @@
+"""Shared fixtures: the project's tokenizer and tiny Qwen2 models built from a config in well under a second."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gkd.assets import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.data.toy import addition_rows
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_chatml_tokenizer()
+
+
+@pytest.fixture()
+def student(tokenizer) -> torch.nn.Module:
+    return tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
+
+
+@pytest.fixture()
+def teacher(tokenizer) -> torch.nn.Module:
+    return tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1)
+
+
+@pytest.fixture(scope="session")
+def toy_rows() -> dict[str, list[dict]]:
+    return {"train": addition_rows("train", 64), "val": addition_rows("val", 16)}
