@@ -1,0 +1,1 @@
+# Hydra configuration tree (shipped as the package lightning_gkd.conf).

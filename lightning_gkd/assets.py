@@ -1,0 +1,63 @@
+"""Tiny offline models for the default run and the tests: a tokenizer and a student/teacher pair, written with
+``save_pretrained`` so they load back through the same ``from_pretrained`` path a hub id takes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
+TINY_STUDENT = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                "tie_word_embeddings": True}
+TINY_TEACHER = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                "tie_word_embeddings": True}
+
+
+def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> torch.nn.Module:
+    """A randomly initialised causal LM over ``tokenizer``'s vocabulary, EOS/pad taken from the tokenizer."""
+    spec = dict(config)
+    model_type = spec.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def write_tiny_models(out_dir: str | os.PathLike, *, student: Mapping[str, Any] = TINY_STUDENT,
+                      teacher: Mapping[str, Any] = TINY_TEACHER, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write ``tokenizer/``, ``student/`` and ``teacher/`` under ``out_dir`` (skipped if already there).
+
+    Written to a temporary folder and renamed into place, so concurrent callers (DDP ranks) and interrupted
+    writes never leave a half-written folder behind.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if (out / "teacher" / "config.json").is_file() and not overwrite:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tokenizer = build_chatml_tokenizer()
+    tokenizer.save_pretrained(staging / "tokenizer")
+    tiny_causal_lm(student, tokenizer, seed=seed).save_pretrained(staging / "student")
+    tiny_causal_lm(teacher, tokenizer, seed=seed + 1).save_pretrained(staging / "teacher")
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    try:
+        staging.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (out / "teacher" / "config.json").is_file():
+            raise
+    return out

@@ -1,0 +1,115 @@
+"""Load the student, teacher and reference models: an nn.Module, a local folder, a hub id, or a config."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+ModelSource = Union[nn.Module, str, os.PathLike, PretrainedConfig, Mapping[str, Any]]
+
+_SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code"}
+
+
+def resolve_dtype(value: Any) -> Any:
+    """``"bfloat16"``/``"torch.float32"``/``"auto"``/``torch.dtype``/None -> what ``from_pretrained(dtype=)`` takes."""
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unknown dtype {value!r}; use e.g. 'float32', 'bfloat16', 'float16' or 'auto'.")
+    return dtype
+
+
+def load_causal_lm(source: ModelSource, *, init_kwargs: Mapping[str, Any] | None = None,
+                   trust_remote_code: bool = False, role: str = "model") -> nn.Module:
+    """Build or load a causal LM.
+
+    ``source`` may be: an ``nn.Module`` (returned as is); a local folder written by ``save_pretrained`` or a hub
+    id (``AutoModelForCausalLM.from_pretrained`` with ``init_kwargs`` such as ``dtype``, ``attn_implementation``,
+    ``revision``, ``quantization_config``); a ``PretrainedConfig`` (a freshly initialised model); or a mapping
+    ``{"name_or_path": ..., "init_kwargs": {...}, "trust_remote_code": bool}`` or ``{"config": {"model_type":
+    "qwen2", ...}}`` as written in Hydra configs. Remote code runs only when ``trust_remote_code`` is True.
+    """
+    if isinstance(source, nn.Module):
+        return source
+    kwargs = dict(init_kwargs or {})
+    if isinstance(source, Mapping):
+        unknown = set(source) - _SPEC_KEYS
+        if unknown:
+            raise ValueError(f"{role}: unknown key(s) {sorted(unknown)} in the model spec; allowed: {sorted(_SPEC_KEYS)}.")
+        kwargs = {**dict(source.get("init_kwargs") or {}), **kwargs}
+        trust_remote_code = bool(source.get("trust_remote_code", trust_remote_code))
+        if source.get("config") is not None:
+            config = source["config"]
+            if isinstance(config, Mapping):
+                config = dict(config)
+                if "model_type" not in config:
+                    raise ValueError(f"{role}: a config spec needs a 'model_type' (e.g. 'qwen2', 'llama').")
+                config = AutoConfig.for_model(config.pop("model_type"), **config)
+            return _from_config(config, kwargs, trust_remote_code)
+        if not source.get("name_or_path"):
+            raise ValueError(f"{role}: the model spec needs 'name_or_path' (a folder or hub id) or 'config'.")
+        source = source["name_or_path"]
+    if isinstance(source, PretrainedConfig):
+        return _from_config(source, kwargs, trust_remote_code)
+    name = str(source)
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        name = str(folder)
+    elif name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"{role}: model folder {name!r} does not exist. Pass an existing folder written by "
+                                "save_pretrained, or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'.")
+    if "dtype" in kwargs:
+        kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
+    return AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _from_config(config: PretrainedConfig, kwargs: dict[str, Any], trust_remote_code: bool) -> nn.Module:
+    dtype = resolve_dtype(kwargs.pop("dtype", None))
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    if isinstance(dtype, torch.dtype):
+        model = model.to(dtype)
+    return model
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability in ``model`` to 0 (``nn.Dropout`` modules and attention-dropout floats)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Make ``model`` a fixed function: no gradients, eval mode, dropout off."""
+    model.requires_grad_(False)
+    disable_dropout(model)
+    return model.eval()
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """Rows of the output projection (the logits' last dim), falling back to ``config.vocab_size``."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    config = getattr(model, "config", None)
+    return getattr(config, "vocab_size", None)
+
+
+def check_same_vocab(student: nn.Module, teacher: nn.Module, *, teacher_role: str = "teacher") -> None:
+    """Token-level distillation compares distributions over one vocabulary: sizes must match."""
+    student_size, teacher_size = vocab_size(student), vocab_size(teacher)
+    if student_size is not None and teacher_size is not None and student_size != teacher_size:
+        raise ValueError(f"Student vocabulary size {student_size} differs from the {teacher_role}'s {teacher_size}. "
+                         "Token-level distillation needs one shared tokenizer/vocabulary: pick a "
+                         f"{teacher_role} from the student's model family, or resize the embeddings to match.")

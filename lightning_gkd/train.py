@@ -1,0 +1,84 @@
+"""Hydra entry point: compose -> instantiate -> fit -> export.
+
+    python -m lightning_gkd.train [overrides...]      # or: lightning-gkd [overrides...]
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_gkd.data.tokenizer import load_tokenizer
+
+
+@rank_zero_only
+def print_config(cfg: DictConfig) -> None:
+    """Print the composed config as a rich tree, one branch per top-level group."""
+    import rich
+    import rich.syntax
+    import rich.tree
+
+    tree = rich.tree.Tree("config", guide_style="dim")
+    for key, value in cfg.items():
+        if isinstance(value, DictConfig):
+            tree.add(str(key)).add(rich.syntax.Syntax(OmegaConf.to_yaml(value, resolve=True), "yaml"))
+        else:
+            tree.add(f"{key}: {value}")
+    rich.print(tree)
+
+
+def instantiate_callbacks(cfg: DictConfig | None) -> list[L.Callback]:
+    if not cfg:
+        return []
+    return [instantiate(entry) for entry in cfg.values() if entry is not None and "_target_" in entry]
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; return the final metrics and where the student went."""
+    if cfg.get("print_config"):
+        print_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    if cfg.model.get("build"):
+        instantiate(cfg.model.build)
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    datamodule = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
+    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    module = instantiate(cfg.method, tokenizer=datamodule.tokenizer, optimizer=instantiate(cfg.optimizer),
+                         scheduler=scheduler, _convert_="all")
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")),
+                                     logger=logger)
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    result: dict[str, Any] = {"metrics": metrics, "global_step": trainer.global_step,
+                              "fit_seconds": time.perf_counter() - started, "student_dir": None}
+    if cfg.get("export") and trainer.is_global_zero:
+        result["student_dir"] = str(module.export(Path(cfg.paths.output_dir) / "student"))
+    print_summary(result)
+    return result
+
+
+@rank_zero_only
+def print_summary(result: dict[str, Any]) -> None:
+    lines = [f"steps: {result['global_step']}  fit time: {result['fit_seconds']:.1f}s"]
+    lines += [f"{name}: {value:.4f}" for name, value in sorted(result["metrics"].items())]
+    if result["student_dir"]:
+        lines.append(f"student exported to: {result['student_dir']}")
+    print("\n".join(["== lightning_gkd summary =="] + lines))
+
+
+@hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
