@@ -67,7 +67,7 @@ def test_fit_trains_student_only(student, teacher, tokenizer, toy_rows, tmp_path
     (checkpoint_path,) = (tmp_path / "checkpoints").glob("*.ckpt")
     checkpoint = torch.load(checkpoint_path, weights_only=False)
     assert checkpoint["state_dict"] and not any(k.startswith("teacher.") for k in checkpoint["state_dict"])
-    assert all(k.startswith("student.") for k in checkpoint["state_dict"])
+    assert all(k.startswith("model.") for k in checkpoint["state_dict"])
 
 
 def test_checkpoint_reloads_strictly_without_teacher_keys(student, teacher, tokenizer, toy_rows, tmp_path):

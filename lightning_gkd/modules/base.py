@@ -1,4 +1,5 @@
-"""Plumbing shared by every method: the trainable model, frozen helpers, optimizers, checkpoints, export."""
+"""Plumbing shared by every method: the trainable model, frozen helpers, optimizers, generation metrics,
+checkpoints and export."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.generation import position_ids_from_mask
+from lightning_gkd.evaluation import GenerationMetric, greedy_texts, reference_texts
+from lightning_gkd.generation import position_ids_from_mask, resolve_eos_token_id
 from lightning_gkd.models import ModelSource, freeze, load_causal_lm
 from lightning_gkd.models import disable_dropout as disable_dropout_in
 
@@ -30,33 +33,43 @@ def derive_seed(*parts: int) -> int:
 
 
 class CausalLMModule(L.LightningModule):
-    """Base LightningModule: a trainable causal LM (``self.student``) plus frozen models named in ``frozen_names``.
+    """Base LightningModule: a trainable causal LM (``self.model``) plus frozen models named in ``frozen_names``.
 
     Frozen models stay in eval mode whatever ``train()`` is called with, take no optimizer slot, and are kept out
     of checkpoints (they are re-inserted from the live module on load, so loading stays strict for the rest).
+
+    Subclasses implement ``training_step`` and ``dataset_loss(batch)`` (the validation loss on dataset
+    completions). ``metrics`` (name -> ``fn(predictions, references) -> float``) score greedy completions of the
+    validation prompts against the dataset completions once per validation epoch, logged as ``val/<name>``.
     """
 
     frozen_names: tuple[str, ...] = ()
+    model_role = "model"  # what errors call the trainable model ("student", "policy")
 
-    def __init__(self, student: ModelSource, tokenizer: PreTrainedTokenizerBase | str, *,
+    def __init__(self, model: ModelSource, tokenizer: PreTrainedTokenizerBase | str, *,
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
                  disable_dropout: bool = True, gradient_checkpointing: bool = False,
-                 trust_remote_code: bool = False, seed: int = 0) -> None:
+                 trust_remote_code: bool = False, seed: int = 0,
+                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32) -> None:
         super().__init__()
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         # from_pretrained returns eval-mode models; Lightning keeps module modes as found, so set train mode here.
-        self.student = load_causal_lm(student, trust_remote_code=trust_remote_code, role="student").train()
+        self.model = load_causal_lm(model, trust_remote_code=trust_remote_code, role=self.model_role).train()
         if disable_dropout:
-            disable_dropout_in(self.student)
+            disable_dropout_in(self.model)
         if gradient_checkpointing:
             # transformers >= 5.2x renamed gradient_checkpointing_enable (now deprecated) to activation_*.
-            if hasattr(self.student, "activation_checkpointing_enable"):
-                self.student.activation_checkpointing_enable({"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
             else:
-                self.student.gradient_checkpointing_enable({"use_reentrant": False})
+                self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=5e-5)
         self.scheduler_factory = scheduler
         self.seed = seed
+        self.metrics = dict(metrics or {})
+        self.eval_max_new_tokens = eval_max_new_tokens
+        self._predictions: list[str] = []
+        self._references: list[str] = []
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
         return freeze(load_causal_lm(source, trust_remote_code=trust_remote_code, role=role))
@@ -69,7 +82,7 @@ class CausalLMModule(L.LightningModule):
         return self
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.student.parameters() if p.requires_grad]
+        params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:
             return optimizer
@@ -89,6 +102,33 @@ class CausalLMModule(L.LightningModule):
         """Seed for this training batch: a function of (seed, global step, batch index, salt) only."""
         return derive_seed(self.seed, self.global_step, batch_idx, *salt)
 
+    # -- validation: loss on dataset completions + generation metrics -------------------------------------------
+    def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.dataset_loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        if self.metrics:
+            eos = resolve_eos_token_id(self.model, self.tokenizer)
+            self._predictions += greedy_texts(self.model, self.tokenizer, batch, eos_token_id=eos,
+                                              max_new_tokens=self.eval_max_new_tokens)
+            self._references += reference_texts(self.tokenizer, batch, eos)
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.metrics:
+            return
+        predictions, references = self._predictions, self._references
+        self._predictions, self._references = [], []
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (predictions, references))
+            predictions = [p for preds, _ in gathered for p in preds]
+            references = [r for _, refs in gathered for r in refs]
+        for name, metric in self.metrics.items():
+            self.log(f"val/{name}", float(metric(predictions, references)), prog_bar=True)
+
     # -- checkpoints and export ---------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         prefixes = tuple(f"{name}." for name in self.frozen_names)
@@ -104,14 +144,14 @@ class CausalLMModule(L.LightningModule):
                 state.setdefault(f"{name}.{key}", value)
 
     def export(self, path: str | Path) -> Path:
-        """Write the student and tokenizer with ``save_pretrained`` to ``path``, loadable with
+        """Write the trained model and tokenizer with ``save_pretrained`` to ``path``, loadable with
         ``AutoModelForCausalLM.from_pretrained(path)``. Written beside ``path`` first and then renamed, so an
         interrupted export never replaces a good one with a half-written folder."""
         target = Path(path).expanduser().resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            self.student.save_pretrained(staging)
+            self.model.save_pretrained(staging)
             self.tokenizer.save_pretrained(staging)
             if target.exists():
                 old = target.with_name(f".{target.name}-old")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.evaluation import GenerationMetric
 from lightning_gkd.generation import generate_completions, resolve_eos_token_id
 from lightning_gkd.losses import generalized_jsd_loss
 from lightning_gkd.models import ModelSource, check_same_vocab
@@ -33,13 +35,15 @@ class GKDModule(CausalLMModule):
     """
 
     frozen_names = ("teacher",)
+    model_role = "student"
 
     def __init__(self, student: ModelSource, teacher: ModelSource, tokenizer: PreTrainedTokenizerBase | str, *,
                  lmbda: float = 0.5, beta: float = 0.5, temperature: float = 0.9, loss_temperature: float = 1.0,
                  seq_kd: bool = False, max_new_tokens: int = 128, top_k: int = 0, top_p: float = 1.0,
                  disable_dropout: bool = True, gradient_checkpointing: bool = False,
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
-                 trust_remote_code: bool = False, seed: int = 0) -> None:
+                 trust_remote_code: bool = False, seed: int = 0,
+                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32) -> None:
         _check_range("lmbda", lmbda, 0.0, 1.0)
         _check_range("beta", beta, 0.0, 1.0)
         for name, value in (("temperature", temperature), ("loss_temperature", loss_temperature)):
@@ -53,13 +57,19 @@ class GKDModule(CausalLMModule):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         super().__init__(student, tokenizer, optimizer=optimizer, scheduler=scheduler,
                          disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
-                         trust_remote_code=trust_remote_code, seed=seed)
+                         trust_remote_code=trust_remote_code, seed=seed, metrics=metrics,
+                         eval_max_new_tokens=eval_max_new_tokens)
         self.teacher = self.load_frozen(teacher, role="teacher", trust_remote_code=trust_remote_code)
         check_same_vocab(self.student, self.teacher)
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
         self.temperature, self.loss_temperature = temperature, loss_temperature
         self.max_new_tokens, self.top_k, self.top_p = max_new_tokens, top_k, top_p
-        self.save_hyperparameters(ignore=["student", "teacher", "tokenizer", "optimizer", "scheduler"])
+        self.save_hyperparameters(ignore=["student", "teacher", "tokenizer", "optimizer", "scheduler", "metrics"])
+
+    @property
+    def student(self) -> torch.nn.Module:
+        """The trainable model (``self.model``)."""
+        return self.model
 
     # -- the GKD step -------------------------------------------------------------------------------------------
     def choose_source(self, batch_idx: int) -> Source:
@@ -79,7 +89,7 @@ class GKDModule(CausalLMModule):
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
         return {**batch, **sampled}
 
-    def distillation_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         student_logits = self.causal_lm_logits(self.student, batch)
         with torch.no_grad():
             teacher_logits = self.causal_lm_logits(self.teacher, batch)
@@ -91,17 +101,12 @@ class GKDModule(CausalLMModule):
         if source != "dataset":
             model = self.student if source == "student" else self.teacher
             batch = self.sample_batch(model, batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
-        loss = self.distillation_loss(batch)
+        loss = self.dataset_loss(batch)
         completion_tokens = (batch["labels"] != -100).sum(dim=1).float()
         size = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/on_policy", float(source == "student"), batch_size=size)
         self.log("train/completion_length", completion_tokens.mean(), batch_size=size)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.distillation_loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
 

@@ -1,0 +1,32 @@
+"""SFTModule: supervised fine-tuning, cross-entropy on completion tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_gkd.modules.base import CausalLMModule
+
+
+class SFTModule(CausalLMModule):
+    """Next-token cross-entropy on completion tokens (labels != -100), averaged over those tokens.
+
+    Same constructor as ``CausalLMModule``: ``SFTModule(model, tokenizer, *, optimizer, scheduler, metrics, ...)``.
+    """
+
+    def __init__(self, model, tokenizer, **kwargs) -> None:
+        super().__init__(model, tokenizer, **kwargs)
+        self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "scheduler", "metrics"])
+
+    def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.causal_lm_logits(self.model, batch)[:, :-1]
+        labels = batch["labels"][:, 1:]
+        mask = labels != -100
+        if not mask.any():
+            return logits.sum() * 0.0
+        return F.cross_entropy(logits[mask].float(), labels[mask])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.dataset_loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
