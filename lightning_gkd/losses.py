@@ -1,4 +1,4 @@
-"""Distillation losses.
+"""Distillation and preference losses.
 
 Pure tensor functions with no dependency on Lightning, so they can be unit-tested
 and reused on their own.
@@ -11,7 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "generalized_jsd_loss"]
+__all__ = ["IGNORE_INDEX", "PREFERENCE_LOSS_TYPES", "generalized_jsd_loss", "preference_loss",
+           "sequence_logps"]
 
 #: Label value marking positions that do not contribute to the loss.
 IGNORE_INDEX: int = -100
@@ -154,3 +155,99 @@ def generalized_jsd_loss(
     # positions N (clamped to 1 so that an all-masked batch gives 0, not NaN); without
     # labels it is the batch size B.
     return loss.sum() / max(loss.size(0), 1)
+
+
+# --------------------------------------------------------------------------- preference tuning
+
+PREFERENCE_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    r"""Sum of the log-probabilities of the label tokens of each sequence.
+
+    .. math::
+
+        \log \pi(y \mid x) = \sum_{t:\, y_t \ne \text{ignore}} \big(z_{t, y_t} - \operatorname{logsumexp}_v z_{t, v}\big)
+
+    Equal to ``log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)`` summed over valid positions, but
+    without a second ``(B, T, V)`` tensor: the target logit is gathered and a logsumexp, taken one row at a time
+    (in float32 for half-precision logits), is subtracted.
+
+    Args:
+        logits: ``(B, T, V)``; ``logits[:, t]`` predicts ``labels[:, t]`` (already shifted).
+        labels: ``(B, T)`` token ids; ``ignore_index`` marks positions that do not count (prompt, padding).
+
+    Returns:
+        ``(B,)`` float32 (float64 for float64 logits); 0 for a row without a valid position.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:-1]:
+        raise ValueError(f"Expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "
+                         f"{tuple(labels.shape)}.")
+    mask = labels != ignore_index
+    targets = labels.masked_fill(~mask, 0).unsqueeze(-1)
+    picked = _to_compute_dtype(logits.gather(-1, targets).squeeze(-1))
+    # One row at a time keeps the float32 copy of half-precision logits at (T, V).
+    log_norm = torch.stack([torch.logsumexp(_to_compute_dtype(row), dim=-1) for row in logits])
+    return ((picked - log_norm) * mask).sum(dim=-1)
+
+
+def preference_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""Per-pair preference loss (DPO and variants) from sequence log-probs of policy and reference.
+
+    With the log-ratios :math:`r_c = \pi_c - \text{ref}_c`, :math:`r_r = \pi_r - \text{ref}_r` and
+    :math:`\Delta = r_c - r_r` (β multiplies the whole difference):
+
+    - ``"sigmoid"`` (DPO): :math:`-(1-\varepsilon)\log\sigma(\beta\Delta) - \varepsilon\log\sigma(-\beta\Delta)`,
+      ε = ``label_smoothing`` (conservative DPO; 0 gives plain DPO, ln 2 when policy == reference).
+    - ``"hinge"`` (SLiC): :math:`\max(0,\ 1 - \beta\Delta)`.
+    - ``"ipo"``: :math:`(r_c / |c| - r_r / |r| - \tfrac{1}{2\beta})^2` with completion lengths :math:`|c|, |r|`
+      (the length-normalised form TRL uses).
+
+    The implicit rewards are ``beta * (logps - ref_logps)``.
+
+    Args:
+        chosen_logps, rejected_logps: ``(B,)`` policy sequence log-probs of the chosen / rejected completions.
+        ref_chosen_logps, ref_rejected_logps: ``(B,)`` the same under the reference model (no gradient needed).
+        beta: ``> 0``, the strength of the implicit KL penalty.
+        loss_type: one of ``"sigmoid"``, ``"hinge"``, ``"ipo"``.
+        label_smoothing: ε in ``[0, 0.5)``, for ``"sigmoid"`` only.
+        chosen_lengths, rejected_lengths: ``(B,)`` completion token counts, required for ``"ipo"``.
+
+    Returns:
+        ``(B,)`` losses, one per pair (take ``.mean()`` for the batch loss).
+    """
+    if loss_type not in PREFERENCE_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}.")
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta!r}.")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}.")
+    if label_smoothing and loss_type != "sigmoid":
+        raise ValueError(f"label_smoothing applies to loss_type='sigmoid' only; got loss_type={loss_type!r} with "
+                         f"label_smoothing={label_smoothing}. Set label_smoothing=0.")
+    shapes = {tuple(t.shape) for t in (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)}
+    if len(shapes) != 1 or chosen_logps.dim() != 1:
+        raise ValueError(f"The four log-prob tensors must all have shape (B,), got {sorted(shapes)}.")
+    chosen_ratio = chosen_logps - ref_chosen_logps
+    rejected_ratio = rejected_logps - ref_rejected_logps
+    if loss_type == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError("loss_type='ipo' normalises by completion length: pass chosen_lengths and "
+                             "rejected_lengths (token counts, shape (B,)).")
+        delta = (chosen_ratio / chosen_lengths.clamp(min=1).to(chosen_ratio.dtype)
+                 - rejected_ratio / rejected_lengths.clamp(min=1).to(rejected_ratio.dtype))
+        return (delta - 1.0 / (2.0 * beta)) ** 2
+    logits = beta * (chosen_ratio - rejected_ratio)
+    if loss_type == "hinge":
+        return torch.relu(1.0 - logits)
+    return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
