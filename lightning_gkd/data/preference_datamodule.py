@@ -1,0 +1,122 @@
+"""PreferenceDataModule: (prompt, chosen, rejected) rows -> batches for DPO."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.preference_collator import ROW_INDEX, PreferenceCollator
+from lightning_gkd.data.preference_validation import validate_preference_rows
+from lightning_gkd.data.sources import DataSource, load_rows
+from lightning_gkd.data.tokenizer import load_tokenizer
+
+Collator = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
+
+
+class IndexedRows(Dataset):
+    """Index-access view over rows that adds each row's index under ``row_index`` (the row itself is not
+    modified), so a batch can say which rows it holds (precomputed reference log-probs are keyed by it)."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.rows[index], ROW_INDEX: index}
+
+
+class PreferenceDataModule(L.LightningDataModule):
+    """Batches of preference pairs for ``DPOModule``.
+
+    Args:
+        tokenizer: a tokenizer (or a folder / hub id to load one from); conversational rows need a chat template.
+        train_data, val_data: a ``datasets.Dataset``, a list of dicts, a local ``.json``/``.jsonl``/``.parquet``
+            file or dataset folder, or a hub dataset id. Rows hold ``prompt``, ``chosen``, ``rejected`` as plain
+            strings or as message lists (``prompt``: the conversation so far; ``chosen``/``rejected``: one
+            assistant message each), or pre-tokenized ``prompt_input_ids``/``chosen_input_ids``/
+            ``rejected_input_ids`` (used untouched). Optional ``ref_chosen_logps``/``ref_rejected_logps``: reference
+            log-probs computed elsewhere.
+        batch_size: pairs per training batch (the model sees ``2 * batch_size`` sequences); ``val_batch_size``
+            defaults to it.
+        max_length: prompt + completion longer than this keeps its last ``max_length`` tokens.
+        chat_template: overrides the tokenizer's chat template.
+        collator: your own ``rows -> batch`` function instead of ``PreferenceCollator``; rows are then not
+            validated (your collator owns the format) and each row comes with its index under ``row_index``.
+        train_split, val_split: the split to read when a source is a hub id, a dataset folder or a DatasetDict.
+        seed: seeds the shuffling of training rows.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | str, train_data: DataSource,
+                 val_data: DataSource | None = None, *, batch_size: int = 8, val_batch_size: int | None = None,
+                 max_length: int = 1024, chat_template: str | None = None, collator: Collator | None = None,
+                 train_split: str = "train", val_split: str = "validation", num_workers: int = 0,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        if max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {max_length}.")
+        self.tokenizer = _prepare_tokenizer(tokenizer, chat_template)
+        self.train_source, self.val_source = train_data, val_data
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.max_length = max_length
+        self.train_split, self.val_split = train_split, val_split
+        self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
+        self.custom_collator = collator is not None
+        self.collator: Collator = collator or PreferenceCollator(self.tokenizer, max_length=max_length)
+        self.train_rows: Sequence[Mapping[str, Any]] | None = None
+        self.val_rows: Sequence[Mapping[str, Any]] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is None:
+            self.train_rows = self._load(self.train_source, self.train_split, "train_data")
+        if self.val_rows is None and self.val_source is not None:
+            self.val_rows = self._load(self.val_source, self.val_split, "val_data")
+
+    def _load(self, source: DataSource, split: str, name: str) -> Sequence[Mapping[str, Any]]:
+        rows = load_rows(source, split=split, name=name)
+        if not self.custom_collator:
+            formats = validate_preference_rows(rows, name=name)
+            if "conversational" in formats and not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"{name} has conversational rows, but the tokenizer has no chat template. Pass one "
+                                 "with PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...), "
+                                 "e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE.")
+        return rows
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(IndexedRows(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle,
+                          generator=generator, collate_fn=self.collator, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup("validate")
+        if self.val_rows is None:
+            return []
+        return DataLoader(IndexedRows(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
+                          collate_fn=self.collator, num_workers=self.num_workers)
+
+
+def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None
+                       ) -> PreTrainedTokenizerBase:
+    # Like ChatDataModule's, except that a chat template is needed only once conversational rows show up.
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
+        tokenizer.pad_token = tokenizer.eos_token
+        rank_zero_warn(f"The tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}. Padding is "
+                       "found by attention masks, never by id, so this is safe.")
+    return tokenizer

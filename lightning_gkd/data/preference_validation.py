@@ -1,0 +1,102 @@
+"""Checks on preference rows, run once before training so a bad row fails early with its index and field."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from lightning_gkd.data.validation import CHAT_ROLES
+
+PairFormat = Literal["conversational", "text", "tokenized"]
+TEXT_FIELDS = ("prompt", "chosen", "rejected")
+TOKEN_FIELDS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
+
+_ROW_HELP = ("Each row needs 'prompt', 'chosen' and 'rejected', either all plain strings or lists of "
+             "{'role', 'content'} messages (chosen/rejected: one assistant message), or pre-tokenized "
+             "'prompt_input_ids', 'chosen_input_ids' and 'rejected_input_ids'.")
+
+
+def pair_format(row: Mapping[str, Any]) -> PairFormat:
+    """Which of the three accepted row formats ``row`` uses (pre-tokenized ids win over text fields)."""
+    if all(field in row for field in TOKEN_FIELDS):
+        return "tokenized"
+    return "conversational" if isinstance(row.get("prompt"), Sequence) and not isinstance(
+        row.get("prompt"), str) else "text"
+
+
+def validate_preference_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "train_data") -> set[PairFormat]:
+    """Raise ``ValueError`` naming the first bad row; return the formats found.
+
+    Bad: not a mapping; a missing field; text fields that mix strings and message lists; an empty completion
+    (``""``, no message, empty content, no token ids); messages with an unknown role or non-string content;
+    chosen/rejected that are not a single assistant message; only one of the two reference log-probs.
+    """
+    if len(rows) == 0:
+        raise ValueError(f"{name} is empty: it has no rows. Point it at a dataset with at least one row.")
+    formats: set[PairFormat] = set()
+    for index in range(len(rows)):
+        formats.add(validate_preference_row(rows[index], index=index, name=name))
+    return formats
+
+
+def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -> PairFormat:
+    where = f"{name} row {index}"
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: expected a dict, got {type(row).__name__}. {_ROW_HELP}")
+    present = [field for field in REF_FIELDS if row.get(field) is not None]
+    if len(present) == 1:
+        raise ValueError(f"{where}: has {present[0]!r} but not its partner; give both {REF_FIELDS} or neither.")
+    kind = pair_format(row)
+    if kind == "tokenized":
+        for field in TOKEN_FIELDS:
+            ids = row[field]
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise ValueError(f"{where}: {field!r} must be a list of token ids (ints), got {ids!r:.80}.")
+            if len(ids) == 0:
+                raise ValueError(f"{where}: {field!r} is empty; every pair needs a non-empty prompt, chosen and "
+                                 "rejected.")
+        return kind
+    missing = [field for field in TEXT_FIELDS if row.get(field) is None]
+    if missing:
+        raise ValueError(f"{where}: missing field {missing[0]!r} (fields present: {sorted(row)}). {_ROW_HELP}")
+    if kind == "text":
+        for field in TEXT_FIELDS:
+            value = row[field]
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: 'prompt' is a string, so {field!r} must be one too, got "
+                                 f"{type(value).__name__}. {_ROW_HELP}")
+            if value == "" and field != "prompt":
+                raise ValueError(f"{where}: {field!r} is an empty completion; every pair needs a non-empty chosen "
+                                 "and rejected completion. Drop or fix this row.")
+        return kind
+    _check_messages(row["prompt"], f"{where}: 'prompt'")
+    for field in ("chosen", "rejected"):
+        value = row[field]
+        if isinstance(value, str):
+            raise ValueError(f"{where}: 'prompt' is a list of messages, so {field!r} must be one too "
+                             f"([{{'role': 'assistant', 'content': ...}}]), got a string. {_ROW_HELP}")
+        _check_messages(value, f"{where}: {field!r}")
+        if len(value) != 1 or value[0]["role"] != "assistant":
+            raise ValueError(f"{where}: {field!r} must be exactly one assistant message, got roles "
+                             f"{[m['role'] for m in value]}.")
+        if value[0]["content"] == "":
+            raise ValueError(f"{where}: {field!r} is an empty completion (the assistant content is ''); every pair "
+                             "needs a non-empty chosen and rejected completion. Drop or fix this row.")
+    return kind
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
+        raise ValueError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}.")
+    for turn, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{where}[{turn}] must be a dict with 'role' and 'content', got "
+                             f"{type(message).__name__}.")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            detail = "is missing 'role'" if role is None else f"has unknown role {role!r}"
+            raise ValueError(f"{where}[{turn}] {detail}; use one of {', '.join(CHAT_ROLES)}.")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"{where}[{turn}] needs string 'content', got {message.get('content')!r:.80}.")
