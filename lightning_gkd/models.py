@@ -68,7 +68,21 @@ def load_causal_lm(source: ModelSource, *, init_kwargs: Mapping[str, Any] | None
                                 "save_pretrained, or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'.")
     if "dtype" in kwargs:
         kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
+    if isinstance(kwargs.get("quantization_config"), Mapping):
+        kwargs["quantization_config"] = quantization_config_from_dict(kwargs["quantization_config"])
     return AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def quantization_config_from_dict(spec: Mapping[str, Any]) -> Any:
+    """A plain mapping from YAML/JSON -> a transformers quantization config: with a ``quant_method`` key, any kind
+    transformers knows; without one, ``BitsAndBytesConfig(**spec)`` (e.g. ``{"load_in_8bit": True}``)."""
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoQuantizationConfig
+
+    spec = dict(spec)
+    if "quant_method" in spec:
+        return AutoQuantizationConfig.from_dict(spec)
+    return BitsAndBytesConfig(**spec)
 
 
 def _from_config(config: PretrainedConfig, kwargs: dict[str, Any], trust_remote_code: bool) -> nn.Module:
