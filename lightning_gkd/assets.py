@@ -15,12 +15,31 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 
+PACKAGE_ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def asset_path(name: str) -> str:
+    """Absolute path of a shipped asset folder, e.g. ``asset_path("toy/teacher")`` (Hydra: ``${asset:toy/teacher}``)."""
+    path = PACKAGE_ASSETS / name
+    if not path.exists():
+        available = sorted(str(p.relative_to(PACKAGE_ASSETS)) for p in PACKAGE_ASSETS.glob("*/*") if p.is_dir())
+        raise FileNotFoundError(f"No packaged asset {name!r} under {PACKAGE_ASSETS}; available: {available}.")
+    return str(path)
+
 TINY_STUDENT = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
                 "tie_word_embeddings": True}
 TINY_TEACHER = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
                 "tie_word_embeddings": True}
+
+# The toy task's models (scripts/train_toy_teacher.py): a 4x128 teacher and a 2x64 student.
+TOY_TEACHER = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64,
+               "tie_word_embeddings": True}
+TOY_STUDENT = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64,
+               "tie_word_embeddings": True}
 
 
 def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> torch.nn.Module:

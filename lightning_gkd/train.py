@@ -15,7 +15,11 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_gkd.assets import asset_path
 from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.held_out_eval import HeldOutEvaluation
+
+OmegaConf.register_new_resolver("asset", asset_path, replace=True)
 
 
 @rank_zero_only
@@ -59,7 +63,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
     result: dict[str, Any] = {"metrics": metrics, "global_step": trainer.global_step,
-                              "fit_seconds": time.perf_counter() - started, "student_dir": None}
+                              "fit_seconds": time.perf_counter() - started, "student_dir": None,
+                              "held_out": next((cb.results for cb in trainer.callbacks
+                                                if isinstance(cb, HeldOutEvaluation)), {})}
     if cfg.get("export") and trainer.is_global_zero:
         result["student_dir"] = str(module.export(Path(cfg.paths.output_dir) / "student"))
     print_summary(result)
@@ -69,9 +75,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 @rank_zero_only
 def print_summary(result: dict[str, Any]) -> None:
     lines = [f"steps: {result['global_step']}  fit time: {result['fit_seconds']:.1f}s"]
-    lines += [f"{name}: {value:.4f}" for name, value in sorted(result["metrics"].items())]
+    lines += [f"{name}: {value:.4f}" for name, value in sorted(result["metrics"].items())
+              if not name.startswith("test/")]
+    for who, scores in result["held_out"].items():
+        label = {"teacher": "teacher", "before": "student before", "after": "student after"}.get(who, who)
+        lines += [f"held-out {name} ({label}): {value:.4f}" for name, value in scores.items()]
     if result["student_dir"]:
-        lines.append(f"student exported to: {result['student_dir']}")
+        lines.append(f"trained model exported to: {result['student_dir']}")
     print("\n".join(["== lightning_gkd summary =="] + lines))
 
 

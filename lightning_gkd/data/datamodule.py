@@ -58,34 +58,38 @@ class ChatDataModule(L.LightningDataModule):
 
     Args:
         tokenizer: a tokenizer with a chat template (or a folder / hub id to load one from).
-        train_data, val_data: a ``datasets.Dataset``, a list of ``{"messages": [...]}`` dicts, a local
-            ``.json``/``.jsonl``/``.parquet`` file or dataset folder, or a hub dataset id.
+        train_data, val_data, test_data: a ``datasets.Dataset``, a list of ``{"messages": [...]}`` dicts, a local
+            ``.json``/``.jsonl``/``.parquet`` file or dataset folder, or a hub dataset id. ``test_data`` is the
+            held-out set that ``HeldOutEvaluation`` scores by generation before and after training.
         batch_size: rows per training batch (per device); ``val_batch_size`` defaults to it.
         max_length: conversations longer than this keep their last ``max_length`` tokens.
         chat_template: overrides the tokenizer's chat template.
-        train_split, val_split: the split to read when a source is a hub id, a dataset folder or a DatasetDict.
+        train_split, val_split, test_split: the split to read when a source is a hub id, a dataset folder or a
+            DatasetDict.
         seed: seeds the shuffling of training rows.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | str, train_data: DataSource,
                  val_data: DataSource | None = None, *, batch_size: int = 8, val_batch_size: int | None = None,
                  max_length: int = 1024, chat_template: str | None = None, train_split: str = "train",
-                 val_split: str = "validation", num_workers: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+                 val_split: str = "validation", test_data: DataSource | None = None, test_split: str = "test",
+                 num_workers: int = 0, shuffle: bool = True, seed: int = 0) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {max_length}.")
         self.tokenizer = prepare_tokenizer(tokenizer, chat_template)
-        self.train_source, self.val_source = train_data, val_data
+        self.train_source, self.val_source, self.test_source = train_data, val_data, test_data
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.max_length = max_length
-        self.train_split, self.val_split = train_split, val_split
+        self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
         self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
         self.collator = ChatMLCollator(self.tokenizer, max_length=max_length)
         self.train_rows: Sequence[Mapping[str, Any]] | None = None
         self.val_rows: Sequence[Mapping[str, Any]] | None = None
+        self.test_rows: Sequence[Mapping[str, Any]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is None:
@@ -94,6 +98,9 @@ class ChatDataModule(L.LightningDataModule):
         if self.val_rows is None and self.val_source is not None:
             self.val_rows = load_rows(self.val_source, split=self.val_split, name="val_data")
             validate_chat_rows(self.val_rows, name="val_data")
+        if self.test_rows is None and self.test_source is not None:
+            self.test_rows = load_rows(self.test_source, split=self.test_split, name="test_data")
+            validate_chat_rows(self.test_rows, name="test_data")
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
