@@ -10,6 +10,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
+#: Key under which the DataModules' datasets hand each row's index to the collator (for errors and caches).
+ROW_INDEX = "row_index"
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ def tokenize_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping
         num_completion = len(ids) - num_prompt
         if num_completion >= max_length:
             raise ValueError(f"max_length={max_length} truncates away the whole prompt: the completion alone has "
-                             f"{num_completion} tokens. Raise max_length or shorten the completion. "
+                             f"{num_completion} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
+                             "completion. "
                              f"Prompt starts {prompt_text[:60]!r}.")
         ids, num_prompt = ids[-max_length:], max_length - num_completion
     return TokenizedChat(ids=ids, num_prompt_tokens=num_prompt)
@@ -80,16 +83,19 @@ class ChatMLCollator:
 
     Emits ``input_ids``, ``attention_mask``, ``labels`` (prompt and padding = -100) for the whole conversation,
     and ``prompts``, ``prompt_attention_mask`` for the prompt alone (what on-policy sampling continues).
+    A row that cannot be used raises ``ValueError``, naming ``f"{name} row {row['row_index']}"`` when rows carry
+    their index (ChatDataModule's do).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024, *, name: str = "data") -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; ChatDataModule sets it to EOS, or set one yourself.")
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.name = name
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        chats = [tokenize_chat(self.tokenizer, row["messages"], self.max_length) for row in rows]
+        chats = [self._tokenize(row) for row in rows]
         pad_id = self.tokenizer.pad_token_id
         full = [chat.ids for chat in chats]
         labels = [[IGNORE_INDEX] * chat.num_prompt_tokens + chat.ids[chat.num_prompt_tokens:] for chat in chats]
@@ -101,3 +107,11 @@ class ChatMLCollator:
             "prompts": left_pad(prompts, pad_id),
             "prompt_attention_mask": left_pad([[1] * len(ids) for ids in prompts], 0),
         }
+
+    def _tokenize(self, row: Mapping[str, Any]) -> TokenizedChat:
+        try:
+            return tokenize_chat(self.tokenizer, row["messages"], self.max_length)
+        except ValueError as error:
+            if ROW_INDEX in row:  # name the row: this may be hours into a run, on a row setup did not sample
+                raise ValueError(f"{self.name} row {row[ROW_INDEX]}: {error}") from None
+            raise

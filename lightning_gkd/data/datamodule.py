@@ -12,16 +12,17 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat_collator import ChatMLCollator
+from lightning_gkd.data.chat_collator import ROW_INDEX, ChatMLCollator
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.validation import validate_chat_rows
+from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows
 
 log = logging.getLogger(__name__)
 
 
 class RowDataset(Dataset):
-    """Index-access view over rows (a ``datasets.Dataset`` or a list of dicts); collation does the tokenizing."""
+    """Index-access view over rows (a ``datasets.Dataset`` or a list of dicts); collation does the tokenizing.
+    Each row comes with its index under ``row_index`` (the row itself is not modified), so errors can name it."""
 
     def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
         self.rows = rows
@@ -30,7 +31,7 @@ class RowDataset(Dataset):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> Mapping[str, Any]:
-        return self.rows[index]
+        return {**self.rows[index], ROW_INDEX: index}
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None
@@ -67,13 +68,17 @@ class ChatDataModule(L.LightningDataModule):
         train_split, val_split, test_split: the split to read when a source is a hub id, a dataset folder or a
             DatasetDict.
         seed: seeds the shuffling of training rows.
+        length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
+            to fail early, naming the row, when ``max_length`` would truncate a prompt away. Rows not checked
+            raise the same error, with their index, when their batch is collated.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | str, train_data: DataSource,
                  val_data: DataSource | None = None, *, batch_size: int = 8, val_batch_size: int | None = None,
                  max_length: int = 1024, chat_template: str | None = None, train_split: str = "train",
                  val_split: str = "validation", test_data: DataSource | None = None, test_split: str = "test",
-                 num_workers: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+                 num_workers: int = 0, shuffle: bool = True, seed: int = 0,
+                 length_check_rows: int | None = 1000) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
@@ -86,21 +91,30 @@ class ChatDataModule(L.LightningDataModule):
         self.max_length = max_length
         self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
         self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
-        self.collator = ChatMLCollator(self.tokenizer, max_length=max_length)
+        self.length_check_rows = length_check_rows
+        self.collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="train_data")
+        self.val_collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="val_data")
         self.train_rows: Sequence[Mapping[str, Any]] | None = None
         self.val_rows: Sequence[Mapping[str, Any]] | None = None
         self.test_rows: Sequence[Mapping[str, Any]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is None:
-            self.train_rows = load_rows(self.train_source, split=self.train_split, name="train_data")
-            validate_chat_rows(self.train_rows, name="train_data")
+            self.train_rows = self._load(self.train_source, self.train_split, "train_data")
         if self.val_rows is None and self.val_source is not None:
-            self.val_rows = load_rows(self.val_source, split=self.val_split, name="val_data")
-            validate_chat_rows(self.val_rows, name="val_data")
+            self.val_rows = self._load(self.val_source, self.val_split, "val_data")
         if self.test_rows is None and self.test_source is not None:
-            self.test_rows = load_rows(self.test_source, split=self.test_split, name="test_data")
-            validate_chat_rows(self.test_rows, name="test_data")
+            # held-out rows are generated from with the evaluator's own max_length, not collated with ours
+            self.test_rows = self._load(self.test_source, self.test_split, "test_data", check_lengths=False)
+
+    def _load(self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
+              ) -> Sequence[Mapping[str, Any]]:
+        rows = load_rows(source, split=split, name=name)
+        validate_chat_rows(rows, name=name)
+        if check_lengths:
+            check_prompts_fit(self.tokenizer, rows, max_length=self.max_length, name=name,
+                              max_rows=self.length_check_rows)
+        return rows
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
@@ -113,4 +127,4 @@ class ChatDataModule(L.LightningDataModule):
         if self.val_rows is None:
             return []
         return DataLoader(RowDataset(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
-                          collate_fn=self.collator, num_workers=self.num_workers)
+                          collate_fn=self.val_collator, num_workers=self.num_workers)

@@ -10,11 +10,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat_collator import IGNORE_INDEX, left_pad, tokenize_chat
+from lightning_gkd.data.chat_collator import IGNORE_INDEX, ROW_INDEX, left_pad, tokenize_chat
 from lightning_gkd.data.preference_validation import REF_FIELDS, pair_format
-
-#: Key under which PreferenceDataModule's dataset hands each row's index to the collator.
-ROW_INDEX = "row_index"
+from lightning_gkd.data.validation import evenly_spaced
 
 
 @dataclass(frozen=True)
@@ -62,8 +60,28 @@ def truncate(prompt: list[int], completion: list[int], max_length: int) -> tuple
         return prompt, completion
     if overflow >= len(prompt):
         raise ValueError(f"max_length={max_length} truncates away the whole prompt: the completion alone has "
-                         f"{len(completion)} tokens. Raise max_length or shorten the completion.")
+                         f"{len(completion)} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
+                         "completion.")
     return prompt[overflow:], completion
+
+
+def truncated_pair(tokenizer: PreTrainedTokenizerBase, row: Mapping[str, Any], max_length: int
+                   ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """``((prompt, chosen), (prompt, rejected))`` token ids of a validated row, each side truncated to
+    ``max_length`` (``ValueError`` when a prompt would be truncated away)."""
+    pair = tokenize_pair(tokenizer, row)
+    return truncate(pair.prompt, pair.chosen, max_length), truncate(pair.prompt, pair.rejected, max_length)
+
+
+def check_pairs_fit(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Mapping[str, Any]], *, max_length: int,
+                    name: str, max_rows: int | None = 1000) -> None:
+    """Tokenize up to ``max_rows`` validated rows spread evenly over ``rows`` (all when None) as the collator
+    will, raising ``ValueError`` naming the first row whose prompt ``max_length`` would truncate away."""
+    for index in evenly_spaced(len(rows), max_rows):
+        try:
+            truncated_pair(tokenizer, rows[index], max_length)
+        except ValueError as error:
+            raise ValueError(f"{name} row {index}: {error}") from None
 
 
 class PreferenceCollator:
@@ -84,9 +102,16 @@ class PreferenceCollator:
         self.max_length = max_length
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        pairs = [tokenize_pair(self.tokenizer, row) for row in rows]
-        chosen = [truncate(pair.prompt, pair.chosen, self.max_length) for pair in pairs]
-        rejected = [truncate(pair.prompt, pair.rejected, self.max_length) for pair in pairs]
+        chosen, rejected = [], []
+        for row in rows:
+            try:
+                pair = truncated_pair(self.tokenizer, row, self.max_length)
+            except ValueError as error:
+                if ROW_INDEX in row:  # name the row: this may be hours into a run
+                    raise ValueError(f"row {row[ROW_INDEX]}: {error}") from None
+                raise
+            chosen.append(pair[0])
+            rejected.append(pair[1])
         sequences = chosen + rejected
         full = [prompt + completion for prompt, completion in sequences]
         labels = [[IGNORE_INDEX] * len(prompt) + completion for prompt, completion in sequences]

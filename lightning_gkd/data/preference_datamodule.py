@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.preference_collator import ROW_INDEX, PreferenceCollator
+from lightning_gkd.data.preference_collator import ROW_INDEX, PreferenceCollator, check_pairs_fit
 from lightning_gkd.data.preference_validation import validate_preference_rows
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
@@ -52,13 +52,16 @@ class PreferenceDataModule(L.LightningDataModule):
             validated (your collator owns the format) and each row comes with its index under ``row_index``.
         train_split, val_split: the split to read when a source is a hub id, a dataset folder or a DatasetDict.
         seed: seeds the shuffling of training rows.
+        length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
+            to fail early, naming the row, when ``max_length`` would truncate a prompt away. Rows not checked
+            raise the same error, with their index, when their batch is collated.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | str, train_data: DataSource,
                  val_data: DataSource | None = None, *, batch_size: int = 8, val_batch_size: int | None = None,
                  max_length: int = 1024, chat_template: str | None = None, collator: Collator | None = None,
                  train_split: str = "train", val_split: str = "validation", num_workers: int = 0,
-                 shuffle: bool = True, seed: int = 0) -> None:
+                 shuffle: bool = True, seed: int = 0, length_check_rows: int | None = 1000) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
@@ -71,6 +74,7 @@ class PreferenceDataModule(L.LightningDataModule):
         self.max_length = max_length
         self.train_split, self.val_split = train_split, val_split
         self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
+        self.length_check_rows = length_check_rows
         self.custom_collator = collator is not None
         self.collator: Collator = collator or PreferenceCollator(self.tokenizer, max_length=max_length)
         self.train_rows: Sequence[Mapping[str, Any]] | None = None
@@ -90,6 +94,8 @@ class PreferenceDataModule(L.LightningDataModule):
                 raise ValueError(f"{name} has conversational rows, but the tokenizer has no chat template. Pass one "
                                  "with PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...), "
                                  "e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE.")
+            check_pairs_fit(self.tokenizer, rows, max_length=self.max_length, name=name,
+                            max_rows=self.length_check_rows)
         return rows
 
     def train_dataloader(self) -> DataLoader:

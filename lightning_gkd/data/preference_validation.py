@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lightning_gkd.data.validation import CHAT_ROLES
 
 PairFormat = Literal["conversational", "text", "tokenized"]
@@ -31,12 +33,23 @@ def validate_preference_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "
     Bad: not a mapping; a missing field; text fields that mix strings and message lists; an empty completion
     (``""``, no message, empty content, no token ids); messages with an unknown role or non-string content;
     chosen/rejected that are not a single assistant message; only one of the two reference log-probs.
+    Warns (once) about rows whose chosen and rejected completions are identical: they teach nothing.
     """
     if len(rows) == 0:
         raise ValueError(f"{name} is empty: it has no rows. Point it at a dataset with at least one row.")
     formats: set[PairFormat] = set()
+    identical: list[int] = []
     for index in range(len(rows)):
-        formats.add(validate_preference_row(rows[index], index=index, name=name))
+        row = rows[index]
+        kind = validate_preference_row(row, index=index, name=name)
+        formats.add(kind)
+        if _identical_sides(row, kind):
+            identical.append(index)
+    if identical:
+        shown = ", ".join(str(i) for i in identical[:5]) + (", ..." if len(identical) > 5 else "")
+        rank_zero_warn(f"{name}: {len(identical)} of {len(rows)} rows have chosen == rejected (rows {shown}). "
+                       "Such a pair has zero preference margin and gives no learning signal; drop those rows or "
+                       "fix their rejected completion.")
     return formats
 
 
@@ -85,6 +98,12 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
             raise ValueError(f"{where}: {field!r} is an empty completion (the assistant content is ''); every pair "
                              "needs a non-empty chosen and rejected completion. Drop or fix this row.")
     return kind
+
+
+def _identical_sides(row: Mapping[str, Any], kind: PairFormat) -> bool:
+    if kind == "tokenized":
+        return list(row["chosen_input_ids"]) == list(row["rejected_input_ids"])
+    return row["chosen"] == row["rejected"]
 
 
 def _check_messages(messages: Any, where: str) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.chat_collator import tokenize_chat
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -41,3 +45,40 @@ def validate_chat_row(row: Any, *, index: int, name: str = "train_data") -> None
             detail = "is missing 'content'" if content is None else (
                 f"has non-string content of type {type(content).__name__}")
             raise ValueError(f"{field} {detail}; content must be a string.")
+
+
+def rows_without_completion(rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Indices of validated chat rows whose last message is not the assistant's (prompt-only rows)."""
+    return [index for index in range(len(rows)) if rows[index]["messages"][-1]["role"] != "assistant"]
+
+
+def check_completions(rows: Sequence[Mapping[str, Any]], *, name: str, reason: str) -> None:
+    """Raise ``ValueError`` naming the first row without an assistant completion. ``reason`` says why the run
+    needs dataset completions (and how to do without them)."""
+    missing = rows_without_completion(rows)
+    if not missing:
+        return
+    first = missing[0]
+    role = rows[first]["messages"][-1]["role"]
+    shown = ", ".join(str(i) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+    raise ValueError(f"{name} row {first}: the last message is from {role!r}, not 'assistant', so the row has no "
+                     f"completion to train on ({len(missing)} of {len(rows)} rows have none: {shown}). {reason}")
+
+
+def evenly_spaced(count: int, limit: int | None) -> range:
+    """At most ``limit`` indices spread over ``range(count)`` (all of them when ``limit`` is None)."""
+    if limit is None or count <= limit:
+        return range(count)
+    return range(0, count, -(-count // limit))
+
+
+def check_prompts_fit(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Mapping[str, Any]], *, max_length: int,
+                      name: str, max_rows: int | None = 1000) -> None:
+    """Tokenize up to ``max_rows`` validated rows spread evenly over ``rows`` (all when None) as the collator
+    will, raising ``ValueError`` naming the first row it cannot use: its prompt would be truncated away by
+    ``max_length``, or the chat template cannot be split into prompt and completion."""
+    for index in evenly_spaced(len(rows), max_rows):
+        try:
+            tokenize_chat(tokenizer, rows[index]["messages"], max_length)
+        except ValueError as error:
+            raise ValueError(f"{name} row {index}: {error}") from None
