@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.data.chat_collator import IGNORE_INDEX
+from lightning_gkd.data.datamodule import ChatDataModule
 from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.data.validation import check_completions, rows_without_completion
 from lightning_gkd.evaluation import GenerationMetric, greedy_texts, reference_texts
 from lightning_gkd.generation import position_ids_from_mask, resolve_eos_token_id
 from lightning_gkd.models import ModelSource, freeze, load_causal_lm
@@ -25,6 +30,9 @@ from lightning_gkd.models import disable_dropout as disable_dropout_in
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+NonFinitePolicy = Literal["raise", "skip"]
+#: With nonfinite="skip", this many non-finite batches in a row stop the run: the model is broken, not unlucky.
+MAX_CONSECUTIVE_SKIPS = 16
 
 
 def derive_seed(*parts: int) -> int:
@@ -41,6 +49,12 @@ class CausalLMModule(L.LightningModule):
     Subclasses implement ``training_step`` and ``dataset_loss(batch)`` (the validation loss on dataset
     completions). ``metrics`` (name -> ``fn(predictions, references) -> float``) score greedy completions of the
     validation prompts against the dataset completions once per validation epoch, logged as ``val/<name>``.
+
+    Every training loss is checked: a non-finite one raises ``RuntimeError`` naming the global step and which
+    model (``model_role`` or a frozen model) produced non-finite logits, before anything is updated with it; with
+    ``nonfinite="skip"`` the batch is skipped with a warning instead (single process only). Subclasses call
+    ``skip_nonfinite(loss)`` in ``training_step`` and ``count_trained_tokens(labels)`` for the throughput
+    metric ``train/tokens_per_sec`` (completion tokens trained per second of training step).
     """
 
     frozen_names: tuple[str, ...] = ()
@@ -50,8 +64,11 @@ class CausalLMModule(L.LightningModule):
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
                  disable_dropout: bool = True, gradient_checkpointing: bool = False,
                  trust_remote_code: bool = False, seed: int = 0,
-                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32) -> None:
+                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32,
+                 nonfinite: NonFinitePolicy = "raise") -> None:
         super().__init__()
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}.")
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         # from_pretrained returns eval-mode models; Lightning keeps module modes as found, so set train mode here.
         self.model = load_causal_lm(model, trust_remote_code=trust_remote_code, role=self.model_role).train()
@@ -70,6 +87,15 @@ class CausalLMModule(L.LightningModule):
         self.eval_max_new_tokens = eval_max_new_tokens
         self._predictions: list[str] = []
         self._references: list[str] = []
+        self.nonfinite = nonfinite
+        self._logits_finite: dict[str, torch.Tensor] = {}  # role -> 0-dim bool of its latest forward
+        self._watch_handles: list[Any] = []
+        self._skipped_in_a_row = 0
+        self._checked_datamodule: L.LightningDataModule | None = None
+        self._step_tokens: torch.Tensor | None = None
+        self._step_started: float | None = None
+        self.trained_tokens = 0  # completion tokens trained on in this process's current fit
+        self.train_seconds = 0.0  # time in training batches: sampling, forwards, backward, optimizer step
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
         return freeze(load_causal_lm(source, trust_remote_code=trust_remote_code, role=role))
@@ -101,6 +127,109 @@ class CausalLMModule(L.LightningModule):
     def step_seed(self, batch_idx: int, *salt: int) -> int:
         """Seed for this training batch: a function of (seed, global step, batch index, salt) only."""
         return derive_seed(self.seed, self.global_step, batch_idx, *salt)
+
+    # -- checks before training ----------------------------------------------------------------------------------
+    def completion_requirement(self) -> str | None:
+        """Why this run trains on the dataset completions (and how to do without), or None if it never does.
+        A reason makes ``setup`` reject training rows that end without an assistant turn."""
+        return None
+
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.nonfinite == "skip" and self.trainer.world_size > 1:
+            raise ValueError("nonfinite='skip' works in a single process only (a batch skipped on one rank would "
+                             f"leave the other {self.trainer.world_size - 1} waiting); use nonfinite='raise'.")
+        if self.trainer.datamodule is not None:
+            self.check_datamodule(self.trainer.datamodule)
+        self._watch_logits()
+
+    def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
+        """The data checks that depend on this module's settings; ``setup`` runs them. Call it (after
+        ``datamodule.setup("fit")``) before ``trainer.fit`` to fail before the trainer creates any output."""
+        if not isinstance(datamodule, ChatDataModule) or datamodule is self._checked_datamodule:
+            return
+        datamodule.setup("fit")
+        reason = self.completion_requirement()
+        if reason is not None:
+            check_completions(datamodule.train_rows, name="train_data", reason=reason)
+        missing = rows_without_completion(datamodule.val_rows) if datamodule.val_rows is not None else []
+        if missing:
+            rank_zero_warn(f"val_data: {len(missing)} of {len(datamodule.val_rows)} rows (first: row "
+                           f"{missing[0]}) end without an assistant turn; val/loss and the generation metrics "
+                           "score dataset completions, so those rows count for nothing there.")
+        self._checked_datamodule = datamodule
+
+    def _watch_logits(self) -> None:
+        """Record, after each forward of each model, whether its logits were finite (one fused reduction and no
+        host sync per forward); ``skip_nonfinite`` reads it only when a loss is non-finite."""
+        if self._watch_handles:
+            return
+        models = {self.model_role: self.model, **{name: getattr(self, name) for name in self.frozen_names}}
+        for role, model in models.items():
+            def record(module: nn.Module, args: Any, output: Any, role: str = role) -> None:
+                logits = getattr(output, "logits", None)
+                if isinstance(logits, torch.Tensor):
+                    self._logits_finite[role] = torch.isfinite(logits.detach().sum(dtype=torch.float32))
+            self._watch_handles.append(model.register_forward_hook(record))
+
+    def teardown(self, stage: str) -> None:
+        for handle in self._watch_handles:
+            handle.remove()
+        self._watch_handles = []
+
+    # -- guards and throughput in training ----------------------------------------------------------------------
+    def skip_nonfinite(self, loss: torch.Tensor) -> bool:
+        """Check a training loss: True when the batch must be skipped (``nonfinite="skip"``), False when it is
+        finite; raises ``RuntimeError`` naming the step and the model with non-finite logits otherwise."""
+        if bool(torch.isfinite(loss.detach()).all()):
+            self._skipped_in_a_row = 0
+            return False
+        bad = [role for role, finite in self._logits_finite.items() if not bool(finite)]
+        if bad:
+            cause = f"the {' and the '.join(bad)} produced non-finite logits (NaN or inf)"
+        else:
+            checked = ", ".join(self._logits_finite) or "no model"
+            cause = f"the logits ({checked}) are finite, so the loss computation itself overflowed"
+        message = (f"Non-finite training loss ({loss.detach().float().mean().item()}) at global step "
+                   f"{self.global_step}: {cause}.")
+        hint = (" Usual causes: a learning rate too high for these weights, fp16 overflow (use bf16 or 32-bit "
+                "precision), or broken model weights.")
+        if self.nonfinite == "raise":
+            raise RuntimeError(message + " The model was not updated with it." + hint + " To skip such batches "
+                               "instead, set nonfinite='skip' (Hydra: method.nonfinite=skip).")
+        self._skipped_in_a_row += 1
+        if self._skipped_in_a_row >= MAX_CONSECUTIVE_SKIPS:
+            raise RuntimeError(message + f" That is {self._skipped_in_a_row} skipped batches in a row, so the "
+                               "run is stopped: the model no longer produces usable outputs." + hint)
+        rank_zero_warn(message + " Skipping this batch (nonfinite='skip').")
+        return True
+
+    def count_trained_tokens(self, labels: torch.Tensor) -> None:
+        """Record the completion tokens (labels != -100) this training step trains on."""
+        self._step_tokens = (labels != IGNORE_INDEX).sum()
+
+    def on_train_start(self) -> None:
+        self.trained_tokens, self.train_seconds = 0, 0.0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._logits_finite = {}
+        self._step_tokens = None
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_tokens is None or self._step_started is None:
+            return
+        seconds = time.perf_counter() - self._step_started
+        tokens = int(self._step_tokens)
+        self.trained_tokens += tokens
+        self.train_seconds += seconds
+        self.log("train/tokens_per_sec", tokens / max(seconds, 1e-9), prog_bar=True, sync_dist=True,
+                 reduce_fx="sum", batch_size=1)
+
+    def tokens_per_second(self) -> float:
+        """Completion tokens trained per second of training step in this process's current fit."""
+        return self.trained_tokens / self.train_seconds if self.train_seconds else 0.0
 
     # -- validation: loss on dataset completions + generation metrics -------------------------------------------
     def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from lightning_gkd.evaluation import GenerationMetric, greedy_texts, reference_t
 from lightning_gkd.generation import position_ids_from_mask, resolve_eos_token_id
 from lightning_gkd.losses import IGNORE_INDEX, PREFERENCE_LOSS_TYPES, preference_loss, sequence_logps
 from lightning_gkd.models import ModelSource, check_same_vocab
-from lightning_gkd.modules.base import CausalLMModule, OptimizerFactory, SchedulerFactory
+from lightning_gkd.modules.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels")
 _CHECKPOINT_KEY = "dpo_reference_logps"
@@ -52,7 +52,7 @@ class DPOModule(CausalLMModule):
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
                  disable_dropout: bool = True, gradient_checkpointing: bool = False, trust_remote_code: bool = False,
                  seed: int = 0, metrics: Mapping[str, GenerationMetric] | None = None,
-                 eval_max_new_tokens: int = 32) -> None:
+                 eval_max_new_tokens: int = 32, nonfinite: NonFinitePolicy = "raise") -> None:
         if loss_type not in PREFERENCE_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}.")
         if not beta > 0:
@@ -67,7 +67,7 @@ class DPOModule(CausalLMModule):
         super().__init__(model, tokenizer, optimizer=optimizer, scheduler=scheduler,
                          disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
                          trust_remote_code=trust_remote_code, seed=seed, metrics=metrics,
-                         eval_max_new_tokens=eval_max_new_tokens)
+                         eval_max_new_tokens=eval_max_new_tokens, nonfinite=nonfinite)
         if reference is not None:
             self.reference = self.load_frozen(reference, role="reference", trust_remote_code=trust_remote_code)
             check_same_vocab(self.model, self.reference, teacher_role="reference")
@@ -169,20 +169,25 @@ class DPOModule(CausalLMModule):
         if datamodule is None:
             raise ValueError("precompute_ref_logps=True reads the data from the datamodule: call "
                              "trainer.fit(module, datamodule=PreferenceDataModule(...)).")
-        missing = [split for split in ("train", "val") if split not in self.reference_logps_cache]
-        if missing and self.reference_source == "initial_policy" and self.trainer.ckpt_path:
-            raise RuntimeError("Resuming with precompute_ref_logps=True and no reference model, but the checkpoint "
-                               "holds no reference log-probs, and the policy has moved from its starting weights. "
-                               "Pass reference=<the starting checkpoint> to recompute them.")
-        for split in missing:
+        missing = {}
+        for split in ("train", "val"):
+            if split in self.reference_logps_cache:
+                continue
             loader = datamodule.train_dataloader() if split == "train" else datamodule.val_dataloader()
             if isinstance(loader, (list, tuple)):
                 if len(loader) > 1:
                     raise ValueError("precompute_ref_logps=True supports one validation dataloader, got "
                                      f"{len(loader)}.")
                 if not loader:
-                    continue
+                    continue  # no validation data: nothing to precompute
                 loader = loader[0]
+            missing[split] = loader
+        if missing and self.reference_source == "initial_policy" and self.trainer.ckpt_path:
+            raise RuntimeError("Resuming with precompute_ref_logps=True and no reference model, but the checkpoint "
+                               f"holds no reference log-probs for the {' and '.join(missing)} data, and the policy "
+                               "has moved from its starting weights. Pass reference=<the starting checkpoint> to "
+                               "recompute them.")
+        for split, loader in missing.items():
             self.reference_logps_cache[split] = self.precompute_reference_logps(loader)
         if self.reference_source == "model":
             del self.reference  # no longer needed: free its memory
@@ -249,8 +254,11 @@ class DPOModule(CausalLMModule):
     def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.preference_step(batch, "val")["loss"]
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         stats = self.preference_step(batch, "train")
+        if self.skip_nonfinite(stats["loss"]):
+            return None
+        self.count_trained_tokens(batch["labels"])
         pairs = batch["input_ids"].shape[0] // 2
         for name, value in stats.items():
             self.log(f"train/{name}", value, prog_bar=name in ("loss", "rewards/accuracies"), batch_size=pairs)

@@ -12,7 +12,7 @@ from lightning_gkd.evaluation import GenerationMetric
 from lightning_gkd.generation import generate_completions, resolve_eos_token_id
 from lightning_gkd.losses import generalized_jsd_loss
 from lightning_gkd.models import ModelSource, check_same_vocab
-from lightning_gkd.modules.base import CausalLMModule, OptimizerFactory, SchedulerFactory
+from lightning_gkd.modules.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
 
 Source = Literal["dataset", "student", "teacher"]
 _COIN, _SAMPLE = 0, 1  # salts that keep the coin flip's and the sampler's random streams apart
@@ -31,7 +31,8 @@ class GKDModule(CausalLMModule):
     ``student``/``teacher``: an ``nn.Module``, a local folder or hub id, or a spec mapping (see
     ``lightning_gkd.models.load_causal_lm``). ``optimizer``/``scheduler``: factories such as
     ``functools.partial(torch.optim.AdamW, lr=1e-4)`` (Hydra: ``_partial_: true``); the scheduler steps every
-    optimizer step.
+    optimizer step. ``nonfinite``: ``"raise"`` (default) stops on a non-finite loss naming the step and the model
+    with non-finite logits; ``"skip"`` skips such batches with a warning.
     """
 
     frozen_names = ("teacher",)
@@ -43,7 +44,8 @@ class GKDModule(CausalLMModule):
                  disable_dropout: bool = True, gradient_checkpointing: bool = False,
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
                  trust_remote_code: bool = False, seed: int = 0,
-                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32) -> None:
+                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32,
+                 nonfinite: NonFinitePolicy = "raise") -> None:
         _check_range("lmbda", lmbda, 0.0, 1.0)
         _check_range("beta", beta, 0.0, 1.0)
         for name, value in (("temperature", temperature), ("loss_temperature", loss_temperature)):
@@ -58,18 +60,31 @@ class GKDModule(CausalLMModule):
         super().__init__(student, tokenizer, optimizer=optimizer, scheduler=scheduler,
                          disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
                          trust_remote_code=trust_remote_code, seed=seed, metrics=metrics,
-                         eval_max_new_tokens=eval_max_new_tokens)
+                         eval_max_new_tokens=eval_max_new_tokens, nonfinite=nonfinite)
         self.teacher = self.load_frozen(teacher, role="teacher", trust_remote_code=trust_remote_code)
         check_same_vocab(self.student, self.teacher)
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
         self.temperature, self.loss_temperature = temperature, loss_temperature
         self.max_new_tokens, self.top_k, self.top_p = max_new_tokens, top_k, top_p
+        self._batches = self._on_policy_batches = 0
         self.save_hyperparameters(ignore=["student", "teacher", "tokenizer", "optimizer", "scheduler", "metrics"])
 
     @property
     def student(self) -> torch.nn.Module:
         """The trainable model (``self.model``)."""
         return self.model
+
+    def completion_requirement(self) -> str | None:
+        if self.lmbda >= 1 or self.seq_kd:
+            return None
+        return (f"GKDModule(lmbda={self.lmbda}, seq_kd=False) trains on the dataset completions in about "
+                f"{1 - self.lmbda:.0%} of the steps. End every training row with an assistant message, or train "
+                "without dataset completions: lmbda=1.0 (student samples only; Hydra: method.lmbda=1.0) or "
+                "seq_kd=True (teacher samples; method.seq_kd=true).")
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._batches = self._on_policy_batches = 0
 
     # -- the GKD step -------------------------------------------------------------------------------------------
     def choose_source(self, batch_idx: int) -> Source:
@@ -96,16 +111,24 @@ class GKDModule(CausalLMModule):
         return generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1], labels=batch["labels"][:, 1:],
                                     beta=self.beta, temperature=self.loss_temperature)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         source = self.choose_source(batch_idx)
         if source != "dataset":
             model = self.student if source == "student" else self.teacher
             batch = self.sample_batch(model, batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
         loss = self.dataset_loss(batch)
+        if self.skip_nonfinite(loss):
+            return None
+        self.count_trained_tokens(batch["labels"])
+        self._batches += 1
+        self._on_policy_batches += source == "student"
         completion_tokens = (batch["labels"] != -100).sum(dim=1).float()
         size = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/on_policy", float(source == "student"), batch_size=size)
+        # the share of on-policy batches so far in this fit (train/on_policy is this batch's 0 or 1)
+        self.log("train/on_policy_fraction", self._on_policy_batches / self._batches, prog_bar=True,
+                 batch_size=size)
         self.log("train/completion_length", completion_tokens.mean(), batch_size=size)
         return loss
 

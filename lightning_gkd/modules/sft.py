@@ -26,7 +26,14 @@ class SFTModule(CausalLMModule):
             return logits.sum() * 0.0
         return F.cross_entropy(logits[mask].float(), labels[mask])
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def completion_requirement(self) -> str | None:
+        return ("SFTModule trains on the dataset completions only. End every training row with an assistant "
+                "message (the completion to learn).")
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss = self.dataset_loss(batch)
+        if self.skip_nonfinite(loss):
+            return None
+        self.count_trained_tokens(batch["labels"])
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
