@@ -13,11 +13,14 @@ import hydra
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gkd.assets import asset_path
+from lightning_gkd.checkpoint_io import require_checkpoint, use_safe_checkpoint_io
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.held_out_eval import HeldOutEvaluation
+from lightning_gkd.signals import SignalCheckpoint
 
 OmegaConf.register_new_resolver("asset", asset_path, replace=True)
 
@@ -49,6 +52,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("print_config"):
         print_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("ckpt_path"):
+        require_checkpoint(cfg.ckpt_path)  # before loading any model
     if cfg.model.get("build"):
         instantiate(cfg.model.build)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -56,17 +61,31 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(cfg.method, tokenizer=datamodule.tokenizer, optimizer=instantiate(cfg.optimizer),
                          scheduler=scheduler, _convert_="all")
+    # Load and check the data now: an error raised inside fit comes after the loggers have set up their folders
+    # (the CSV logger deletes an old metrics.csv there).
+    datamodule.setup("fit")
+    if hasattr(module, "check_datamodule"):
+        module.check_datamodule(datamodule)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")),
                                      logger=logger)
+    use_safe_checkpoint_io(trainer)  # weights-only loading, atomic checkpoint writes, clear errors
     started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
+        stopped_by_signal = False
+    except SIGTERMException:  # SIGTERM/SIGUSR1: the step finished and SignalCheckpoint saved it
+        stopped_by_signal = True
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-    result: dict[str, Any] = {"metrics": metrics, "global_step": trainer.global_step,
-                              "fit_seconds": time.perf_counter() - started, "student_dir": None,
-                              "held_out": next((cb.results for cb in trainer.callbacks
-                                                if isinstance(cb, HeldOutEvaluation)), {})}
-    if cfg.get("export") and trainer.is_global_zero:
+    signal_checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, SignalCheckpoint)), None)
+    result: dict[str, Any] = {
+        "metrics": metrics, "global_step": trainer.global_step, "fit_seconds": time.perf_counter() - started,
+        "tokens_per_sec": module.tokens_per_second(), "trained_tokens": module.trained_tokens,
+        "student_dir": None, "stopped_by_signal": stopped_by_signal,
+        "resume_from": str(signal_checkpoint.saved_path) if signal_checkpoint and signal_checkpoint.saved_path
+        else None,
+        "held_out": next((cb.results for cb in trainer.callbacks if isinstance(cb, HeldOutEvaluation)), {})}
+    if cfg.get("export") and trainer.is_global_zero and not stopped_by_signal:
         result["student_dir"] = str(module.export(Path(cfg.paths.output_dir) / "student"))
     print_summary(result)
     return result
@@ -74,15 +93,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 @rank_zero_only
 def print_summary(result: dict[str, Any]) -> None:
-    lines = [f"steps: {result['global_step']}  fit time: {result['fit_seconds']:.1f}s"]
-    lines += [f"{name}: {value:.4f}" for name, value in sorted(result["metrics"].items())
-              if not name.startswith("test/")]
+    """Steps, time, throughput, final losses and metrics, held-out scores, and where the student went."""
+    lines = [f"steps: {result['global_step']}  fit time: {result['fit_seconds']:.1f}s  "
+             f"throughput: {result['tokens_per_sec']:.0f} tokens/s ({result['trained_tokens']} completion tokens "
+             "trained)"]
+    metrics = {name: value for name, value in result["metrics"].items()
+               if not name.startswith("test/") and name != "train/tokens_per_sec"}
+    losses = sorted(name for name in metrics if name.endswith("/loss"))
+    lines += [f"{name}: {metrics[name]:.4f}" for name in losses + sorted(set(metrics) - set(losses))]
     for who, scores in result["held_out"].items():
         label = {"teacher": "teacher", "before": "student before", "after": "student after"}.get(who, who)
         lines += [f"held-out {name} ({label}): {value:.4f}" for name, value in scores.items()]
+    if result["stopped_by_signal"]:
+        lines.append("stopped by a signal before the end: not exported")
+        if result["resume_from"]:
+            lines.append(f"resume with: ckpt_path={result['resume_from']}")
     if result["student_dir"]:
         lines.append(f"trained model exported to: {result['student_dir']}")
-    print("\n".join(["== lightning_gkd summary =="] + lines))
+    print("\n".join(["== lightning_gkd summary =="] + lines), flush=True)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="train")
