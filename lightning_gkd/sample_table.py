@@ -153,6 +153,11 @@ def _clip(text: str, limit: int, *, keep_end: bool = False) -> str:
     return "…" + flat[-(limit - 1):] if keep_end else flat[:limit - 1] + "…"
 
 
+def _completion_cell(text: str, limit: int) -> str:
+    # newlines shown, not collapsed: a completion of blank lines must not look empty
+    return _clip(text.replace("\n", "⏎"), limit) or "(empty)"
+
+
 def _print_table(step: int, rows: list[dict[str, Any]], compared: str | None, max_chars: int) -> None:
     import rich
     from rich.table import Table
@@ -163,7 +168,7 @@ def _print_table(step: int, rows: list[dict[str, Any]], compared: str | None, ma
     if compared:
         table.add_column(f"top-1 agreement with {compared}", justify="right")
     for row in rows:
-        cells = [_clip(row["prompt"], max_chars, keep_end=True), _clip(row["completion"], max_chars) or "(empty)"]
+        cells = [_clip(row["prompt"], max_chars, keep_end=True), _completion_cell(row["completion"], max_chars)]
         if compared:
             cells.append("-" if row["agreement"] is None else f"{row['agreement']:.2f}")
         table.add_row(*cells)
@@ -175,7 +180,7 @@ def _markdown(rows: list[dict[str, Any]], compared: str | None) -> str:
     lines = [header, "|---|---|" + ("---|" if compared else "")]
     for row in rows:
         cells = [_clip(row["prompt"], 200, keep_end=True).replace("|", "\\|"),
-                 _clip(row["completion"], 200).replace("|", "\\|")]
+                 _completion_cell(row["completion"], 200).replace("|", "\\|")]
         if compared:
             cells.append("-" if row["agreement"] is None else f"{row['agreement']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")

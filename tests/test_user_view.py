@@ -99,3 +99,11 @@ def test_tensorboard_logger_from_config(tmp_path):
     assert "samples/text_summary" in events.Tags()["tensors"]
     text = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| prompt | completion | top-1 agreement with teacher |" in text
+
+
+def test_table_cells_keep_blank_completions_visible_and_prompts_end_first():
+    from lightning_gkd.sample_table import _clip, _completion_cell
+
+    assert _completion_cell("\n\n", 10) == "⏎⏎" and _completion_cell("", 10) == "(empty)"
+    assert _completion_cell("abcdefghijkl", 6) == "abcde…"
+    assert _clip("user\n123+456=\nassistant\n", 12, keep_end=True) == "…= assistant"
