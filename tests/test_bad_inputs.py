@@ -4,10 +4,8 @@ One table row per case: the call that must fail, the exception, and what its mes
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 

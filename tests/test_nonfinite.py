@@ -66,8 +66,8 @@ def test_nan_logits_stop_the_run_naming_step_and_model(student, teacher, tokeniz
     data = (PreferenceDataModule(tokenizer, addition_preference_rows("train", 16), batch_size=2) if kind == "dpo"
             else chat_data(tokenizer, toy_rows))
     trainer = trainer_for(tmp_path, 5, callbacks=[Count()])
-    with pytest.raises(RuntimeError, match=rf"Non-finite training loss \(nan\) at global step 2: {named} \(NaN or inf\)\. The model "
-                                           r"was not updated with it\..*method\.nonfinite=skip"):
+    with pytest.raises(RuntimeError, match=rf"Non-finite training loss \(nan\) at global step 2: {named} \(NaN or "
+                                           r"inf\)\. The model was not updated with it\..*method\.nonfinite=skip"):
         trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2
     assert all(torch.isfinite(p).all() for p in module.model.parameters())
@@ -95,7 +95,7 @@ def test_skip_option_skips_the_poisoned_batch_and_trains_on(student, teacher, to
 
     before = {k: v.clone() for k, v in module.student.state_dict().items()}
     with pytest.warns(UserWarning, match=r"Non-finite training loss \(nan\) at global step 1: the teacher produced "
-                                         r"non-finite logits \(NaN or inf\)\. Skipping this batch \(nonfinite='skip'\)"):
+                                         r"non-finite logits \(NaN or inf\)\. Skipping this batch"):
         trainer = trainer_for(tmp_path, 3, callbacks=[Count()])
         trainer.fit(module, datamodule=chat_data(tokenizer, toy_rows))
     assert batches["n"] == 3 and trainer.global_step == 3  # Lightning counts the skipped batch's (empty) step
