@@ -83,22 +83,25 @@ def test_sigterm_to_the_command_line_run_saves_exits_0_and_resumes(tmp_path):
     """The real thing: `python -m lightning_gkd.train` in a subprocess, SIGTERM once it has trained a few steps."""
     common = [sys.executable, "-m", "lightning_gkd.train", "model=tiny", f"paths.cache_dir={tmp_path}/cache",
               "print_config=false", "trainer.limit_val_batches=0", "callbacks.held_out_eval=null",
-              "callbacks.sample_table=null", "data.batch_size=4", "method.max_new_tokens=4"]
-    run_dir = tmp_path / "run"
-    process = subprocess.Popen([*common, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000",
-                                "callbacks.model_checkpoint.every_n_train_steps=2"], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not list((run_dir / "checkpoints").glob("step*.ckpt")):  # it has done at least two steps
-            assert process.poll() is None, process.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "no training step within 180 s"
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
+              "callbacks.sample_table=null", "data.batch_size=4", "method.max_new_tokens=4",
+              "trainer.log_every_n_steps=1"]
+    run_dir, log = tmp_path / "run", tmp_path / "first_run.log"
+    with open(log, "w") as sink:  # a file, not a pipe: a full pipe would block the run
+        process = subprocess.Popen([*common, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000",
+                                    "callbacks.model_checkpoint.every_n_train_steps=2"], cwd=tmp_path,
+                                   stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not list((run_dir / "checkpoints").glob("step*.ckpt")):  # it has done at least two steps
+                assert process.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no training step within 180 s"
+                time.sleep(0.2)
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    output = log.read_text()
     assert process.returncode == 0, output[-3000:]
     last = run_dir / "checkpoints" / "last.ckpt"
     step = torch.load(last, weights_only=True)["global_step"]
