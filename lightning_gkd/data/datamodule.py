@@ -6,6 +6,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import datasets
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat_collator import ROW_INDEX, ChatMLCollator
+from lightning_gkd.data.formatting import FormattedRows, FormattingFuncSpec, resolve_formatting_func
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows
@@ -62,6 +64,13 @@ class ChatDataModule(L.LightningDataModule):
         train_data, val_data, test_data: a ``datasets.Dataset``, a list of ``{"messages": [...]}`` dicts, a local
             ``.json``/``.jsonl``/``.parquet`` file or dataset folder, or a hub dataset id. ``test_data`` is the
             held-out set that ``HeldOutEvaluation`` scores by generation before and after training.
+            ``val_data`` may also be a dict ``{name: source}`` of several validation sets: ``val_dataloader``
+            then returns one loader per name (in order, listed in ``val_names``) and the modules log
+            ``val/<name>/loss`` and ``val/<name>/<metric>`` instead of ``val/loss``.
+        formatting_func: turns each raw row into a chat row before it is checked or collated: a function
+            returning ``{"messages": [...]}``, ``{"prompt": ..., "completion": ...}`` (strings or message lists)
+            or a list of messages; or the dotted path of such a function. Applied lazily each time a row is
+            read (the data is not copied), to every split.
         batch_size: rows per training batch (per device); ``val_batch_size`` defaults to it.
         max_length: conversations longer than this keep their last ``max_length`` tokens.
         chat_template: overrides the tokenizer's chat template.
@@ -78,7 +87,8 @@ class ChatDataModule(L.LightningDataModule):
                  max_length: int = 1024, chat_template: str | None = None, train_split: str = "train",
                  val_split: str = "validation", test_data: DataSource | None = None, test_split: str = "test",
                  num_workers: int = 0, shuffle: bool = True, seed: int = 0,
-                 length_check_rows: int | None = 1000) -> None:
+                 length_check_rows: int | None = 1000,
+                 formatting_func: FormattingFuncSpec | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
@@ -92,17 +102,26 @@ class ChatDataModule(L.LightningDataModule):
         self.train_split, self.val_split, self.test_split = train_split, val_split, test_split
         self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
         self.length_check_rows = length_check_rows
+        self.formatting_func = resolve_formatting_func(formatting_func)
+        #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
+        self.val_names: list[str] | None = _val_names(val_data)
         self.collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="train_data")
         self.val_collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="val_data")
         self.train_rows: Sequence[Mapping[str, Any]] | None = None
-        self.val_rows: Sequence[Mapping[str, Any]] | None = None
+        self.val_rows: Sequence[Mapping[str, Any]] | None = None  # the only (or the first named) validation set
+        self.val_sets: dict[str, Sequence[Mapping[str, Any]]] | None = None  # name -> rows, when named
         self.test_rows: Sequence[Mapping[str, Any]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is None:
             self.train_rows = self._load(self.train_source, self.train_split, "train_data")
         if self.val_rows is None and self.val_source is not None:
-            self.val_rows = self._load(self.val_source, self.val_split, "val_data")
+            if self.val_names is None:
+                self.val_rows = self._load(self.val_source, self.val_split, "val_data")
+            else:
+                self.val_sets = {name: self._load(self.val_source[name], self.val_split, f"val_data[{name!r}]")
+                                 for name in self.val_names}
+                self.val_rows = self.val_sets[self.val_names[0]]
         if self.test_rows is None and self.test_source is not None:
             # held-out rows are generated from with the evaluator's own max_length, not collated with ours
             self.test_rows = self._load(self.test_source, self.test_split, "test_data", check_lengths=False)
@@ -110,6 +129,8 @@ class ChatDataModule(L.LightningDataModule):
     def _load(self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
               ) -> Sequence[Mapping[str, Any]]:
         rows = load_rows(source, split=split, name=name)
+        if self.formatting_func is not None:
+            rows = FormattedRows(rows, self.formatting_func, name=name)
         validate_chat_rows(rows, name=name)
         if check_lengths:
             check_prompts_fit(self.tokenizer, rows, max_length=self.max_length, name=name,
@@ -123,8 +144,29 @@ class ChatDataModule(L.LightningDataModule):
                           generator=generator, collate_fn=self.collator, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
+        """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets."""
         self.setup("validate")
         if self.val_rows is None:
             return []
-        return DataLoader(RowDataset(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
-                          collate_fn=self.val_collator, num_workers=self.num_workers)
+        if self.val_sets is None:
+            return self._val_loader(self.val_rows, self.val_collator)
+        return [self._val_loader(rows, ChatMLCollator(self.tokenizer, max_length=self.max_length,
+                                                      name=f"val_data[{name!r}]"))
+                for name, rows in self.val_sets.items()]
+
+    def _val_loader(self, rows: Sequence[Mapping[str, Any]], collator: ChatMLCollator) -> DataLoader:
+        return DataLoader(RowDataset(rows), batch_size=self.val_batch_size, shuffle=False, collate_fn=collator,
+                          num_workers=self.num_workers)
+
+
+def _val_names(val_data: Any) -> list[str] | None:
+    """The names of several validation sets (``val_data`` a plain dict of name -> source), else None."""
+    if not isinstance(val_data, Mapping) or isinstance(val_data, (datasets.DatasetDict, datasets.Dataset)):
+        return None
+    if not val_data:
+        raise ValueError("val_data is an empty dict; give {name: source, ...} with at least one set, or None.")
+    bad = [name for name in val_data if not isinstance(name, str) or not name or "/" in name]
+    if bad:
+        raise ValueError(f"val_data names must be non-empty strings without '/' (they become metric names "
+                         f"val/<name>/loss), got {bad!r}.")
+    return list(val_data)

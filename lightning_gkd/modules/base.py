@@ -85,8 +85,9 @@ class CausalLMModule(L.LightningModule):
         self.seed = seed
         self.metrics = dict(metrics or {})
         self.eval_max_new_tokens = eval_max_new_tokens
-        self._predictions: list[str] = []
+        self._predictions: list[str] = []  # single-set collection (kept for subclasses that fill it directly)
         self._references: list[str] = []
+        self._generated: dict[int, tuple[list[str], list[str]]] = {}  # loader index -> (predictions, references)
         self.nonfinite = nonfinite
         self._logits_finite: dict[str, torch.Tensor] = {}  # role -> 0-dim bool of its latest forward
         self._watch_handles: list[Any] = []
@@ -153,11 +154,14 @@ class CausalLMModule(L.LightningModule):
         reason = self.completion_requirement()
         if reason is not None:
             check_completions(datamodule.train_rows, name="train_data", reason=reason)
-        missing = rows_without_completion(datamodule.val_rows) if datamodule.val_rows is not None else []
-        if missing:
-            rank_zero_warn(f"val_data: {len(missing)} of {len(datamodule.val_rows)} rows (first: row "
-                           f"{missing[0]}) end without an assistant turn; val/loss and the generation metrics "
-                           "score dataset completions, so those rows count for nothing there.")
+        val_sets = datamodule.val_sets or ({"": datamodule.val_rows} if datamodule.val_rows is not None else {})
+        for set_name, rows in val_sets.items():
+            missing = rows_without_completion(rows)
+            if missing:
+                where = f"val_data[{set_name!r}]" if set_name else "val_data"
+                rank_zero_warn(f"{where}: {len(missing)} of {len(rows)} rows (first: row {missing[0]}) end "
+                               "without an assistant turn; the validation loss and the generation metrics score "
+                               "dataset completions, so those rows count for nothing there.")
         self._checked_datamodule = datamodule
 
     def _watch_logits(self) -> None:
@@ -235,28 +239,61 @@ class CausalLMModule(L.LightningModule):
     def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def val_prefix(self, dataloader_idx: int = 0) -> str:
+        """Where validation values of loader ``dataloader_idx`` are logged: ``val/`` for a single validation set,
+        ``val/<name>/`` when the datamodule has named sets (``ChatDataModule(val_data={name: source})``)."""
+        names = self.val_names()
+        return f"val/{names[dataloader_idx]}/" if names else "val/"
+
+    def val_names(self) -> list[str] | None:
+        """The attached datamodule's ``val_names`` (None without a trainer, a datamodule or named sets)."""
+        trainer = getattr(self, "_trainer", None)
+        names = getattr(getattr(trainer, "datamodule", None), "val_names", None)
+        return list(names) if names else None
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+                        ) -> torch.Tensor:
         loss = self.dataset_loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        named = self.val_names() is not None
+        self.log(f"{self.val_prefix(dataloader_idx)}loss", loss, prog_bar=True, sync_dist=True,
+                 batch_size=batch["input_ids"].shape[0], add_dataloader_idx=not named)
         if self.metrics:
             eos = resolve_eos_token_id(self.model, self.tokenizer)
-            self._predictions += greedy_texts(self.model, self.tokenizer, batch, eos_token_id=eos,
-                                              max_new_tokens=self.eval_max_new_tokens)
-            self._references += reference_texts(self.tokenizer, batch, eos)
+            predictions, references = self._generated.setdefault(dataloader_idx, ([], []))
+            predictions += greedy_texts(self.model, self.tokenizer, batch, eos_token_id=eos,
+                                        max_new_tokens=self.eval_max_new_tokens)
+            references += reference_texts(self.tokenizer, batch, eos)
         return loss
 
     def on_validation_epoch_end(self) -> None:
         if not self.metrics:
             return
-        predictions, references = self._predictions, self._references
-        self._predictions, self._references = [], []
+        generated = {idx: (list(preds), list(refs)) for idx, (preds, refs) in self._generated.items()}
+        if self._predictions:  # subclasses that collect into the single-set lists (DPOModule)
+            preds, refs = generated.setdefault(0, ([], []))
+            preds += self._predictions
+            refs += self._references
+        self._generated, self._predictions, self._references = {}, [], []
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (predictions, references))
-            predictions = [p for preds, _ in gathered for p in preds]
-            references = [r for _, refs in gathered for r in refs]
-        for name, metric in self.metrics.items():
-            self.log(f"val/{name}", float(metric(predictions, references)), prog_bar=True)
+            dist.all_gather_object(gathered, generated)
+            generated = {}
+            for part in gathered:
+                for idx, (preds, refs) in part.items():
+                    into = generated.setdefault(idx, ([], []))
+                    into[0].extend(preds)
+                    into[1].extend(refs)
+        names = self.val_names()
+        for idx in sorted(generated):
+            predictions, references = generated[idx]
+            for name, metric in self.metrics.items():
+                if names:
+                    key = f"val/{names[idx]}/{name}"
+                elif len(generated) > 1:
+                    key = f"val/{name}/dataloader_idx_{idx}"
+                else:
+                    key = f"val/{name}"
+                self.log(key, float(metric(predictions, references)), prog_bar=True, add_dataloader_idx=False)
 
     # -- checkpoints and export ---------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
