@@ -25,6 +25,7 @@ from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.validation import check_completions, rows_without_completion
 from lightning_gkd.evaluation import GenerationMetric, greedy_texts, reference_texts
 from lightning_gkd.generation import position_ids_from_mask, resolve_eos_token_id
+from lightning_gkd.model_card import describe_source, write_model_card
 from lightning_gkd.models import ModelSource, freeze, load_causal_lm
 from lightning_gkd.models import disable_dropout as disable_dropout_in
 
@@ -88,6 +89,8 @@ class CausalLMModule(L.LightningModule):
         self._predictions: list[str] = []  # single-set collection (kept for subclasses that fill it directly)
         self._references: list[str] = []
         self._generated: dict[int, tuple[list[str], list[str]]] = {}  # loader index -> (predictions, references)
+        #: What each model was loaded from (hub id, folder, config type), for the model card.
+        self.model_sources: dict[str, str | None] = {self.model_role: describe_source(model)}
         self.nonfinite = nonfinite
         self._logits_finite: dict[str, torch.Tensor] = {}  # role -> 0-dim bool of its latest forward
         self._watch_handles: list[Any] = []
@@ -99,6 +102,7 @@ class CausalLMModule(L.LightningModule):
         self.train_seconds = 0.0  # time in training batches: sampling, forwards, backward, optimizer step
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
+        self.model_sources[role] = describe_source(source)
         return freeze(load_causal_lm(source, trust_remote_code=trust_remote_code, role=role))
 
     # -- modes, optimizers --------------------------------------------------------------------------------------
@@ -309,16 +313,19 @@ class CausalLMModule(L.LightningModule):
             for key, value in getattr(self, name).state_dict().items():
                 state.setdefault(f"{name}.{key}", value)
 
-    def export(self, path: str | Path) -> Path:
+    def export(self, path: str | Path, card_info: Mapping[str, Any] | None = None) -> Path:
         """Write the trained model and tokenizer with ``save_pretrained`` to ``path``, loadable with
-        ``AutoModelForCausalLM.from_pretrained(path)``. Written beside ``path`` first and then renamed, so an
-        interrupted export never replaces a good one with a half-written folder."""
+        ``AutoModelForCausalLM.from_pretrained(path)``, and a ``README.md`` model card: base model(s), method and
+        its hyperparameters, data, steps and final metrics (read from the attached trainer, if any), plus
+        ``card_info`` (extra entries, e.g. held-out scores). Written beside ``path`` first and then renamed, so
+        an interrupted export never replaces a good one with a half-written folder."""
         target = Path(path).expanduser().resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             self.model.save_pretrained(staging)
             self.tokenizer.save_pretrained(staging)
+            write_model_card(staging / "README.md", self, card_info)
             if target.exists():
                 old = target.with_name(f".{target.name}-old")
                 shutil.rmtree(old, ignore_errors=True)
