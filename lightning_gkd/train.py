@@ -20,6 +20,8 @@ from lightning_gkd.assets import asset_path
 from lightning_gkd.checkpoint_io import require_checkpoint, use_safe_checkpoint_io
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.held_out_eval import HeldOutEvaluation
+from lightning_gkd.hub import check_push_settings, push_folder
+from lightning_gkd.resume import resolve_ckpt_path
 from lightning_gkd.signals import SignalCheckpoint
 
 OmegaConf.register_new_resolver("asset", asset_path, replace=True)
@@ -52,8 +54,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("print_config"):
         print_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    if cfg.get("ckpt_path"):
-        require_checkpoint(cfg.ckpt_path)  # before loading any model
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)  # "last": the latest earlier run
+    if ckpt_path:
+        require_checkpoint(ckpt_path)  # before loading any model
+        print(f"resuming from {ckpt_path}", flush=True)
+    if cfg.get("push_to_hub"):
+        if not cfg.get("export"):
+            raise ValueError("push_to_hub=true uploads the exported student: set export=true.")
+        check_push_settings(cfg.get("hub_model_id"))  # before training, not after
     if cfg.model.get("build"):
         instantiate(cfg.model.build)
     tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -72,7 +80,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     use_safe_checkpoint_io(trainer)  # weights-only loading, atomic checkpoint writes, clear errors
     started = time.perf_counter()
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         stopped_by_signal = False
     except SIGTERMException:  # SIGTERM/SIGUSR1: the step finished and SignalCheckpoint saved it
         stopped_by_signal = True
@@ -81,14 +89,44 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "metrics": metrics, "global_step": trainer.global_step, "fit_seconds": time.perf_counter() - started,
         "tokens_per_sec": module.tokens_per_second(), "trained_tokens": module.trained_tokens,
-        "student_dir": None, "stopped_by_signal": stopped_by_signal,
+        "student_dir": None, "hub_url": None, "stopped_by_signal": stopped_by_signal, "resumed_from": ckpt_path,
         "resume_from": str(signal_checkpoint.saved_path) if signal_checkpoint and signal_checkpoint.saved_path
         else None,
         "held_out": next((cb.results for cb in trainer.callbacks if isinstance(cb, HeldOutEvaluation)), {})}
     if cfg.get("export") and trainer.is_global_zero and not stopped_by_signal:
-        result["student_dir"] = str(module.export(Path(cfg.paths.output_dir) / "student"))
+        result["student_dir"] = str(module.export(Path(cfg.paths.output_dir) / "student",
+                                                  card_info=card_info(cfg, result)))
+        if cfg.get("push_to_hub"):
+            result["hub_url"] = push_folder(result["student_dir"], cfg.hub_model_id,
+                                            private=bool(cfg.get("hub_private_repo")))
     print_summary(result)
     return result
+
+
+def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
+    """What the model card records beyond the module's own view: the run's knobs and results."""
+    info: dict[str, Any] = {"seed": cfg.seed, "fit time (s)": round(result["fit_seconds"], 1),
+                            "throughput (completion tokens/s)": round(result["tokens_per_sec"])}
+    data = cfg.get("data")
+    if data is not None:
+        info["data"] = {split: _describe_data_config(data.get(key)) for split, key in
+                        (("train", "train_data"), ("val", "val_data"), ("test", "test_data"))
+                        if data.get(key) is not None}
+    if result.get("resumed_from"):
+        info["resumed from"] = result["resumed_from"]
+    for who, scores in result["held_out"].items():
+        for name, value in scores.items():
+            info[f"held-out {name} ({who})"] = round(float(value), 4)
+    return info
+
+
+def _describe_data_config(node: Any) -> str:
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            args = ", ".join(f"{k}={v}" for k, v in node.items() if k != "_target_")
+            return f"{node._target_}({args})"
+        return ", ".join(f"{name}: {_describe_data_config(value)}" for name, value in node.items())
+    return str(node)
 
 
 @rank_zero_only
@@ -110,6 +148,8 @@ def print_summary(result: dict[str, Any]) -> None:
             lines.append(f"resume with: ckpt_path={result['resume_from']}")
     if result["student_dir"]:
         lines.append(f"trained model exported to: {result['student_dir']}")
+    if result.get("hub_url"):
+        lines.append(f"pushed to the hub: {result['hub_url']}")
     print("\n".join(["== lightning_gkd summary =="] + lines), flush=True)
 
 
