@@ -87,4 +87,6 @@ def test_command_line_entry_points(tmp_path, launcher):
     assert "== lightning_gkd summary ==" in result.stdout and "train/on_policy: 1.0000" in result.stdout
     assert "seed: 42" in result.stdout and "lmbda: 1.0" in result.stdout  # the composed config is printed
     assert (tmp_path / "run" / "student" / "model.safetensors").is_file()
+    card = (tmp_path / "run" / "student" / "README.md").read_text()  # the model card of the default run
+    assert "## Method: GKDModule" in card and "- lmbda: `1.0`" in card and "- steps: 4" in card
     assert (tmp_path / "run" / "logs" / "metrics.csv").is_file()
