@@ -68,3 +68,24 @@ def test_a_bad_row_in_a_named_set_names_the_set(tokenizer, toy_rows):
     data = ChatDataModule(tokenizer, toy_rows["train"], val_data={"ok": toy_rows["val"], "broken": [{"x": 1}]})
     with pytest.raises(ValueError, match=r"val_data\['broken'\] row 0: missing field 'messages'"):
         data.setup("fit")
+
+
+def test_named_sets_from_the_command_line(tmp_path, tokenizer, toy_rows):
+    import json
+
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    paths = {}
+    for name, rows in (("train", toy_rows["train"][:4]), ("easy", toy_rows["val"][:3]), ("hard", toy_rows["val"][3:8])):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["data=chat_files", f"data.train_data={paths['train']}",
+                                          f"data.val_data={{easy:{paths['easy']},hard:{paths['hard']}}}"])
+    data = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
+    assert data.val_names == ["easy", "hard"]
+    loaders = data.val_dataloader()
+    assert [sum(b["input_ids"].shape[0] for b in loader) for loader in loaders] == [3, 5]
