@@ -190,7 +190,8 @@ def test_identical_chosen_and_rejected_warn_with_the_rows(tokenizer):
 
 def test_an_error_before_training_leaves_earlier_outputs_untouched(tmp_path, toy_rows):
     """A second run into the same run directory fails on a bad row: the first run's export and checkpoint stay."""
-    from test_train import FAST, compose_train
+    from hydra_compose import compose_train
+    from test_train import FAST
 
     from lightning_gkd.train import run
 

@@ -12,32 +12,18 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import open_dict
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from lightning_gkd import DPOModule, PreferenceDataModule
 from lightning_gkd.data.toy_preference import addition_preference_rows
 from lightning_gkd.models import load_causal_lm, quantization_config_from_dict
+from hydra_compose import compose_train
 from lightning_gkd.train import run
 
 FAST = ["trainer.max_steps=4", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
         "trainer.log_every_n_steps=1", "data.batch_size=4", "data.val_batch_size=4", "print_config=false",
         "export=false"]
-
-
-def compose_train(tmp_path: Path, overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True,
-                      overrides=[f"paths.cache_dir={tmp_path / 'cache'}", *overrides])
-    HydraConfig().set_config(cfg)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(tmp_path / "run")
-    return cfg
 
 
 def csv_column(tmp_path: Path, key: str) -> list[float]:

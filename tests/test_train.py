@@ -8,27 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 from transformers import AutoModelForCausalLM
 
+from hydra_compose import compose_train
 from lightning_gkd.train import run
 
 FAST = ["trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
         "trainer.log_every_n_steps=1", "data.batch_size=4", "method.max_new_tokens=6", "print_config=false"]
-
-
-def compose_train(tmp_path: Path, overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True,
-                      overrides=[f"paths.cache_dir={tmp_path / 'cache'}", *overrides])
-    HydraConfig().set_config(cfg)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(tmp_path / "run")
-    return cfg
 
 
 def test_every_config_group_option_composes(tmp_path):

@@ -11,7 +11,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from test_train import FAST, compose_train
+from hydra_compose import compose_train
+from test_train import FAST
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.data.toy_preference import addition_preference_rows
