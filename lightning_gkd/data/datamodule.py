@@ -10,30 +10,17 @@ import datasets
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat_collator import ROW_INDEX, ChatMLCollator
+from lightning_gkd.data.chat_collator import ChatMLCollator
+from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.formatting import FormattedRows, FormattingFuncSpec, resolve_formatting_func
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows
 
 log = logging.getLogger(__name__)
-
-
-class RowDataset(Dataset):
-    """Index-access view over rows (a ``datasets.Dataset`` or a list of dicts); collation does the tokenizing.
-    Each row comes with its index under ``row_index`` (the row itself is not modified), so errors can name it."""
-
-    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> Mapping[str, Any]:
-        return {**self.rows[index], ROW_INDEX: index}
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None
@@ -90,10 +77,7 @@ class ChatDataModule(L.LightningDataModule):
                  length_check_rows: int | None = 1000,
                  formatting_func: FormattingFuncSpec | None = None) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-        if max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {max_length}.")
+        check_loader_settings(batch_size, max_length)
         self.tokenizer = prepare_tokenizer(tokenizer, chat_template)
         self.train_source, self.val_source, self.test_source = train_data, val_data, test_data
         self.batch_size = batch_size

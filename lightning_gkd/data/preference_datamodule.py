@@ -8,29 +8,16 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.preference_collator import ROW_INDEX, PreferenceCollator, check_pairs_fit
+from lightning_gkd.data.preference_collator import PreferenceCollator, check_pairs_fit
+from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.preference_validation import validate_preference_rows
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 
 Collator = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
-
-
-class IndexedRows(Dataset):
-    """Index-access view over rows that adds each row's index under ``row_index`` (the row itself is not
-    modified), so a batch can say which rows it holds (precomputed reference log-probs are keyed by it)."""
-
-    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {**self.rows[index], ROW_INDEX: index}
 
 
 class PreferenceDataModule(L.LightningDataModule):
@@ -63,10 +50,7 @@ class PreferenceDataModule(L.LightningDataModule):
                  train_split: str = "train", val_split: str = "validation", num_workers: int = 0,
                  shuffle: bool = True, seed: int = 0, length_check_rows: int | None = 1000) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-        if max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {max_length}.")
+        check_loader_settings(batch_size, max_length)
         self.tokenizer = _prepare_tokenizer(tokenizer, chat_template)
         self.train_source, self.val_source = train_data, val_data
         self.batch_size = batch_size
@@ -101,14 +85,14 @@ class PreferenceDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(IndexedRows(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle,
+        return DataLoader(RowDataset(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle,
                           generator=generator, collate_fn=self.collator, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         self.setup("validate")
         if self.val_rows is None:
             return []
-        return DataLoader(IndexedRows(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
+        return DataLoader(RowDataset(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
                           collate_fn=self.collator, num_workers=self.num_workers)
 
 
