@@ -8,7 +8,6 @@ from typing import Any
 
 import datasets
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
@@ -16,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.chat_collator import ChatMLCollator
 from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.formatting import FormattedRows, FormattingFuncSpec, resolve_formatting_func
+from lightning_gkd.data.grouping import GroupedBatches, resolve_steps_per_generation
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows
@@ -59,11 +59,18 @@ class ChatDataModule(L.LightningDataModule):
             or a list of messages; or the dotted path of such a function. Applied lazily each time a row is
             read (the data is not copied), to every split.
         batch_size: rows per training batch (per device); ``val_batch_size`` defaults to it.
+        steps_per_generation: ``k``, the training micro-batches that share one sampling call (grouped
+            generation, see ``lightning_gkd.data.grouping``): the loader reads ``k * batch_size`` prompts at a time,
+            an on-policy module samples completions for all of them at once, shuffles them and trains ``k``
+            micro-batches (one optimizer or accumulation step each). Default 1.
+        generation_batch_size: the same as ``k * batch_size``; set this or ``steps_per_generation``, not both.
         max_length: conversations longer than this keep their last ``max_length`` tokens.
         chat_template: overrides the tokenizer's chat template.
         train_split, val_split, test_split: the split to read when a source is a hub id, a dataset folder or a
             DatasetDict.
-        seed: seeds the shuffling of training rows.
+        seed: seeds the shuffling of training rows (epoch ``e`` is a permutation seeded by ``(seed, e)``).
+            The training loader shards rows by rank itself (whole groups per rank) and is resumable: a run resumed
+            from a mid-epoch checkpoint continues with the next micro-batch.
         length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
             to fail early, naming the row, when ``max_length`` would truncate a prompt away. Rows not checked
             raise the same error, with their index, when their batch is collated.
@@ -75,9 +82,12 @@ class ChatDataModule(L.LightningDataModule):
                  val_split: str = "validation", test_data: DataSource | None = None, test_split: str = "test",
                  num_workers: int = 0, shuffle: bool = True, seed: int = 0,
                  length_check_rows: int | None = 1000,
-                 formatting_func: FormattingFuncSpec | None = None) -> None:
+                 formatting_func: FormattingFuncSpec | None = None, steps_per_generation: int | None = None,
+                 generation_batch_size: int | None = None) -> None:
         super().__init__()
         check_loader_settings(batch_size, max_length)
+        self.steps_per_generation = resolve_steps_per_generation(batch_size, steps_per_generation,
+                                                                 generation_batch_size)
         self.tokenizer = prepare_tokenizer(tokenizer, chat_template)
         self.train_source, self.val_source, self.test_source = train_data, val_data, test_data
         self.batch_size = batch_size
@@ -121,11 +131,16 @@ class ChatDataModule(L.LightningDataModule):
                               max_rows=self.length_check_rows)
         return rows
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> GroupedBatches:
         self.setup("fit")
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(RowDataset(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle,
-                          generator=generator, collate_fn=self.collator, num_workers=self.num_workers)
+        trainer = self.trainer
+        return GroupedBatches(
+            RowDataset(self.train_rows), self.collator, batch_size=self.batch_size,
+            steps_per_generation=self.steps_per_generation, shuffle=self.shuffle, seed=self.seed,
+            rank=trainer.global_rank if trainer is not None else 0,
+            world_size=trainer.world_size if trainer is not None else 1, num_workers=self.num_workers,
+            epoch_fn=(lambda: trainer.current_epoch) if trainer is not None else None,
+            consumed_fn=(lambda: _consumed_batches(trainer)) if trainer is not None else None)
 
     def val_dataloader(self) -> DataLoader | list:
         """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets."""
@@ -141,6 +156,11 @@ class ChatDataModule(L.LightningDataModule):
     def _val_loader(self, rows: Sequence[Mapping[str, Any]], collator: ChatMLCollator) -> DataLoader:
         return DataLoader(RowDataset(rows), batch_size=self.val_batch_size, shuffle=False, collate_fn=collator,
                           num_workers=self.num_workers)
+
+
+def _consumed_batches(trainer: L.Trainer) -> int:
+    """Training batches of the current epoch whose step has run (a checkpoint taken now resumes after them)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
 
 def _val_names(val_data: Any) -> list[str] | None:
