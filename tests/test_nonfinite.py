@@ -16,14 +16,15 @@ from lightning_gkd.modules.base import MAX_CONSECUTIVE_SKIPS
 
 
 def poison(model: torch.nn.Module, when=lambda: True) -> list[int]:
-    """Put NaN into ``model``'s logits on every forward for which ``when()`` is true; returns the call log."""
+    """Put NaN into ``model``'s final hidden states (so into its logits too) on every forward for which ``when()``
+    is true; returns the call log. Hooked on the decoder, so it hits the hidden-state loss path as well."""
     calls: list[int] = []
 
     def hook(module, args, output):
         calls.append(1)
         if when():
-            output.logits[0] = float("nan")
-    model.register_forward_hook(hook)
+            output.last_hidden_state[0] = float("nan")
+    model.get_decoder().register_forward_hook(hook)
     return calls
 
 

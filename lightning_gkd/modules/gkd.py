@@ -3,19 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.chunked_jsd import projected_jsd_loss
+from lightning_gkd.data.chat_collator import IGNORE_INDEX
+from lightning_gkd.data.grouping import GENERATION_GROUP, GROUP_ID, GROUP_STEP, MICRO_BATCH_SIZE, \
+    micro_batch_rows, select_rows
 from lightning_gkd.evaluation import GenerationMetric
 from lightning_gkd.generation import generate_completions, resolve_eos_token_id
+from lightning_gkd.hidden_states import LeanForwardUnsupported, final_hidden_states, output_weight
 from lightning_gkd.losses import generalized_jsd_loss
 from lightning_gkd.models import ModelSource, check_same_vocab
 from lightning_gkd.modules.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
 
 Source = Literal["dataset", "student", "teacher"]
-_COIN, _SAMPLE = 0, 1  # salts that keep the coin flip's and the sampler's random streams apart
+_COIN, _SAMPLE, _SHUFFLE = 0, 1, 2  # salts that keep the coin flip's, sampler's and shuffle's streams apart
+
+
+@dataclass
+class GenerationGroup:
+    """A group's plan under grouped generation: where its completions come from and, when sampled, the shuffled
+    micro-batches cut from the one sampling call."""
+
+    group_id: list[int]
+    source: Source
+    micro_batches: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 class GKDModule(CausalLMModule):
@@ -27,6 +44,15 @@ class GKDModule(CausalLMModule):
     completion position, at ``loss_temperature``. Sampling uses ``temperature``, ``top_k``, ``top_p`` and at most
     ``max_new_tokens`` new tokens, always with the KV cache. The coin flip and the sampler's seed are functions of
     (``seed``, global step, batch index), so every rank flips the same coin and a resumed run repeats them.
+
+    Grouped generation (``ChatDataModule(steps_per_generation=k)``): the coin is flipped once per group of ``k``
+    micro-batches; when it says sample, one sampling call covers the group's ``k * batch_size`` prompts, the result
+    is shuffled (seeded like the sampler) and cut into ``k`` micro-batches, one training step each. The pending
+    micro-batches are saved in checkpoints, so a run resumed in the middle of a group trains on the same samples.
+
+    The loss is computed from final hidden states (``lean_loss``, default on): only the supervised positions are
+    projected to logits, ``loss_chunk_size`` positions at a time (``projected_jsd_loss``), so full B × T × V
+    logits never exist. Models without a bias-free ``lm_head``/``logits_to_keep`` fall back to full logits.
 
     ``student``/``teacher``: an ``nn.Module``, a local folder or hub id, or a spec mapping (see
     ``lightning_gkd.models.load_causal_lm``). ``optimizer``/``scheduler``: factories such as
@@ -45,8 +71,10 @@ class GKDModule(CausalLMModule):
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
                  trust_remote_code: bool = False, seed: int = 0,
                  metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32,
-                 nonfinite: NonFinitePolicy = "raise") -> None:
+                 nonfinite: NonFinitePolicy = "raise", lean_loss: bool = True, loss_chunk_size: int = 256) -> None:
         _check_range("lmbda", lmbda, 0.0, 1.0)
+        if loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
         _check_range("beta", beta, 0.0, 1.0)
         for name, value in (("temperature", temperature), ("loss_temperature", loss_temperature)):
             if not value > 0:
@@ -66,7 +94,10 @@ class GKDModule(CausalLMModule):
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
         self.temperature, self.loss_temperature = temperature, loss_temperature
         self.max_new_tokens, self.top_k, self.top_p = max_new_tokens, top_k, top_p
+        self.lean_loss, self.loss_chunk_size = lean_loss, loss_chunk_size
         self._batches = self._on_policy_batches = 0
+        self._group: GenerationGroup | None = None
+        self.sampling_calls = 0  # sampling calls in this process's current fit
         self.save_hyperparameters(ignore=["student", "teacher", "tokenizer", "optimizer", "scheduler", "metrics"])
 
     @property
@@ -84,7 +115,7 @@ class GKDModule(CausalLMModule):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._batches = self._on_policy_batches = 0
+        self._batches = self._on_policy_batches = self.sampling_calls = 0
 
     # -- the GKD step -------------------------------------------------------------------------------------------
     def choose_source(self, batch_idx: int) -> Source:
@@ -96,6 +127,7 @@ class GKDModule(CausalLMModule):
 
     def sample_batch(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], seed: int) -> dict[str, Any]:
         """Replace the batch completions by ``model``'s samples for its prompts."""
+        self.sampling_calls += 1
         pad_id = self.tokenizer.pad_token_id
         sampled = generate_completions(
             model, batch["prompts"], batch["prompt_attention_mask"], max_new_tokens=self.max_new_tokens,
@@ -105,17 +137,86 @@ class GKDModule(CausalLMModule):
         return {**batch, **sampled}
 
     def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Generalized JSD between student and teacher at every completion position of ``batch``."""
+        if self.lean_loss:
+            try:
+                return self._lean_loss(batch)
+            except LeanForwardUnsupported as reason:
+                rank_zero_warn(f"lean_loss: {reason}; computing the loss from full logits instead.")
+                self.lean_loss = False
         student_logits = self.causal_lm_logits(self.student, batch)
         with torch.no_grad():
             teacher_logits = self.causal_lm_logits(self.teacher, batch)
         return generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1], labels=batch["labels"][:, 1:],
                                     beta=self.beta, temperature=self.loss_temperature)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+    def _lean_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        # hidden state i predicts token i + 1: keep i where label i + 1 is supervised
+        positions = torch.nn.functional.pad(batch["labels"][:, 1:] != IGNORE_INDEX, (0, 1), value=False)
+        student_hidden = final_hidden_states(self.student, ids, mask, positions)
+        with torch.no_grad():
+            teacher_hidden = final_hidden_states(self.teacher, ids, mask, positions)
+        # the logits watch sees no logits on this path; record whether each model's hidden states are finite
+        self._logits_finite[self.model_role] = torch.isfinite(student_hidden.detach().sum(dtype=torch.float32))
+        self._logits_finite["teacher"] = torch.isfinite(teacher_hidden.sum(dtype=torch.float32))
+        return projected_jsd_loss(student_hidden, output_weight(self.student), teacher_hidden,
+                                  output_weight(self.teacher), beta=self.beta, temperature=self.loss_temperature,
+                                  chunk_size=self.loss_chunk_size)
+
+    # -- grouped generation -------------------------------------------------------------------------------------
+    def training_batch(self, batch: dict[str, Any], batch_idx: int) -> tuple[Source, dict[str, torch.Tensor]]:
+        """The batch this step trains on and where its completions come from.
+
+        A plain batch is its own group. A grouped micro-batch (see ``lightning_gkd.data.grouping``) uses its
+        group's plan, made at the group's first micro-batch: the dataset micro-batch itself, or its share of the
+        group's shuffled samples."""
+        group = batch.get(GENERATION_GROUP)
+        if group is None:
+            source = self.choose_source(batch_idx)
+            if source != "dataset":
+                batch = self.sample_batch(self._sampler_model(source), batch,
+                                          seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
+            return source, batch
+        group_id = [int(v) for v in batch[GROUP_ID].tolist()]
+        if self._group is None or self._group.group_id != group_id:
+            self._group = self.plan_group(group, group_id, int(batch[MICRO_BATCH_SIZE]), batch_idx)
+        if self._group.source == "dataset":
+            return "dataset", batch
+        micro = self._group.micro_batches[int(batch[GROUP_STEP])]
+        return self._group.source, {key: value.to(self.device) for key, value in micro.items()}
+
+    def plan_group(self, group: dict[str, torch.Tensor], group_id: list[int], micro_batch_size: int,
+                   batch_idx: int) -> GenerationGroup:
+        """Flip the group's coin; if it says sample, sample the whole group at once, shuffle and cut it."""
         source = self.choose_source(batch_idx)
-        if source != "dataset":
-            model = self.student if source == "student" else self.teacher
-            batch = self.sample_batch(model, batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
+        if source == "dataset":
+            return GenerationGroup(group_id, source)
+        sampled = self.sample_batch(self._sampler_model(source), group,
+                                    seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
+        rows = sampled["input_ids"].shape[0]
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(
+            self.step_seed(batch_idx, _SHUFFLE, self.global_rank)))
+        micro = [select_rows(sampled, order[list(span)]) for span in micro_batch_rows(rows, micro_batch_size)]
+        return GenerationGroup(group_id, source, micro)
+
+    def _sampler_model(self, source: Source) -> torch.nn.Module:
+        return self.student if source == "student" else self.teacher
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._group is not None:  # a resumed run continues the group with the same samples
+            plan = asdict(self._group)
+            plan["micro_batches"] = [{k: v.detach().cpu() for k, v in m.items()} for m in self._group.micro_batches]
+            checkpoint["generation_group"] = plan
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        plan = checkpoint.get("generation_group")
+        self._group = GenerationGroup(**plan) if plan is not None else None
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        source, batch = self.training_batch(batch, batch_idx)
         loss = self.dataset_loss(batch)
         if self.skip_nonfinite(loss):
             return None
