@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 ModelSource = Union[nn.Module, str, os.PathLike, PretrainedConfig, Mapping[str, Any]]
 
-_SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code"}
+_SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code", "lora"}
 
 
 def resolve_dtype(value: Any) -> Any:
@@ -36,9 +36,18 @@ def load_causal_lm(source: ModelSource, *, init_kwargs: Mapping[str, Any] | None
     ``revision``, ``quantization_config``); a ``PretrainedConfig`` (a freshly initialised model); or a mapping
     ``{"name_or_path": ..., "init_kwargs": {...}, "trust_remote_code": bool}`` or ``{"config": {"model_type":
     "qwen2", ...}}`` as written in Hydra configs. Remote code runs only when ``trust_remote_code`` is True.
+    A mapping's ``lora`` entry (``{"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear", ...}``,
+    see ``lightning_gkd.lora``) wraps the loaded model in LoRA adapters (a ``peft.PeftModel`` whose only trainable
+    weights are the adapters); ``r`` null or 0 means no adapters.
     """
     if isinstance(source, nn.Module):
         return source
+    if isinstance(source, Mapping) and source.get("lora") is not None:
+        from lightning_gkd.lora import apply_lora, lora_enabled
+
+        base_spec = {key: value for key, value in source.items() if key != "lora"}
+        model = load_causal_lm(base_spec, init_kwargs=init_kwargs, trust_remote_code=trust_remote_code, role=role)
+        return apply_lora(model, source["lora"], role=role) if lora_enabled(source["lora"]) else model
     kwargs = dict(init_kwargs or {})
     if isinstance(source, Mapping):
         unknown = set(source) - _SPEC_KEYS

@@ -21,6 +21,7 @@ from lightning_gkd.checkpoint_io import require_checkpoint, use_safe_checkpoint_
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.held_out_eval import HeldOutEvaluation
 from lightning_gkd.hub import check_push_settings, push_folder
+from lightning_gkd.lora import is_peft_model
 from lightning_gkd.resume import resolve_ckpt_path
 from lightning_gkd.signals import SignalCheckpoint
 
@@ -89,13 +90,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "metrics": metrics, "global_step": trainer.global_step, "fit_seconds": time.perf_counter() - started,
         "tokens_per_sec": module.tokens_per_second(), "trained_tokens": module.trained_tokens,
-        "student_dir": None, "hub_url": None, "stopped_by_signal": stopped_by_signal, "resumed_from": ckpt_path,
+        "student_dir": None, "merged_dir": None, "hub_url": None, "stopped_by_signal": stopped_by_signal,
+        "resumed_from": ckpt_path,
         "resume_from": str(signal_checkpoint.saved_path) if signal_checkpoint and signal_checkpoint.saved_path
         else None,
         "held_out": next((cb.results for cb in trainer.callbacks if isinstance(cb, HeldOutEvaluation)), {})}
     if cfg.get("export") and trainer.is_global_zero and not stopped_by_signal:
-        result["student_dir"] = str(module.export(Path(cfg.paths.output_dir) / "student",
-                                                  card_info=card_info(cfg, result)))
+        # A LoRA student exports its adapter to student/ and, with export_merged, the merged model to
+        # student_merged/; any other model exports itself to student/.
+        output_dir = Path(cfg.paths.output_dir)
+        merged = output_dir / "student_merged" if cfg.get("export_merged", True) else None
+        result["student_dir"] = str(module.export(output_dir / "student", card_info=card_info(cfg, result),
+                                                  merged_path=merged))
+        if merged is not None and is_peft_model(module.model):
+            result["merged_dir"] = str(merged.resolve())
         if cfg.get("push_to_hub"):
             result["hub_url"] = push_folder(result["student_dir"], cfg.hub_model_id,
                                             private=bool(cfg.get("hub_private_repo")))
@@ -148,6 +156,8 @@ def print_summary(result: dict[str, Any]) -> None:
             lines.append(f"resume with: ckpt_path={result['resume_from']}")
     if result["student_dir"]:
         lines.append(f"trained model exported to: {result['student_dir']}")
+    if result.get("merged_dir"):
+        lines.append(f"merged model (adapters folded in) exported to: {result['merged_dir']}")
     if result.get("hub_url"):
         lines.append(f"pushed to the hub: {result['hub_url']}")
     print("\n".join(["== lightning_gkd summary =="] + lines), flush=True)

@@ -313,17 +313,45 @@ class CausalLMModule(L.LightningModule):
             for key, value in getattr(self, name).state_dict().items():
                 state.setdefault(f"{name}.{key}", value)
 
-    def export(self, path: str | Path, card_info: Mapping[str, Any] | None = None) -> Path:
+    def export(self, path: str | Path, card_info: Mapping[str, Any] | None = None, *,
+               merged_path: str | Path | None = None) -> Path:
         """Write the trained model and tokenizer with ``save_pretrained`` to ``path``, loadable with
         ``AutoModelForCausalLM.from_pretrained(path)``, and a ``README.md`` model card: base model(s), method and
         its hyperparameters, data, steps and final metrics (read from the attached trainer, if any), plus
         ``card_info`` (extra entries, e.g. held-out scores). Written beside ``path`` first and then renamed, so
-        an interrupted export never replaces a good one with a half-written folder."""
+        an interrupted export never replaces a good one with a half-written folder.
+
+        A LoRA model (a ``peft.PeftModel``, e.g. from a spec with ``lora``) writes only its adapter to ``path``
+        (``adapter_config.json`` + ``adapter_model.safetensors``; load with ``peft.AutoPeftModelForCausalLM`` or
+        ``PeftModel.from_pretrained(base, path)``) and, when ``merged_path`` is given, the full model with the
+        adapters merged into the base weights there (``merge_and_unload`` of a copy: the training model is left
+        as it is). ``merged_path`` is ignored for a model without adapters. Returns ``path`` resolved."""
+        from lightning_gkd.lora import is_peft_model
+
+        peft = is_peft_model(self.model)
+        info = dict(card_info or {})
+        if peft:
+            info.setdefault("format", "LoRA adapter (peft): load with peft.AutoPeftModelForCausalLM.from_pretrained"
+                                      "(<this folder>) or PeftModel.from_pretrained(<base model>, <this folder>)")
+        target = self._write_folder(path, self.model, info)
+        if merged_path is not None and peft:
+            import copy
+
+            merged = copy.deepcopy(self.model).merge_and_unload()  # a copy: self.model keeps its adapters
+            merged.requires_grad_(False)
+            info["format"] = "full model: the LoRA adapters merged into the base weights"
+            self._write_folder(merged_path, merged, info)
+            del merged
+        return target
+
+    def _write_folder(self, path: str | Path, model: nn.Module, card_info: Mapping[str, Any]) -> Path:
+        """``model.save_pretrained`` + tokenizer + model card into a staging folder beside ``path``, renamed into
+        place (an existing folder is replaced only once the new one is complete)."""
         target = Path(path).expanduser().resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            self.model.save_pretrained(staging)
+            model.save_pretrained(staging)
             self.tokenizer.save_pretrained(staging)
             write_model_card(staging / "README.md", self, card_info)
             if target.exists():
