@@ -299,6 +299,58 @@ class CausalLMModule(L.LightningModule):
                     key = f"val/{name}"
                 self.log(key, float(metric(predictions, references)), prog_bar=True, add_dataloader_idx=False)
 
+    # -- sharding: FSDP2 under ModelParallelStrategy (trainer=fsdp) ----------------------------------------------
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` (``trainer=fsdp``): shard the trainable model and each frozen
+        model as separate FSDP2 trees over the data-parallel mesh, one unit per decoder layer
+        (``lightning_gkd.sharding.shard_causal_lm``); ``trainer.precision=bf16-mixed`` becomes an FSDP2 mixed
+        precision policy. Without a device mesh (every other strategy) and when already sharded, nothing happens.
+
+        Checkpoints then hold the trainable model only: frozen models are left out of ``state_dict()`` and filled
+        in from the live module by ``load_state_dict``; Lightning's loader for a single-file sharded checkpoint
+        checks every parameter of the module, so ``strict_loading`` is turned off for frozen models' sake."""
+        mesh = self._device_mesh
+        if mesh is None:
+            return
+        from lightning_gkd.sharding import is_sharded, mixed_precision_policy, shard_causal_lm
+
+        if is_sharded(self.model):
+            return
+        names = mesh.mesh_dim_names or ()
+        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(f"{type(self).__name__} shards with FSDP only (no tensor parallelism): set the "
+                             "ModelParallelStrategy's data_parallel_size to the number of processes and "
+                             "tensor_parallel_size=1 (trainer=fsdp does).")
+        mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
+        trainer = getattr(self, "_trainer", None)
+        policy = mixed_precision_policy(getattr(trainer, "precision", None))
+        shard_causal_lm(self.model, mesh, mp_policy=policy)
+        for name in self.frozen_names:
+            frozen = getattr(self, name, None)
+            if isinstance(frozen, nn.Module):
+                shard_causal_lm(frozen, mesh, mp_policy=policy)
+        if self.frozen_names:
+            self.register_state_dict_post_hook(_drop_frozen_state)
+            self.register_load_state_dict_pre_hook(_fill_frozen_state)
+            self.strict_loading = False
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        # A sharded frozen model keeps its root unit (embeddings, LM head) gathered after its forward, for the
+        # memory-lean loss; nothing else frees it (no backward), so free it before the student's backward.
+        if self._device_mesh is not None:
+            from lightning_gkd.sharding import reshard
+
+            for name in self.frozen_names:
+                frozen = getattr(self, name, None)
+                if isinstance(frozen, nn.Module):
+                    reshard(frozen)
+
+    def on_fit_end(self) -> None:
+        # A sharded model's full weights need every rank (a collective); export() runs on rank 0 only.
+        from lightning_gkd.sharding import full_state_dict
+
+        self._full_state_dict = full_state_dict(self.model)
+
     # -- checkpoints and export ---------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         prefixes = tuple(f"{name}." for name in self.frozen_names)
@@ -308,7 +360,9 @@ class CausalLMModule(L.LightningModule):
                 del state[key]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint["state_dict"]
+        state = checkpoint.get("state_dict")
+        if state is None:  # ModelParallelStrategy loads the weights itself and hands over the rest
+            return
         for name in self.frozen_names:
             for key, value in getattr(self, name).state_dict().items():
                 state.setdefault(f"{name}.{key}", value)
@@ -333,7 +387,15 @@ class CausalLMModule(L.LightningModule):
         if peft:
             info.setdefault("format", "LoRA adapter (peft): load with peft.AutoPeftModelForCausalLM.from_pretrained"
                                       "(<this folder>) or PeftModel.from_pretrained(<base model>, <this folder>)")
-        target = self._write_folder(path, self.model, info)
+        from lightning_gkd.sharding import is_sharded
+
+        full_state = None
+        if is_sharded(self.model):
+            full_state = getattr(self, "_full_state_dict", None)
+            if peft or not full_state:
+                raise RuntimeError("export() of a sharded model (trainer=fsdp) writes the full weights gathered "
+                                   "when trainer.fit ended, on global rank 0 only (and not for LoRA models).")
+        target = self._write_folder(path, self.model, info, state_dict=full_state)
         if merged_path is not None and peft:
             import copy
 
@@ -344,14 +406,15 @@ class CausalLMModule(L.LightningModule):
             del merged
         return target
 
-    def _write_folder(self, path: str | Path, model: nn.Module, card_info: Mapping[str, Any]) -> Path:
+    def _write_folder(self, path: str | Path, model: nn.Module, card_info: Mapping[str, Any],
+                      state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """``model.save_pretrained`` + tokenizer + model card into a staging folder beside ``path``, renamed into
         place (an existing folder is replaced only once the new one is complete)."""
         target = Path(path).expanduser().resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            model.save_pretrained(staging)
+            model.save_pretrained(staging, **({} if state_dict is None else {"state_dict": state_dict}))
             self.tokenizer.save_pretrained(staging)
             write_model_card(staging / "README.md", self, card_info)
             if target.exists():
@@ -365,3 +428,17 @@ class CausalLMModule(L.LightningModule):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return target
+
+
+def _drop_frozen_state(module: CausalLMModule, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` post-hook of a sharded module: leave the frozen models out (checkpoints never hold them)."""
+    prefixes = tuple(f"{prefix}{name}." for name in module.frozen_names)
+    for key in [k for k in state_dict if k.startswith(prefixes)]:
+        del state_dict[key]
+
+
+def _fill_frozen_state(module: CausalLMModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook of a sharded module: the frozen models keep their live weights."""
+    for name in module.frozen_names:
+        for key, value in getattr(module, name).state_dict().items():
+            state_dict.setdefault(f"{prefix}{name}.{key}", value)
