@@ -36,6 +36,22 @@ NonFinitePolicy = Literal["raise", "skip"]
 MAX_CONSECUTIVE_SKIPS = 16
 
 
+#: The dtype a frozen model (teacher, reference) takes under each trainer precision, unless its dtype was chosen.
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                    "16-true": torch.float16, "32-true": torch.float32, "64-true": torch.float64}
+
+
+def _dtype_chosen(source: ModelSource) -> bool:
+    """Whether a model source fixes its own dtype: a built module, or a spec with a dtype other than ``auto``."""
+    if isinstance(source, nn.Module):
+        return True
+    if isinstance(source, Mapping):
+        init_kwargs = source.get("init_kwargs") or {}
+        dtype = init_kwargs.get("dtype", init_kwargs.get("torch_dtype"))
+        return dtype is not None and str(dtype) != "auto"
+    return False
+
+
 def derive_seed(*parts: int) -> int:
     """A well-mixed 63-bit seed from integers (run seed, step, ...): the same on every rank and after resume."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
@@ -98,11 +114,16 @@ class CausalLMModule(L.LightningModule):
         self._checked_datamodule: L.LightningDataModule | None = None
         self._step_tokens: torch.Tensor | None = None
         self._step_started: float | None = None
+        self._frozen_follow_precision: set[str] = set()  # frozen models whose dtype follows trainer.precision
         self.trained_tokens = 0  # completion tokens trained on in this process's current fit
         self.train_seconds = 0.0  # time in training batches: sampling, forwards, backward, optimizer step
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
+        """Load a frozen helper model. Unless its dtype was chosen (an ``nn.Module``, or a spec with
+        ``init_kwargs.dtype`` other than ``auto``), it follows the trainer's precision when fitting starts."""
         self.model_sources[role] = describe_source(source)
+        if not _dtype_chosen(source):
+            self._frozen_follow_precision.add(role)
         return freeze(load_causal_lm(source, trust_remote_code=trust_remote_code, role=role))
 
     # -- modes, optimizers --------------------------------------------------------------------------------------
@@ -147,6 +168,10 @@ class CausalLMModule(L.LightningModule):
                              f"leave the other {self.trainer.world_size - 1} waiting); use nonfinite='raise'.")
         if self.trainer.datamodule is not None:
             self.check_datamodule(self.trainer.datamodule)
+        dtype = PRECISION_DTYPES.get(str(self.trainer.precision))
+        for name in self.frozen_names:
+            if dtype is not None and name in self._frozen_follow_precision:
+                getattr(self, name).to(dtype)
         self._watch_logits()
 
     def check_datamodule(self, datamodule: L.LightningDataModule) -> None:

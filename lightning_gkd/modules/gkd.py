@@ -71,7 +71,7 @@ class GKDModule(CausalLMModule):
                  optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
                  trust_remote_code: bool = False, seed: int = 0,
                  metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32,
-                 nonfinite: NonFinitePolicy = "raise", lean_loss: bool = True, loss_chunk_size: int = 256) -> None:
+                 nonfinite: NonFinitePolicy = "raise", lean_loss: bool = True, loss_chunk_size: int = 64) -> None:
         _check_range("lmbda", lmbda, 0.0, 1.0)
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
