@@ -1,0 +1,240 @@
+"""Side-by-side speed and memory of one GKD optimizer step: TRL's GKDTrainer against our GKDModule.
+
+Both sides train the same randomly initialised Qwen2 models (student 4 x 256, teacher 6 x 512, vocabulary 32000)
+on the same rows (collated by our ChatML collator on both sides), batch 8, sampling 64 new tokens at temperature
+0.9, AdamW, gradient clipping 1.0, float32 on CPU. Configurations:
+
+* ``trl``           GKDTrainer with its defaults (gradient checkpointing on, so it samples without a KV cache)
+* ``trl_no_gc``     GKDTrainer with gradient checkpointing off (it samples with the KV cache)
+* ``ours``          GKDModule, steps_per_generation 1 (like for like)
+* ``ours_k4``       GKDModule, steps_per_generation 4 (one sampling call per 4 optimizer steps)
+
+each at lmbda 0 (dataset completions) and lmbda 1 (always on-policy). Every measurement runs in a fresh process
+(so its peak resident memory is its own); configurations alternate within each repetition, so drifts of the
+machine hit all of them alike. Seconds per optimizer step are measured between consecutive optimizer-step ends
+after warm-up steps, averaged over whole generation groups; the table shows the median over repetitions.
+
+    python scripts/bench.py                 # full run, writes docs/benchmarks.md
+    python scripts/bench.py --reps 1 --steps 4 --out /tmp/bench.md   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDENT = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2}
+TEACHER = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
+           "num_key_value_heads": 4}
+VOCAB, BATCH, NEW_TOKENS, MAX_LENGTH = 32000, 8, 64, 256
+CONFIGS = ["trl", "trl_no_gc", "ours", "ours_k4"]
+
+
+def use_tiny_sizes() -> None:
+    """--tiny: the same code paths on toy sizes (checks the script in the test suite, says nothing about speed)."""
+    global STUDENT, TEACHER, VOCAB, NEW_TOKENS
+    os.environ["BENCH_TINY"] = "1"  # the worker processes read it
+    STUDENT = {**STUDENT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    TEACHER = {**TEACHER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
+    VOCAB, NEW_TOKENS = 512, 8
+
+
+if os.environ.get("BENCH_TINY"):
+    use_tiny_sizes()
+
+
+def rss_mb() -> float:
+    """Peak resident set size of this process so far, in MB (Linux reports KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_rows(count: int, seed: int = 0) -> list[dict]:
+    """Chat rows with a ~40-character prompt and a ~64-character answer (one token per byte)."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta", "lambda", "zeta"]
+
+    def text(chars: int) -> str:
+        out = ""
+        while len(out) < chars:
+            out += rng.choice(words) + " "
+        return out[:chars].strip()
+
+    return [{"messages": [{"role": "user", "content": "Continue: " + text(30)},
+                          {"role": "assistant", "content": text(NEW_TOKENS)}]} for _ in range(count)]
+
+
+def build_models(tokenizer):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def model(spec: dict, seed: int):
+        torch.manual_seed(seed)
+        config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, max_position_embeddings=512,
+                                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **spec)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    return model(STUDENT, 0), model(TEACHER, 1)
+
+
+def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
+    import torch
+
+    from lightning_gkd.data.chat_collator import ChatMLCollator
+    from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_chatml_tokenizer()
+    student, teacher = build_models(tokenizer)
+    rows = bench_rows(BATCH * (warmup + steps) * 2)
+    baseline = rss_mb()
+    ends: list[float] = []
+    if config.startswith("trl"):
+        import transformers
+        from datasets import Dataset
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        class StepEnds(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                ends.append(time.perf_counter())
+
+        with tempfile.TemporaryDirectory() as out:
+            args = GKDConfig(output_dir=out, per_device_train_batch_size=BATCH, max_steps=warmup + steps,
+                             lmbda=lmbda, beta=0.5, temperature=0.9, max_new_tokens=NEW_TOKENS, learning_rate=1e-5,
+                             max_grad_norm=1.0, max_length=MAX_LENGTH, logging_steps=10**6, save_strategy="no",
+                             report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0,
+                             gradient_checkpointing=(config == "trl"), dataloader_num_workers=0)
+            trainer = GKDTrainer(model=student, teacher_model=teacher, args=args,
+                                 train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                                 data_collator=ChatMLCollator(tokenizer, MAX_LENGTH), callbacks=[StepEnds()])
+            trainer.train()
+        group = 1
+    else:
+        import lightning as L
+
+        from lightning_gkd import ChatDataModule, GKDModule
+
+        group = 4 if config == "ours_k4" else 1
+
+        class StepEnds(L.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                ends.append(time.perf_counter())
+
+        module = GKDModule(student, teacher, tokenizer, lmbda=lmbda, beta=0.5, temperature=0.9,
+                           max_new_tokens=NEW_TOKENS, optimizer=partial(torch.optim.AdamW, lr=1e-5), seed=0)
+        datamodule = ChatDataModule(tokenizer, rows, batch_size=BATCH, max_length=MAX_LENGTH,
+                                    steps_per_generation=group)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0, gradient_clip_val=1.0, callbacks=[StepEnds()])
+        trainer.fit(module, datamodule=datamodule)
+    timed = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
+    return {"seconds_per_step": sum(timed) / len(timed), "steps": len(timed), "group": group,
+            "peak_rss_mb": rss_mb(), "baseline_rss_mb": baseline}
+
+
+def run_one(config: str, lmbda: float, warmup: int, steps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, __file__, "--worker", config, str(lmbda), str(warmup), str(steps)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{config} lmbda={lmbda} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def render(results: dict, command: str, reps: int, steps: int, seconds: float) -> str:
+    def med(config: str, lmbda: float, key: str) -> float:
+        return statistics.median(r[key] for r in results[f"{config}@{lmbda}"])
+
+    def ratio(value: float, baseline: str, lmbda: float, key: str) -> str:
+        return f"{value / med(baseline, lmbda, key):.2f}x" if f"{baseline}@{lmbda}" in results else "—"
+
+    lines = ["# Benchmarks: one GKD optimizer step, ours vs TRL's GKDTrainer", "",
+             f"Made by `{command}` on {time.strftime('%Y-%m-%d')} in {seconds / 60:.1f} min.", "",
+             f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+             f"{platform.system()}, Python {platform.python_version()}, torch "
+             f"{__import__('torch').__version__} (CPU), transformers {__import__('transformers').__version__}, "
+             f"trl {__import__('trl').__version__}, lightning {__import__('lightning').__version__}.",
+             f"- Models: Qwen2, random init, vocabulary {VOCAB}; student {STUDENT['num_hidden_layers']} x "
+             f"{STUDENT['hidden_size']}, teacher {TEACHER['num_hidden_layers']} x {TEACHER['hidden_size']}; "
+             f"float32 on both sides.",
+             f"- Batch {BATCH}, prompts ~40 tokens, dataset answers ~{NEW_TOKENS} tokens, {NEW_TOKENS} sampled tokens "
+             "at temperature 0.9 (random models rarely sample EOS, so every on-policy batch is 64 tokens), "
+             "beta 0.5, AdamW, clipping 1.0.",
+             f"- Each cell: median over {reps} repetitions of the mean seconds per optimizer step over {steps} timed "
+             "steps after warm-up, each measurement in its own process, configurations alternating. Peak memory: "
+             "the process's peak resident set (includes Python, torch and the models, "
+             "~the 'baseline' column measured just before training).", "",
+             "| configuration | lmbda | s / optimizer step | vs TRL default | vs TRL no-gc | peak RSS MB | "
+             "baseline RSS MB | peak vs TRL default |",
+             "|---|---|---|---|---|---|---|---|"]
+    names = {"trl": "TRL GKDTrainer, defaults (gradient checkpointing on)",
+             "trl_no_gc": "TRL GKDTrainer, gradient checkpointing off",
+             "ours": "ours, GKDModule (steps_per_generation 1)", "ours_k4": "ours, steps_per_generation 4"}
+    for lmbda in (0.0, 1.0):
+        for config in CONFIGS:
+            if f"{config}@{lmbda}" not in results:
+                continue
+            s = med(config, lmbda, "seconds_per_step")
+            peak = med(config, lmbda, "peak_rss_mb")
+            lines.append(f"| {names[config]} | {lmbda:g} | {s:.3f} | {ratio(s, 'trl', lmbda, 'seconds_per_step')}"
+                         f" | {ratio(s, 'trl_no_gc', lmbda, 'seconds_per_step')} | {peak:.0f} | "
+                         f"{med(config, lmbda, 'baseline_rss_mb'):.0f} | {ratio(peak, 'trl', lmbda, 'peak_rss_mb')} |")
+    lines += ["", "Raw measurements (seconds per step, peak RSS MB) per repetition:", ""]
+    for key, runs in results.items():
+        lines.append(f"- `{key}`: " + ", ".join(f"{r['seconds_per_step']:.3f} s / {r['peak_rss_mb']:.0f} MB"
+                                                 for r in runs))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (a multiple of 4)")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed optimizer steps first (a multiple of 4)")
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--lmbdas", nargs="+", type=float, default=[0.0, 1.0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--tiny", action="store_true", help="toy model sizes (checks the script, not speed)")
+    parser.add_argument("--worker", nargs=4, metavar=("CONFIG", "LMBDA", "WARMUP", "STEPS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        config, lmbda, warmup, steps = args.worker
+        print(json.dumps(worker(config, float(lmbda), int(warmup), int(steps))))
+        return
+    if args.steps % 4 or args.warmup % 4 or args.warmup < 4:
+        parser.error("--steps and --warmup must be multiples of 4 (whole groups of steps_per_generation 4)")
+    if args.tiny:
+        use_tiny_sizes()
+    started = time.perf_counter()
+    results: dict[str, list[dict]] = {}
+    for rep in range(args.reps):
+        order = args.configs if rep % 2 == 0 else list(reversed(args.configs))
+        for lmbda in args.lmbdas:
+            for config in order:
+                result = run_one(config, lmbda, args.warmup, args.steps)
+                results.setdefault(f"{config}@{lmbda}", []).append(result)
+                print(f"rep {rep} {config:10s} lmbda={lmbda:g}: {result['seconds_per_step']:.3f} s/step, "
+                      f"peak {result['peak_rss_mb']:.0f} MB", flush=True)
+    command = "python scripts/bench.py " + " ".join(sys.argv[1:])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(results, command.strip(), args.reps, args.steps, time.perf_counter() - started))
+    (args.out.with_suffix(".json")).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
