@@ -50,6 +50,13 @@ class HFExportCallback(L.Callback):
         rank_zero_info(f"Exported the model at step {step} to {target}")
         return target
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.strategy.__class__.__name__ == "ModelParallelStrategy":
+            raise ValueError("HFExportCallback writes from rank zero alone, but under trainer=fsdp the weights are "
+                             "sharded across ranks (gathering them takes every rank). Drop it "
+                             "(callbacks=[default]): the run still exports the full student at the end, and "
+                             "checkpoints hold the full student state.")
+
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         if self.every_n_train_steps is None:

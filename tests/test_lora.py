@@ -156,3 +156,19 @@ def test_hydra_dpo_with_a_lora_policy_and_no_reference_model(tmp_path):
     result = run(cfg)
     assert result["global_step"] == 2 and result["metrics"]["val/loss"] > 0
     assert (tmp_path / "run" / "student" / "adapter_config.json").is_file() and result["merged_dir"] is None
+
+
+def test_a_frozen_model_sharing_the_students_lora_spec_is_the_base_model(tmp_path):
+    """DPO's default `reference: ${model.student}` copies the `lora` entry; the frozen reference drops it."""
+    from hydra_compose import compose_train
+    from hydra.utils import instantiate
+
+    from lightning_gkd.data.tokenizer import load_tokenizer
+
+    cfg = compose_train(tmp_path, ["method=dpo", "model.student.lora.r=4"])
+    assert cfg.method.reference.lora.r == 4  # the spec really is shared
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    module = instantiate(cfg.method, tokenizer=tokenizer, _convert_="all")
+    assert any("lora_" in name for name, _ in module.model.named_parameters())
+    assert not any("lora_" in name for name, _ in module.reference.named_parameters())
+    assert not any(p.requires_grad for p in module.reference.parameters())

@@ -124,6 +124,10 @@ class CausalLMModule(L.LightningModule):
         self.model_sources[role] = describe_source(source)
         if not _dtype_chosen(source):
             self._frozen_follow_precision.add(role)
+        if isinstance(source, Mapping) and source.get("lora"):
+            # a spec shared with the trained model (DPO's `reference: ${model.student}`): a frozen model gets no
+            # adapters, it is the base model
+            source = {key: value for key, value in source.items() if key != "lora"}
         return freeze(load_causal_lm(source, trust_remote_code=trust_remote_code, role=role))
 
     # -- modes, optimizers --------------------------------------------------------------------------------------
