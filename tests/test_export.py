@@ -197,3 +197,15 @@ def test_hydra_run_with_export_merged_false_writes_the_adapter_only(tmp_path):
     result = run(cfg)
     assert result["merged_dir"] is None and not (tmp_path / "run" / "student_merged").exists()
     assert (tmp_path / "run" / "student" / "adapter_config.json").is_file()
+
+
+def test_export_callback_refuses_sharded_training_with_a_way_out():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_gkd.export_callback import HFExportCallback
+
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy())
+    with pytest.raises(ValueError, match=r"trainer=fsdp.*callbacks=\[default\]"):
+        HFExportCallback("ckpts").setup(trainer, None, "fit")
