@@ -146,6 +146,40 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
             "peak_rss_mb": rss_mb(), "baseline_rss_mb": baseline}
 
 
+def breakdown(batches: int = 4) -> dict:
+    """Where one on-policy step of ours goes: sampling, loss forward (both models + chunked JSD), backward and
+    optimizer step, timed separately (median over ``batches`` batches after one warm-up)."""
+    import torch
+
+    from lightning_gkd import ChatDataModule, GKDModule
+    from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_chatml_tokenizer()
+    student, teacher = build_models(tokenizer)
+    module = GKDModule(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=NEW_TOKENS)
+    datamodule = ChatDataModule(tokenizer, bench_rows(BATCH * (batches + 1)), batch_size=BATCH,
+                                max_length=MAX_LENGTH)
+    datamodule.setup("fit")
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    parts: dict[str, list[float]] = {"sample": [], "loss forward": [], "backward": [], "optimizer": []}
+    for index, batch in enumerate(datamodule.train_dataloader()):
+        marks = [time.perf_counter()]
+        sampled = module.sample_batch(student, batch, seed=index)
+        marks.append(time.perf_counter())
+        loss = module.dataset_loss(sampled)
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        optimizer.step()
+        optimizer.zero_grad()
+        marks.append(time.perf_counter())
+        if index:
+            for name, start, end in zip(parts, marks, marks[1:]):
+                parts[name].append(end - start)
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
 def run_one(config: str, lmbda: float, warmup: int, steps: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, __file__, "--worker", config, str(lmbda), str(warmup), str(steps)],
@@ -193,8 +227,24 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
             lines.append(f"| {names[config]} | {lmbda:g} | {s:.3f} | {ratio(s, 'trl', lmbda, 'seconds_per_step')}"
                          f" | {ratio(s, 'trl_no_gc', lmbda, 'seconds_per_step')} | {peak:.0f} | "
                          f"{med(config, lmbda, 'baseline_rss_mb'):.0f} | {ratio(peak, 'trl', lmbda, 'peak_rss_mb')} |")
+    if "breakdown" in results:
+        parts = results["breakdown"][0]
+        total = sum(parts.values())
+        lines += ["", "Where one on-policy step of ours goes (lmbda 1, steps_per_generation 1; each part timed "
+                  "separately outside Lightning, median of 3 batches):", "",
+                  "| part | seconds | share |", "|---|---|---|"]
+        lines += [f"| {name} | {value:.3f} | {value / total:.0%} |" for name, value in parts.items()]
+        lines += ["", f"Sampling {NEW_TOKENS} tokens for {BATCH} rows is one prefill plus {NEW_TOKENS - 1} "
+                  "one-token forwards with the KV cache; each reads the student's whole output projection "
+                  f"({VOCAB} x {STUDENT['hidden_size']} floats), which bounds it from below. "
+                  "steps_per_generation 4 samples 4 batches in one call, so that read is shared by 4x the rows. "
+                  "The loss forward is the student and teacher forwards plus the chunked JSD (projection to the "
+                  "vocabulary at completion positions only, gradients of the logits computed in the same pass), "
+                  "which is why the backward is short."]
     lines += ["", "Raw measurements (seconds per step, peak RSS MB) per repetition:", ""]
     for key, runs in results.items():
+        if key == "breakdown":
+            continue
         lines.append(f"- `{key}`: " + ", ".join(f"{r['seconds_per_step']:.3f} s / {r['peak_rss_mb']:.0f} MB"
                                                  for r in runs))
     return "\n".join(lines) + "\n"
@@ -213,7 +263,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         config, lmbda, warmup, steps = args.worker
-        print(json.dumps(worker(config, float(lmbda), int(warmup), int(steps))))
+        result = breakdown() if config == "breakdown" else worker(config, float(lmbda), int(warmup), int(steps))
+        print(json.dumps(result))
         return
     if args.steps % 4 or args.warmup % 4 or args.warmup < 4:
         parser.error("--steps and --warmup must be multiples of 4 (whole groups of steps_per_generation 4)")
@@ -229,6 +280,8 @@ def main() -> None:
                 results.setdefault(f"{config}@{lmbda}", []).append(result)
                 print(f"rep {rep} {config:10s} lmbda={lmbda:g}: {result['seconds_per_step']:.3f} s/step, "
                       f"peak {result['peak_rss_mb']:.0f} MB", flush=True)
+    if "ours" in args.configs and 1.0 in args.lmbdas:
+        results["breakdown"] = [run_one("breakdown", 1.0, 0, 0)]
     command = "python scripts/bench.py " + " ".join(sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(results, command.strip(), args.reps, args.steps, time.perf_counter() - started))
