@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -206,9 +206,9 @@ class GKDModule(CausalLMModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         if self._group is not None:  # a resumed run continues the group with the same samples
-            plan = asdict(self._group)
-            plan["micro_batches"] = [{k: v.detach().cpu() for k, v in m.items()} for m in self._group.micro_batches]
-            checkpoint["generation_group"] = plan
+            checkpoint["generation_group"] = {
+                "group_id": list(self._group.group_id), "source": self._group.source,
+                "micro_batches": [{k: v.detach().cpu() for k, v in m.items()} for m in self._group.micro_batches]}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
