@@ -66,3 +66,31 @@ def test_sigterm_then_ckpt_path_last_repeats_the_uninterrupted_run(tmp_path, mon
     assert {**per_step(tmp_path / "outputs" / "runs" / "b_stopped", "train/completion_length"),
             **per_step(tmp_path / "outputs" / "runs" / "c_resumed", "train/completion_length")} == lengths
     assert stopped["stopped_by_signal"] and stopped["global_step"] == 5
+
+
+def test_dpo_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
+    """The preference DataModule uses the same resumable loader: DPO stopped after step 4 continues identically.
+    (Stopped on a validation step instead, the losses still match but Lightning logs the resumed steps one number
+    higher: it restores a checkpoint saved after that step's validation as if it had been saved before it.)"""
+    monkeypatch.chdir(tmp_path)
+    dpo = ["method=dpo", "data=toy_preference", "trainer.max_steps=6", "trainer.val_check_interval=3",
+           "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.batch_size=4", "data.val_batch_size=4",
+           "callbacks.held_out_eval=null", "callbacks.sample_table=null",
+           "print_config=false", "export=false"]
+
+    def compose_dpo(name, extra):
+        cfg = compose_train(tmp_path, [*dpo, *extra])
+        from omegaconf import open_dict
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(tmp_path / "outputs" / "runs" / name)
+        return cfg
+
+    run(compose_dpo("a_full", []))
+    stopped = run(compose_dpo("b_stopped", ["+callbacks.sigterm._target_=test_exact_resume.SigtermAt",
+                                            "+callbacks.sigterm.step=4"]))
+    assert stopped["stopped_by_signal"] and stopped["global_step"] == 4
+    run(compose_dpo("c_resumed", ["ckpt_path=last"]))
+    runs = tmp_path / "outputs" / "runs"
+    expected = per_step(runs / "a_full", "train/loss")
+    assert len(expected) == 6
+    assert {**per_step(runs / "b_stopped", "train/loss"), **per_step(runs / "c_resumed", "train/loss")} == expected

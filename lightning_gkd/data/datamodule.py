@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.chat_collator import ChatMLCollator
 from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.formatting import FormattedRows, FormattingFuncSpec, resolve_formatting_func
-from lightning_gkd.data.grouping import GroupedBatches, resolve_steps_per_generation
+from lightning_gkd.data.grouping import GroupedBatches, resolve_steps_per_generation, trainer_loader
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows
@@ -133,14 +133,9 @@ class ChatDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> GroupedBatches:
         self.setup("fit")
-        trainer = self.trainer
-        return GroupedBatches(
-            RowDataset(self.train_rows), self.collator, batch_size=self.batch_size,
-            steps_per_generation=self.steps_per_generation, shuffle=self.shuffle, seed=self.seed,
-            rank=trainer.global_rank if trainer is not None else 0,
-            world_size=trainer.world_size if trainer is not None else 1, num_workers=self.num_workers,
-            epoch_fn=(lambda: trainer.current_epoch) if trainer is not None else None,
-            consumed_fn=(lambda: _consumed_batches(trainer)) if trainer is not None else None)
+        return trainer_loader(RowDataset(self.train_rows), self.collator, self.trainer, batch_size=self.batch_size,
+                              steps_per_generation=self.steps_per_generation, shuffle=self.shuffle, seed=self.seed,
+                              num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets."""
@@ -156,11 +151,6 @@ class ChatDataModule(L.LightningDataModule):
     def _val_loader(self, rows: Sequence[Mapping[str, Any]], collator: ChatMLCollator) -> DataLoader:
         return DataLoader(RowDataset(rows), batch_size=self.val_batch_size, shuffle=False, collate_fn=collator,
                           num_workers=self.num_workers)
-
-
-def _consumed_batches(trainer: L.Trainer) -> int:
-    """Training batches of the current epoch whose step has run (a checkpoint taken now resumes after them)."""
-    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
 
 def _val_names(val_data: Any) -> list[str] | None:

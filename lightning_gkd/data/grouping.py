@@ -214,3 +214,20 @@ class GroupedBatches:
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self._resume = {"epoch": int(state["epoch"]), "consumed": int(state["consumed"])}
 
+
+def trainer_loader(dataset: Dataset, collate_fn: Callable[[list[Any]], dict[str, Any]], trainer: Any, *,
+                   batch_size: int, steps_per_generation: int = 1, shuffle: bool = True, seed: int = 0,
+                   num_workers: int = 0) -> GroupedBatches:
+    """A ``GroupedBatches`` training loader tied to ``trainer`` (``None`` outside one): this process's rank and
+    the world size, the trainer's epoch, and the batches its fit loop has consumed (for resumable state)."""
+    if trainer is None:
+        return GroupedBatches(dataset, collate_fn, batch_size=batch_size, steps_per_generation=steps_per_generation,
+                              shuffle=shuffle, seed=seed, num_workers=num_workers)
+    return GroupedBatches(
+        dataset, collate_fn, batch_size=batch_size, steps_per_generation=steps_per_generation, shuffle=shuffle,
+        seed=seed, rank=trainer.global_rank, world_size=trainer.world_size, num_workers=num_workers,
+        epoch_fn=lambda: trainer.current_epoch,
+        # batches whose step has run: a checkpoint taken now resumes after them (the loader itself runs ahead by
+        # what the fit loop has prefetched)
+        consumed_fn=lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+

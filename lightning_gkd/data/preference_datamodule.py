@@ -6,12 +6,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.preference_collator import PreferenceCollator, check_pairs_fit
+from lightning_gkd.data.grouping import GroupedBatches, trainer_loader
 from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.preference_validation import validate_preference_rows
 from lightning_gkd.data.sources import DataSource, load_rows
@@ -38,7 +38,8 @@ class PreferenceDataModule(L.LightningDataModule):
         collator: your own ``rows -> batch`` function instead of ``PreferenceCollator``; rows are then not
             validated (your collator owns the format) and each row comes with its index under ``row_index``.
         train_split, val_split: the split to read when a source is a hub id, a dataset folder or a DatasetDict.
-        seed: seeds the shuffling of training rows.
+        seed: seeds the shuffling of training rows. The training loader is ChatDataModule's (``GroupedBatches``
+            with one micro-batch per group): it shards rows by rank itself and resumes mid-epoch exactly.
         length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
             to fail early, naming the row, when ``max_length`` would truncate a prompt away. Rows not checked
             raise the same error, with their index, when their batch is collated.
@@ -82,11 +83,10 @@ class PreferenceDataModule(L.LightningDataModule):
                             max_rows=self.length_check_rows)
         return rows
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> GroupedBatches:
         self.setup("fit")
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(RowDataset(self.train_rows), batch_size=self.batch_size, shuffle=self.shuffle,
-                          generator=generator, collate_fn=self.collator, num_workers=self.num_workers)
+        return trainer_loader(RowDataset(self.train_rows), self.collator, self.trainer, batch_size=self.batch_size,
+                              shuffle=self.shuffle, seed=self.seed, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         self.setup("validate")
