@@ -157,3 +157,14 @@ def test_resume_mid_group_and_mid_epoch_repeats_the_uninterrupted_run_exactly(to
     assert resumed_flips == full_flips[7:]
     assert resumed_losses == full_losses[7:]  # bit-exact on CPU
     assert 0 < sum(full_flips) < 16  # both kinds of groups happened
+
+
+def test_every_row_covers_the_whole_dataset_from_any_rank(tokenizer):
+    """A rank's training loader holds its share; every_row() (used to precompute DPO reference log-probs) has all."""
+    rows = addition_rows("train", 10)
+    loader = GroupedBatches(RowDataset(rows), ChatMLCollator(tokenizer, 64), batch_size=4, rank=1, world_size=2)
+    assert sum(batch["input_ids"].shape[0] for batch in loader) == 5
+    full = list(loader.every_row())
+    assert [batch["input_ids"].shape[0] for batch in full] == [4, 4, 2]
+    expected = ChatMLCollator(tokenizer, 64)(rows[:4])
+    assert torch.equal(full[0]["input_ids"], expected["input_ids"])  # in order, unshuffled

@@ -206,6 +206,12 @@ class GroupedBatches:
                 yield {**select_rows(group, list(rows)), GENERATION_GROUP: group, GROUP_STEP: step,
                        MICRO_BATCH_SIZE: self.batch_size, GROUP_ID: torch.tensor([epoch, group_index])}
 
+    def every_row(self) -> "GroupedBatches":
+        """A plain loader over every row once, in order, on any rank (for passes over the whole dataset, such as
+        precomputing reference log-probs), with no training state."""
+        return GroupedBatches(self.dataset, self.collate_fn, batch_size=self.batch_size, shuffle=False,
+                              num_workers=self.num_workers)
+
     # Lightning stores these in its checkpoints (fit loop "combined_loader" state) and restores them on resume.
     def state_dict(self) -> dict[str, int]:
         consumed = self.consumed_fn() if self.consumed_fn is not None else self._yielded

@@ -174,6 +174,8 @@ class DPOModule(CausalLMModule):
             if split in self.reference_logps_cache:
                 continue
             loader = datamodule.train_dataloader() if split == "train" else datamodule.val_dataloader()
+            if hasattr(loader, "every_row"):  # the training loader holds only this rank's share of the rows
+                loader = loader.every_row()
             if isinstance(loader, (list, tuple)):
                 if len(loader) > 1:
                     raise ValueError("precompute_ref_logps=True supports one validation dataloader, got "
