@@ -23,14 +23,15 @@ from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows
 log = logging.getLogger(__name__)
 
 
-def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None
-                      ) -> PreTrainedTokenizerBase:
-    """Load the tokenizer if given by name, set ``chat_template`` if given, and fall back to EOS for padding."""
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None, *,
+                      require_chat_template: bool = True) -> PreTrainedTokenizerBase:
+    """Load the tokenizer if given by name, set ``chat_template`` if given, and fall back to EOS for padding.
+    ``require_chat_template=False`` (preference data, whose rows may be plain text) skips the template check."""
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    if not getattr(tokenizer, "chat_template", None):
+    if require_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"The tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has "
                          "no chat template. Pass one with ChatDataModule(chat_template=...) "
                          "(Hydra: data.chat_template=...), e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE.")

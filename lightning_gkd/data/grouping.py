@@ -111,10 +111,8 @@ def micro_batch_rows(group_rows: int, batch_size: int) -> list[range]:
 class _GroupIndexSampler(Sampler[list[int]]):
     """Yields each group's row indices (a batch sampler for ``DataLoader``), starting at ``start_group``."""
 
-    def __init__(self, owner: "GroupedBatches") -> None:
-        self.owner = owner
-        self.groups: list[list[int]] = []
-        self.start_group = 0
+    def __init__(self, groups: list[list[int]], start_group: int) -> None:
+        self.groups, self.start_group = groups, start_group
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self.groups[self.start_group:]
@@ -190,9 +188,8 @@ class GroupedBatches:
                 break
             consumed_in_group -= steps
             start_group += 1
-        sampler = _GroupIndexSampler(self)
-        sampler.groups, sampler.start_group = groups, start_group
-        loader = DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
+        loader = DataLoader(self.dataset, batch_sampler=_GroupIndexSampler(groups, start_group),
+                            collate_fn=self.collate_fn,
                             num_workers=self.num_workers)
         for group_index, group in enumerate(loader, start=start_group):
             micro = micro_batch_rows(len(groups[group_index]), self.batch_size)

@@ -6,16 +6,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.data.datamodule import prepare_tokenizer
 from lightning_gkd.data.preference_collator import PreferenceCollator, check_pairs_fit
 from lightning_gkd.data.grouping import GroupedBatches, trainer_loader
 from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.preference_validation import validate_preference_rows
 from lightning_gkd.data.sources import DataSource, load_rows
-from lightning_gkd.data.tokenizer import load_tokenizer
 
 Collator = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
 
@@ -52,7 +51,7 @@ class PreferenceDataModule(L.LightningDataModule):
                  shuffle: bool = True, seed: int = 0, length_check_rows: int | None = 1000) -> None:
         super().__init__()
         check_loader_settings(batch_size, max_length)
-        self.tokenizer = _prepare_tokenizer(tokenizer, chat_template)
+        self.tokenizer = prepare_tokenizer(tokenizer, chat_template, require_chat_template=False)
         self.train_source, self.val_source = train_data, val_data
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
@@ -94,19 +93,3 @@ class PreferenceDataModule(L.LightningDataModule):
             return []
         return DataLoader(RowDataset(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
                           collate_fn=self.collator, num_workers=self.num_workers)
-
-
-def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None
-                       ) -> PreTrainedTokenizerBase:
-    # Like ChatDataModule's, except that a chat template is needed only once conversational rows show up.
-    if isinstance(tokenizer, str):
-        tokenizer = load_tokenizer(tokenizer)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
-        tokenizer.pad_token = tokenizer.eos_token
-        rank_zero_warn(f"The tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}. Padding is "
-                       "found by attention masks, never by id, so this is safe.")
-    return tokenizer
