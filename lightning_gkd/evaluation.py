@@ -22,7 +22,7 @@ def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references.")
     if not predictions:
         return 0.0
-    return sum(p.strip() == r.strip() for p, r in zip(predictions, references)) / len(predictions)
+    return sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)) / len(predictions)
 
 
 def decode_until_eos(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence[int]],

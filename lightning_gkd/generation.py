@@ -21,7 +21,8 @@ per call of :func:`sample_tokens` from ``inspect.signature(model.forward)``.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

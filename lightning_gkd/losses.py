@@ -167,7 +167,8 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
     .. math::
 
-        \log \pi(y \mid x) = \sum_{t:\, y_t \ne \text{ignore}} \big(z_{t, y_t} - \operatorname{logsumexp}_v z_{t, v}\big)
+        \log \pi(y \mid x) = \sum_{t:\, y_t \ne \text{ignore}}
+            \big(z_{t, y_t} - \operatorname{logsumexp}_v z_{t, v}\big)
 
     Equal to ``log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)`` summed over valid positions, but
     without a second ``(B, T, V)`` tensor: the target logit is gathered and a logsumexp, taken one row at a time

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-ModelSource = Union[nn.Module, str, os.PathLike, PretrainedConfig, Mapping[str, Any]]
+ModelSource = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
 
 _SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code", "lora"}
 
@@ -52,7 +52,8 @@ def load_causal_lm(source: ModelSource, *, init_kwargs: Mapping[str, Any] | None
     if isinstance(source, Mapping):
         unknown = set(source) - _SPEC_KEYS
         if unknown:
-            raise ValueError(f"{role}: unknown key(s) {sorted(unknown)} in the model spec; allowed: {sorted(_SPEC_KEYS)}.")
+            raise ValueError(f"{role}: unknown key(s) {sorted(unknown)} in the model spec; "
+                             f"allowed: {sorted(_SPEC_KEYS)}.")
         kwargs = {**dict(source.get("init_kwargs") or {}), **kwargs}
         trust_remote_code = bool(source.get("trust_remote_code", trust_remote_code))
         if source.get("config") is not None:

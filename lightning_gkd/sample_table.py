@@ -84,7 +84,7 @@ class SampleTable(L.Callback):
             agreement = top1_agreement(model, compared, full).tolist()
         return [{"prompt": tokenizer.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True),
                  "completion": completion, "agreement": agree}
-                for row, row_mask, completion, agree in zip(ids, mask, completions, agreement)]
+                for row, row_mask, completion, agree in zip(ids, mask, completions, agreement, strict=True)]
 
     def _report(self, trainer: L.Trainer, step: int, rows: list[dict[str, Any]]) -> None:
         pl_module = trainer.lightning_module

@@ -1,5 +1,5 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for Hugging Face causal LMs, used by ``CausalLMModule.configure_model``
-under Lightning's ``ModelParallelStrategy`` (``trainer=fsdp``).
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for Hugging Face causal LMs, used by
+``CausalLMModule.configure_model`` under Lightning's ``ModelParallelStrategy`` (``trainer=fsdp``).
 
 Each decoder layer is one FSDP unit; the rest (token embeddings, final norm, LM head) is the root unit, so tied
 input/output embeddings share one parameter inside one unit. The student and every frozen model (teacher, DPO

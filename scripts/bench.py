@@ -141,7 +141,7 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             limit_val_batches=0, gradient_clip_val=1.0, callbacks=[StepEnds()])
         trainer.fit(module, datamodule=datamodule)
-    timed = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
+    timed = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:], strict=True)]
     return {"seconds_per_step": sum(timed) / len(timed), "steps": len(timed), "group": group,
             "peak_rss_mb": rss_mb(), "baseline_rss_mb": baseline}
 
@@ -175,7 +175,7 @@ def breakdown(batches: int = 4) -> dict:
         optimizer.zero_grad()
         marks.append(time.perf_counter())
         if index:
-            for name, start, end in zip(parts, marks, marks[1:]):
+            for name, start, end in zip(parts, marks, marks[1:], strict=True):
                 parts[name].append(end - start)
     return {name: statistics.median(values) for name, values in parts.items()}
 
@@ -213,8 +213,8 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
              "the process's peak resident set (includes Python, torch and the models, "
              "~the 'baseline' column measured just before training).",
              "- TRL's supervised (lmbda 0) step is slow here because these rows have ~64-token answers and "
-             f"~40-token prompts: it projects both models to the {VOCAB}-way vocabulary at all ~110 positions and keeps "
-             "several such float32 tensors for its loss and backward; shorter rows make it cheaper.", "",
+             f"~40-token prompts: it projects both models to the {VOCAB}-way vocabulary at all ~110 positions and "
+             "keeps several such float32 tensors for its loss and backward; shorter rows make it cheaper.", "",
              "| configuration | lmbda | s / optimizer step | vs TRL default | vs TRL no-gc | peak RSS MB | "
              "baseline RSS MB | peak vs TRL default |",
              "|---|---|---|---|---|---|---|---|"]

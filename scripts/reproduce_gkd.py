@@ -162,9 +162,10 @@ def write_report(out: Path, table: list[dict], runs: list[Run], *, teacher_acc: 
         f"- Teacher: 4x128 Qwen2 (`assets/toy/teacher`), test accuracy **{teacher_acc:.3f}**. Student start: 2x64 "
         f"Qwen2 after a brief SFT (`assets/toy/student_init`), test accuracy **{start_acc:.3f}**.",
         f"- Budget: {args.steps} optimizer steps of batch {args.batch_size} for every method, seeds "
-        f"{args.seeds}; AdamW with 10% warmup then cosine decay; learning rate per method = best validation accuracy over {args.lrs} on the first "
-        "seed (the generalized JSD's gradients are smaller than the KL endpoints', so one shared rate would be "
-        "unfair). Sampling temperature 1.0, loss temperature 1.0, max 8 new tokens.",
+        f"{args.seeds}; AdamW with 10% warmup then cosine decay; learning rate per method = best validation "
+        f"accuracy over {args.lrs} on the first seed (the generalized JSD's gradients are smaller than the KL "
+        "endpoints', so one shared rate would be unfair). Sampling temperature 1.0, loss temperature 1.0, max 8 new "
+        "tokens.",
         "",
         "| method | what | lr | test accuracy (mean ± std) | gap closed |",
         "|---|---|---|---|---|",

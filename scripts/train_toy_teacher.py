@@ -5,7 +5,8 @@ assets (save_pretrained + tokenizer) under lightning_gkd/assets/toy/.
 
 The teacher is trained until its validation exact-match reaches --target (early stop) and must reach it on the
 test split, else the script exits non-zero. The student is a smaller model given a brief SFT that stops
-once its validation accuracy passes --student-target, so it starts well below the teacher. Both are deterministic for a given --seed on one machine.
+once its validation accuracy passes --student-target, so it starts well below the teacher. Both are deterministic
+for a given --seed on one machine.
 """
 
 from __future__ import annotations

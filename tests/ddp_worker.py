@@ -40,7 +40,8 @@ LR, MAX_LENGTH, SEED = 1.0, 64, 0
 
 def prompt_tokens(ids: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
     """Per row, the token ids where ``keep`` is true (left padding and completions dropped)."""
-    return [[int(t) for t, k in zip(row, mask) if k] for row, mask in zip(ids.tolist(), keep.tolist())]
+    rows = zip(ids.tolist(), keep.tolist(), strict=True)
+    return [[int(t) for t, k in zip(row, mask, strict=True) if k] for row, mask in rows]
 
 
 def trained_prompts(batch: dict[str, torch.Tensor]) -> list[list[int]]:
@@ -87,7 +88,10 @@ class Recorded(GKDModule):
         return loss
 
 
-def make_module(tokenizer, *, lmbda: float, optimizer=partial(torch.optim.SGD, lr=LR), **kwargs) -> Recorded:
+SGD = partial(torch.optim.SGD, lr=LR)
+
+
+def make_module(tokenizer, *, lmbda: float, optimizer=SGD, **kwargs) -> Recorded:
     return Recorded(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
                     tokenizer, lmbda=lmbda, beta=0.5, optimizer=optimizer, seed=SEED, **kwargs)
 
@@ -165,7 +169,7 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
     ref2 = make_module(tokenizer, lmbda=0.0)
     opt2 = torch.optim.SGD([p for p in ref2.student.parameters() if p.requires_grad], lr=LR)
     doubled, doubled_prompts, doubled_step0_tokens = [], [], None
-    for step, batch in zip(range(steps), doubled_data.train_dataloader()):
+    for step, batch in zip(range(steps), doubled_data.train_dataloader(), strict=True):
         loss = ref2.dataset_loss({k: batch[k] for k in KEYS})
         opt2.zero_grad()
         loss.backward()
@@ -178,7 +182,7 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
 
     return {
         "ddp_losses": ddp_losses,  # [rank][step]
-        "ddp_mean_losses": [(a + b) / 2 for a, b in zip(*ddp_losses)],
+        "ddp_mean_losses": [(a + b) / 2 for a, b in zip(*ddp_losses, strict=True)],
         "completion_tokens": tokens,  # [rank][step]
         "sources": sources,
         "half_mean_losses": half_mean,

@@ -133,7 +133,7 @@ def lean_head_check(tokenizer) -> dict:
         kind = type(weight).__name__
         hidden = captured["hidden"]
         total = hidden.new_zeros(())
-        for chunk, chunk_labels in zip(hidden.split(4, dim=1), labels.split(4, dim=1)):
+        for chunk, chunk_labels in zip(hidden.split(4, dim=1), labels.split(4, dim=1), strict=True):
             def piece(h, w, y=chunk_labels):
                 return torch.nn.functional.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten(), reduction="sum")
             total = total + torch.utils.checkpoint.checkpoint(piece, chunk, weight, use_reentrant=False)
@@ -145,12 +145,12 @@ def lean_head_check(tokenizer) -> dict:
     all_ids = gather(ids)
     all_labels = gather(labels)
     ref_losses = []
-    for rank_ids, rank_labels in zip(all_ids, all_labels):
+    for rank_ids, rank_labels in zip(all_ids, all_labels, strict=True):
         logits = plain(input_ids=rank_ids, use_cache=False).logits
         ref_losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), rank_labels.flatten()))
     torch.stack(ref_losses).mean().backward()
     grad_diff = max((full(p.grad) - q.grad).abs().max().item()
-                    for p, q in zip(sharded.parameters(), plain.parameters()))
+                    for p, q in zip(sharded.parameters(), plain.parameters(), strict=True))
     # A frozen model (teacher): its root stays gathered after a no-grad forward (plain head weight, usable by the
     # lean loss) until reshard() (CausalLMModule.on_before_backward) frees it.
     from lightning_gkd.sharding import reshard

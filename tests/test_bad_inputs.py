@@ -5,9 +5,10 @@ One table row per case: the call that must fail, the exception, and what its mes
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import pytest

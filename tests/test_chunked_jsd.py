@@ -31,7 +31,7 @@ def test_equals_generalized_jsd_on_projected_logits(beta, temperature, chunk_siz
                                temperature=temperature, chunk_size=chunk_size)
     grads = torch.autograd.grad(value * 3.0, (student_hidden, student_weight))  # the incoming gradient scales
     torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
-    for got, want in zip(grads, expected_grads):
+    for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

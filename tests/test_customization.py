@@ -13,12 +13,12 @@ import lightning as L
 import pytest
 import torch
 from hydra.utils import instantiate
+from hydra_compose import compose_train
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from lightning_gkd import DPOModule, PreferenceDataModule
 from lightning_gkd.data.toy_preference import addition_preference_rows
 from lightning_gkd.models import load_causal_lm, quantization_config_from_dict
-from hydra_compose import compose_train
 from lightning_gkd.train import run
 
 FAST = ["trainer.max_steps=4", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",

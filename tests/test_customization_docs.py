@@ -27,7 +27,7 @@ REQUIRED = ["Optimizer and learning-rate scheduler", "A quantized reference or t
 def sections() -> dict[str, list[tuple[str, str]]]:
     """Section title -> its fenced blocks as (language, code)."""
     parts = re.split(r"^## (.+)$", DOC.read_text(), flags=re.M)
-    return {title.strip(): FENCE.findall(body) for title, body in zip(parts[1::2], parts[2::2])}
+    return {title.strip(): FENCE.findall(body) for title, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
 def command_overrides(code: str) -> list[list[str]]:
@@ -74,7 +74,7 @@ def test_the_page_covers_every_customization():
 def test_section_runs(title, doc_dir):
     blocks = sections()
     namespace: dict = {"__name__": "docs_" + re.sub(r"\W+", "_", title)}
-    for language, code in blocks["Setup"]:
+    for code in (code for language, code in blocks["Setup"] if language == "python"):
         exec(compile(code, f"{DOC.name}:Setup", "exec"), namespace)
     files = [(lang, code) for lang, code in blocks[title] if lang == "python" and code.startswith("# file: ")]
     for _, code in files:

@@ -158,7 +158,7 @@ def test_dataloaders_shuffle_reproducibly_and_validate(tokenizer, toy_rows):
     first = [b["input_ids"] for b in dm.train_dataloader()]
     again = [b["input_ids"] for b in ChatDataModule(tokenizer, toy_rows["train"], batch_size=8,
                                                      seed=3).train_dataloader()]
-    assert len(first) == 8 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert len(first) == 8 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     val = list(dm.val_dataloader())
     assert len(val) == 1 and val[0]["input_ids"].shape[0] == 16
     assert ChatDataModule(tokenizer, toy_rows["train"]).val_dataloader() == []

@@ -144,5 +144,5 @@ def test_sharded_sampling_with_uneven_eos_does_not_hang(tmp_path):
         assert r["sharded_forwards"] == n  # prefill + n - 1 decode steps, the same on both ranks
         unsharded = r["unsharded"]
         assert len(unsharded[0]) == max(steps[rank])  # alone, a rank stops at its own last EOS
-        for got, want in zip(r["sharded"], unsharded):
+        for got, want in zip(r["sharded"], unsharded, strict=True):
             assert got[:len(want)] == want and all(t == r["pad"] for t in got[len(want):])

@@ -74,7 +74,7 @@ def test_fit_trains_policy_only_and_logs_reward_statistics(student, tokenizer, p
     assert logged(tmp_path, "train/rewards/chosen")[0] == pytest.approx(0.0, abs=1e-6)
     for chosen, rejected, margin in zip(logged(tmp_path, "train/rewards/chosen"),
                                         logged(tmp_path, "train/rewards/rejected"),
-                                        logged(tmp_path, "train/rewards/margins")):
+                                        logged(tmp_path, "train/rewards/margins"), strict=True):
         assert margin == pytest.approx(chosen - rejected, abs=1e-5)
     assert logged(tmp_path, "train/loss")[-1] < math.log(2)  # the policy learned to prefer the chosen sums
     assert all(0 <= a <= 1 for a in logged(tmp_path, "val/rewards/accuracies"))

@@ -8,8 +8,8 @@ import signal
 from pathlib import Path
 
 import lightning as L
-
 from hydra_compose import compose_train
+
 from lightning_gkd.train import run
 
 OVERRIDES = ["model=tiny", "trainer.max_steps=10", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",

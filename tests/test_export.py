@@ -9,10 +9,10 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from hydra_compose import compose_train
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 
-from hydra_compose import compose_train
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.assets import TINY_STUDENT, tiny_causal_lm
 from lightning_gkd.data.tokenizer import load_tokenizer

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hydra_compose import compose_train
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -41,7 +40,7 @@ def test_sharded_training_matches_one_unsharded_process(sharded_run):
     # per step: mean of the two ranks' losses (sharded) vs the same batches in one unsharded process; the last
     # step is the run resumed from last.ckpt
     assert len(r["sharded_losses"]) == 4
-    for sharded, reference in zip(r["sharded_losses"], r["reference_losses"]):
+    for sharded, reference in zip(r["sharded_losses"], r["reference_losses"], strict=True):
         assert sharded == pytest.approx(reference, rel=1e-4, abs=1e-7)
     assert r["logits_vs_reference"] < 1e-4  # the trained student, gathered, vs the unsharded replay
 

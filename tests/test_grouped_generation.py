@@ -13,8 +13,14 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat_collator import ChatMLCollator
-from lightning_gkd.data.grouping import (GENERATION_GROUP, GROUP_STEP, GroupedBatches, rank_groups,
-                                         resolve_steps_per_generation, select_rows)
+from lightning_gkd.data.grouping import (
+    GENERATION_GROUP,
+    GROUP_STEP,
+    GroupedBatches,
+    rank_groups,
+    resolve_steps_per_generation,
+    select_rows,
+)
 from lightning_gkd.data.row_dataset import RowDataset
 from lightning_gkd.data.toy import addition_rows
 
@@ -47,7 +53,7 @@ class RecordingGKD(GKDModule):
     def training_batch(self, batch, batch_idx):
         self.steps_seen.append(self.global_step)
         source, trained = super().training_batch(batch, batch_idx)
-        for ids, mask in zip(trained["prompts"], trained["prompt_attention_mask"]):
+        for ids, mask in zip(trained["prompts"], trained["prompt_attention_mask"], strict=True):
             self.trained_rows.append(tuple(ids[mask.bool()].tolist()))
         return source, trained
 
@@ -111,7 +117,7 @@ def test_k4_eight_optimizer_steps_make_two_sampling_calls_and_use_each_prompt_on
     collator = ChatMLCollator(tokenizer, 64)
     all_prompts = collator(rows)
     expected = Counter(tuple(ids[mask.bool()].tolist())
-                       for ids, mask in zip(all_prompts["prompts"], all_prompts["prompt_attention_mask"]))
+                       for ids, mask in zip(all_prompts["prompts"], all_prompts["prompt_attention_mask"], strict=True))
     assert Counter(module.trained_rows) == expected
 
 

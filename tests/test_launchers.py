@@ -19,9 +19,8 @@ import pytest
 import submitit
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf, open_dict
-
 from hydra_compose import compose_train
+from omegaconf import OmegaConf, open_dict
 
 ROOT = Path(__file__).parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -84,7 +83,7 @@ def test_local_submitit_multirun_runs_every_job(tmp_path):
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
     jobs = sorted(path for path in sweep.iterdir() if path.name.isdigit())
     assert [job.name for job in jobs] == ["0", "1"]
-    for job, beta in zip(jobs, [0, 1]):
+    for job, beta in zip(jobs, [0, 1], strict=True):
         assert OmegaConf.load(job / ".hydra" / "config.yaml").method.beta == beta
         assert (job / "student" / "model.safetensors").is_file()
         assert max(int(row["step"]) for row in _metrics(job)) == 2

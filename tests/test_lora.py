@@ -147,6 +147,7 @@ def test_dpo_with_a_lora_spec_uses_the_adapters_disabled_reference(base_folder, 
 
 def test_hydra_dpo_with_a_lora_policy_and_no_reference_model(tmp_path):
     from hydra_compose import compose_train
+
     from lightning_gkd.train import run
 
     cfg = compose_train(tmp_path, ["method=dpo", "model.student.lora.r=4", "method.reference=null",
@@ -160,8 +161,8 @@ def test_hydra_dpo_with_a_lora_policy_and_no_reference_model(tmp_path):
 
 def test_a_frozen_model_sharing_the_students_lora_spec_is_the_base_model(tmp_path):
     """DPO's default `reference: ${model.student}` copies the `lora` entry; the frozen reference drops it."""
-    from hydra_compose import compose_train
     from hydra.utils import instantiate
+    from hydra_compose import compose_train
 
     from lightning_gkd.data.tokenizer import load_tokenizer
 

@@ -288,7 +288,7 @@ def _value_and_grads(fn, s, t, **kwargs):
 @pytest.mark.parametrize(
     "beta, temperature, reduction, use_labels, num_items",
     _PARITY_CASES,
-    ids=[f"b{b}-T{T}-{r}-{'lab' if l else 'nolab'}-n{n}" for b, T, r, l, n in _PARITY_CASES],
+    ids=[f"b{b}-T{T}-{r}-{'lab' if lab else 'nolab'}-n{n}" for b, T, r, lab, n in _PARITY_CASES],
 )
 def test_parity_with_trl(trl_jsd, beta, temperature, reduction, use_labels, num_items) -> None:
     s = _random_logits(*_PARITY_SHAPE, seed=100)

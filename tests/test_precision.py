@@ -6,8 +6,8 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-
 from hydra_compose import compose_train
+
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.toy import addition_rows
 

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
+from huggingface_hub import constants
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from huggingface_hub import constants
 from omegaconf import open_dict
 
 from lightning_gkd.checkpoint_io import CheckpointError

@@ -4,6 +4,7 @@ default."""
 from __future__ import annotations
 
 import copy
+import pickle
 import re
 from functools import partial
 from pathlib import Path
@@ -52,7 +53,7 @@ def test_checkpoint_writes_are_atomic(tmp_path):
     io = SafeCheckpointIO()
     io.save_checkpoint({"global_step": 1, "w": torch.zeros(3)}, path)
     good = path.read_bytes()
-    with pytest.raises(Exception):  # the save dies half-way (here: an object torch.save cannot write)
+    with pytest.raises(pickle.PicklingError):  # the save dies half-way (here: an object torch.save cannot write)
         io.save_checkpoint({"global_step": 2, "w": torch.ones(3), "bad": lambda: None}, path)
     assert path.read_bytes() == good
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no temporary file left behind

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra_compose import compose_train
 from transformers import AutoModelForCausalLM
 
-from hydra_compose import compose_train
 from lightning_gkd.train import run
 
 FAST = ["trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",

@@ -10,8 +10,8 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from hydra_compose import compose_train
+from lightning.pytorch.loggers import CSVLogger
 from test_train import FAST
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule

@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat_collator import ChatMLCollator
-from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.formatting import FormattedRows, FormattingFuncSpec, resolve_formatting_func
 from lightning_gkd.data.grouping import GroupedBatches, resolve_steps_per_generation, trainer_loader
+from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows

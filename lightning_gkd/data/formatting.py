@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 FormattingFunc = Callable[[Mapping[str, Any]], Any]
 #: What a user may pass: the function itself, or a dotted path to it ("my_pkg.data.to_messages").
-FormattingFuncSpec = Union[FormattingFunc, str]
+FormattingFuncSpec = FormattingFunc | str
 
 
 def resolve_formatting_func(spec: FormattingFuncSpec | None) -> FormattingFunc | None:

@@ -39,9 +39,10 @@ def resolve_steps_per_generation(batch_size: int, steps_per_generation: int | No
                          "batch_size.")
     if generation_batch_size is not None:
         if generation_batch_size < 1 or generation_batch_size % batch_size:
+            suggested = batch_size * max(1, round(generation_batch_size / batch_size))
             raise ValueError(f"generation_batch_size ({generation_batch_size}) must be a positive multiple of "
                              f"batch_size ({batch_size}): each group is split into micro-batches of batch_size "
-                             f"rows. Use e.g. generation_batch_size={batch_size * max(1, round(generation_batch_size / batch_size))}.")
+                             f"rows. Use e.g. generation_batch_size={suggested}.")
         return generation_batch_size // batch_size
     k = 1 if steps_per_generation is None else steps_per_generation
     if not isinstance(k, int) or k < 1:
@@ -128,8 +129,8 @@ class GroupedBatches:
     Each item is the collated micro-batch (``input_ids``, ``attention_mask``, ``labels``, ``prompts``,
     ``prompt_attention_mask``) and, when ``steps_per_generation > 1``, also ``generation_group`` (the whole group's
     collated batch, on which a module samples once), ``group_step`` (0-based index of this micro-batch in its
-    group), ``micro_batch_size`` (the loader's ``batch_size``) and ``group_id`` (``[epoch, group index]``). With ``steps_per_generation == 1`` an item
-    is just the collated batch.
+    group), ``micro_batch_size`` (the loader's ``batch_size``) and ``group_id`` (``[epoch, group index]``). With
+    ``steps_per_generation == 1`` an item is just the collated batch.
 
     Args:
         dataset: indexable rows (``RowDataset``).
@@ -203,7 +204,7 @@ class GroupedBatches:
                 yield {**select_rows(group, list(rows)), GENERATION_GROUP: group, GROUP_STEP: step,
                        MICRO_BATCH_SIZE: self.batch_size, GROUP_ID: torch.tensor([epoch, group_index])}
 
-    def every_row(self) -> "GroupedBatches":
+    def every_row(self) -> GroupedBatches:
         """A plain loader over every row once, in order, on any rank (for passes over the whole dataset, such as
         precomputing reference log-probs), with no training state."""
         return GroupedBatches(self.dataset, self.collate_fn, batch_size=self.batch_size, shuffle=False,

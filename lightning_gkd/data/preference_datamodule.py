@@ -10,10 +10,10 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.datamodule import prepare_tokenizer
-from lightning_gkd.data.preference_collator import PreferenceCollator, check_pairs_fit
 from lightning_gkd.data.grouping import GroupedBatches, trainer_loader
-from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
+from lightning_gkd.data.preference_collator import PreferenceCollator, check_pairs_fit
 from lightning_gkd.data.preference_validation import validate_preference_rows
+from lightning_gkd.data.row_dataset import RowDataset, check_loader_settings
 from lightning_gkd.data.sources import DataSource, load_rows
 
 Collator = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]

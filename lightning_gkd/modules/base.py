@@ -131,7 +131,7 @@ class CausalLMModule(L.LightningModule):
         return freeze(load_causal_lm(source, trust_remote_code=trust_remote_code, role=role))
 
     # -- modes, optimizers --------------------------------------------------------------------------------------
-    def train(self, mode: bool = True) -> "CausalLMModule":
+    def train(self, mode: bool = True) -> CausalLMModule:
         super().train(mode)
         for name in self.frozen_names:
             getattr(self, name).eval()

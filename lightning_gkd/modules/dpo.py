@@ -212,7 +212,7 @@ class DPOModule(CausalLMModule):
                 batch = move_data_to_device(batch, self.device)
                 with self.trainer.precision_plugin.val_step_context():
                     chosen, rejected = self._live_reference_logps(batch)
-                for i, c, r in zip(batch["index"].tolist(), chosen.tolist(), rejected.tolist()):
+                for i, c, r in zip(batch["index"].tolist(), chosen.tolist(), rejected.tolist(), strict=True):
                     rows[i] = (c, r)
         finally:
             self.model.train(was_training)

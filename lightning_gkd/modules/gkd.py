@@ -12,8 +12,14 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.chunked_jsd import projected_jsd_loss
 from lightning_gkd.data.chat_collator import IGNORE_INDEX
-from lightning_gkd.data.grouping import GENERATION_GROUP, GROUP_ID, GROUP_STEP, MICRO_BATCH_SIZE, \
-    micro_batch_rows, select_rows
+from lightning_gkd.data.grouping import (
+    GENERATION_GROUP,
+    GROUP_ID,
+    GROUP_STEP,
+    MICRO_BATCH_SIZE,
+    micro_batch_rows,
+    select_rows,
+)
 from lightning_gkd.evaluation import GenerationMetric
 from lightning_gkd.generation import generate_completions, resolve_eos_token_id
 from lightning_gkd.hidden_states import LeanForwardUnsupported, final_hidden_states, output_weight
