@@ -7,6 +7,13 @@ from lightning_gkd.modules.dpo import DPOModule
 from lightning_gkd.modules.gkd import GKDModule
 from lightning_gkd.modules.sft import SFTModule
 
-__all__ = ["ChatDataModule", "DPOModule", "GKDModule", "PreferenceDataModule", "SFTModule", "generalized_jsd_loss",
-           "preference_loss"]
+__all__ = [
+    "ChatDataModule",
+    "DPOModule",
+    "GKDModule",
+    "PreferenceDataModule",
+    "SFTModule",
+    "generalized_jsd_loss",
+    "preference_loss",
+]
 __version__ = "0.1.0"

@@ -26,28 +26,63 @@ def asset_path(name: str) -> str:
         raise FileNotFoundError(f"No packaged asset {name!r} under {PACKAGE_ASSETS}; available: {available}.")
     return str(path)
 
-TINY_STUDENT = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-                "tie_word_embeddings": True}
-TINY_TEACHER = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-                "tie_word_embeddings": True}
+
+TINY_STUDENT = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+TINY_TEACHER = {
+    "model_type": "qwen2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
 
 # The toy task's models (scripts/train_toy_teacher.py): a 4x128 teacher and a 2x64 student.
-TOY_TEACHER = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
-               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64,
-               "tie_word_embeddings": True}
-TOY_STUDENT = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64,
-               "tie_word_embeddings": True}
+TOY_TEACHER = {
+    "model_type": "qwen2",
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+TOY_STUDENT = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
 
 
 def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> torch.nn.Module:
     """A randomly initialised causal LM over ``tokenizer``'s vocabulary, EOS/pad taken from the tokenizer."""
     spec = dict(config)
     model_type = spec.pop("model_type")
-    hf_config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **spec)
+    hf_config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **spec,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -55,8 +90,14 @@ def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> torch.
     return model
 
 
-def write_tiny_models(out_dir: str | os.PathLike, *, student: Mapping[str, Any] = TINY_STUDENT,
-                      teacher: Mapping[str, Any] = TINY_TEACHER, seed: int = 0, overwrite: bool = False) -> Path:
+def write_tiny_models(
+    out_dir: str | os.PathLike,
+    *,
+    student: Mapping[str, Any] = TINY_STUDENT,
+    teacher: Mapping[str, Any] = TINY_TEACHER,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
     """Write ``tokenizer/``, ``student/`` and ``teacher/`` under ``out_dir`` (skipped if already there).
 
     Written to a temporary folder and renamed into place, so concurrent callers (DDP ranks) and interrupted

@@ -22,8 +22,9 @@ class PrintMetricsCallback(L.Callback):
         self.history: list[tuple[int, dict[str, float]]] = []
         self._last_step = -1
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         every = self.every_n_steps or trainer.log_every_n_steps or 1
         if step == 0 or step == self._last_step or step % every:  # no step yet, accumulating, or off-cadence
@@ -36,8 +37,11 @@ class PrintMetricsCallback(L.Callback):
             self._emit(trainer, trainer.global_step, "val/")
 
     def _emit(self, trainer: L.Trainer, step: int, prefix: str) -> None:
-        metrics = {name: _to_float(value) for name, value in sorted(trainer.callback_metrics.items())
-                   if name.startswith(prefix)}
+        metrics = {
+            name: _to_float(value)
+            for name, value in sorted(trainer.callback_metrics.items())
+            if name.startswith(prefix)
+        }
         if not metrics or not trainer.is_global_zero:
             return
         self.history.append((step, metrics))

@@ -50,21 +50,28 @@ class SafeCheckpointIO(TorchCheckpointIO):
         finally:
             staging.unlink(missing_ok=True)
 
-    def load_checkpoint(self, path: _PATH, map_location: Callable | None = lambda storage, loc: storage,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         require_checkpoint(path)
         try:
             return super().load_checkpoint(path, map_location=map_location, weights_only=True)
         except Exception as error:
             reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if isinstance(error, pickle.UnpicklingError):
-                advice = ("It holds Python objects that weights-only loading refuses to unpickle; only load such a "
-                          "file if you trust where it came from (and then allow its classes with "
-                          "torch.serialization.add_safe_globals).")
+                advice = (
+                    "It holds Python objects that weights-only loading refuses to unpickle; only load such a "
+                    "file if you trust where it came from (and then allow its classes with "
+                    "torch.serialization.add_safe_globals)."
+                )
             else:
                 advice = "The file is truncated or corrupt (e.g. an interrupted copy or write)."
-            raise CheckpointError(f"Cannot load checkpoint {str(path)!r} ({reason}). {advice}"
-                                  f"{_alternatives(path)}") from error
+            raise CheckpointError(
+                f"Cannot load checkpoint {str(path)!r} ({reason}). {advice}{_alternatives(path)}"
+            ) from error
 
 
 def require_checkpoint(path: _PATH) -> None:
@@ -75,8 +82,15 @@ def require_checkpoint(path: _PATH) -> None:
 
 def _alternatives(path: _PATH) -> str:
     folder = Path(path).parent
-    others = sorted((p for p in folder.glob("*.ckpt") if p.resolve() != Path(path).resolve()),
-                    key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
+    others = (
+        sorted(
+            (p for p in folder.glob("*.ckpt") if p.resolve() != Path(path).resolve()),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )
+        if folder.is_dir()
+        else []
+    )
     if not others:
         return " Start without ckpt_path, or point ckpt_path at another checkpoint."
     older = f" (others there: {', '.join(p.name for p in others[1:4])})" if len(others) > 1 else ""

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 __all__ = ["projected_jsd_loss"]
 
 
-def _chunk_loss_and_logit_grad(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, beta: float,
-                               temperature: float, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_loss_and_logit_grad(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, beta: float, temperature: float, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed loss over a chunk ``(C, V)`` and, if ``need_grad``, its gradient with respect to the student logits."""
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
@@ -49,28 +50,40 @@ def _chunk_loss_and_logit_grad(student_logits: torch.Tensor, teacher_logits: tor
 
 class _ProjectedJSD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
-                teacher_weight: torch.Tensor, beta: float, temperature: float, chunk_size: int,
-                normalizer: float, grad_hidden: bool, grad_weight: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        student_hidden: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        beta: float,
+        temperature: float,
+        chunk_size: int,
+        normalizer: float,
+        grad_hidden: bool,
+        grad_weight: bool,
+    ) -> torch.Tensor:
         need_grad = grad_hidden or grad_weight
         total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
         hidden_grad = torch.zeros_like(student_hidden, dtype=torch.float32) if grad_hidden else None
         weight_grad = torch.zeros_like(student_weight, dtype=torch.float32) if grad_weight else None
         for start in range(0, student_hidden.shape[0], chunk_size):
-            hs = student_hidden[start:start + chunk_size]
+            hs = student_hidden[start : start + chunk_size]
             student_logits = hs @ student_weight.t()
-            teacher_logits = teacher_hidden[start:start + chunk_size] @ teacher_weight.t()
-            loss, logit_grad = _chunk_loss_and_logit_grad(student_logits, teacher_logits, beta=beta,
-                                                          temperature=temperature, need_grad=need_grad)
+            teacher_logits = teacher_hidden[start : start + chunk_size] @ teacher_weight.t()
+            loss, logit_grad = _chunk_loss_and_logit_grad(
+                student_logits, teacher_logits, beta=beta, temperature=temperature, need_grad=need_grad
+            )
             total += loss
             if logit_grad is not None:
                 logit_grad = logit_grad.to(student_weight.dtype)
                 if hidden_grad is not None:
-                    hidden_grad[start:start + chunk_size] = logit_grad @ student_weight
+                    hidden_grad[start : start + chunk_size] = logit_grad @ student_weight
                 if weight_grad is not None:
                     weight_grad.addmm_(logit_grad.t().float(), hs.float())
-        ctx.save_for_backward(*(g / normalizer if g is not None else torch.empty(0)
-                                for g in (hidden_grad, weight_grad)))
+        ctx.save_for_backward(
+            *(g / normalizer if g is not None else torch.empty(0) for g in (hidden_grad, weight_grad))
+        )
         ctx.dtypes = (student_hidden.dtype, student_weight.dtype)
         ctx.has = (grad_hidden, grad_weight)
         return total / normalizer
@@ -84,9 +97,17 @@ class _ProjectedJSD(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
-def projected_jsd_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
-                       teacher_weight: torch.Tensor, *, beta: float = 0.5, temperature: float = 1.0,
-                       chunk_size: int = 256, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+def projected_jsd_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
     r"""Mean generalized JSD over positions, from final hidden states and output-projection weights.
 
     Equals ``generalized_jsd_loss(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, beta=beta,
@@ -111,11 +132,14 @@ def projected_jsd_loss(student_hidden: torch.Tensor, student_weight: torch.Tenso
         scaled by the incoming gradient in the backward pass.
     """
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
-        raise ValueError(f"student_hidden has {student_hidden.shape[0]} positions but teacher_hidden has "
-                         f"{teacher_hidden.shape[0]}; pass the same supervised positions of both models.")
+        raise ValueError(
+            f"student_hidden has {student_hidden.shape[0]} positions but teacher_hidden has "
+            f"{teacher_hidden.shape[0]}; pass the same supervised positions of both models."
+        )
     if student_weight.shape[0] != teacher_weight.shape[0]:
-        raise ValueError(f"Vocabulary sizes differ: student {student_weight.shape[0]}, teacher "
-                         f"{teacher_weight.shape[0]}.")
+        raise ValueError(
+            f"Vocabulary sizes differ: student {student_weight.shape[0]}, teacher {teacher_weight.shape[0]}."
+        )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     if num_items_in_batch is None:
@@ -123,7 +147,15 @@ def projected_jsd_loss(student_hidden: torch.Tensor, student_weight: torch.Tenso
     else:
         normalizer = float(num_items_in_batch)
     grad_enabled = torch.is_grad_enabled()
-    return _ProjectedJSD.apply(student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(),
-                               float(beta), float(temperature), int(chunk_size), normalizer,
-                               grad_enabled and student_hidden.requires_grad,
-                               grad_enabled and student_weight.requires_grad)
+    return _ProjectedJSD.apply(
+        student_hidden,
+        student_weight,
+        teacher_hidden.detach(),
+        teacher_weight.detach(),
+        float(beta),
+        float(temperature),
+        int(chunk_size),
+        normalizer,
+        grad_enabled and student_hidden.requires_grad,
+        grad_enabled and student_weight.requires_grad,
+    )

@@ -25,8 +25,9 @@ def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
     return sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)) / len(predictions)
 
 
-def decode_until_eos(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence[int]],
-                     eos_token_id: EosTokenId) -> list[str]:
+def decode_until_eos(
+    tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence[int]], eos_token_id: EosTokenId
+) -> list[str]:
     """Decode each row up to (not including) its first EOS, without special tokens."""
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     texts = []
@@ -37,27 +38,48 @@ def decode_until_eos(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence
     return texts
 
 
-def reference_texts(tokenizer: PreTrainedTokenizerBase, batch: Mapping[str, torch.Tensor],
-                    eos_token_id: EosTokenId) -> list[str]:
+def reference_texts(
+    tokenizer: PreTrainedTokenizerBase, batch: Mapping[str, torch.Tensor], eos_token_id: EosTokenId
+) -> list[str]:
     """The dataset completions of a collated batch (its label positions), decoded up to EOS."""
     labels = batch["labels"]
     return decode_until_eos(tokenizer, [row[row != -100].tolist() for row in labels], eos_token_id)
 
 
 @torch.no_grad()
-def greedy_texts(model: nn.Module, tokenizer: PreTrainedTokenizerBase, batch: Mapping[str, torch.Tensor], *,
-                 max_new_tokens: int, eos_token_id: EosTokenId | None = None) -> list[str]:
+def greedy_texts(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    eos_token_id: EosTokenId | None = None,
+) -> list[str]:
     """Greedy completions of the batch prompts, decoded up to EOS."""
     eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
     prompts = batch["prompts"]
-    out = generate_completions(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens,
-                               pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, do_sample=False)
-    return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1]:].tolist(), eos)
+    out = generate_completions(
+        model,
+        prompts,
+        batch["prompt_attention_mask"],
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        do_sample=False,
+    )
+    return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
 
 
-def evaluate_generations(model: nn.Module, tokenizer: PreTrainedTokenizerBase, rows: Sequence[Mapping[str, Any]],
-                         *, metrics: Mapping[str, GenerationMetric] | None = None, batch_size: int = 64,
-                         max_new_tokens: int = 32, max_length: int = 1024) -> dict[str, float]:
+def evaluate_generations(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    metrics: Mapping[str, GenerationMetric] | None = None,
+    batch_size: int = 64,
+    max_new_tokens: int = 32,
+    max_length: int = 1024,
+) -> dict[str, float]:
     """Greedy-decode the prompts of ``rows`` (chat rows whose last turn is the reference answer) and score them.
 
     Returns ``{name: metric(predictions, references)}``; the default metric is ``{"accuracy": exact_match}``.

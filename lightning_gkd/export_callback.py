@@ -27,8 +27,9 @@ class HFExportCallback(L.Callback):
 
     def __init__(self, dirpath: str | Path, every_n_train_steps: int | None = None, merged: bool = True) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
-            raise ValueError(f"every_n_train_steps must be >= 1 or None (at each checkpoint), got "
-                             f"{every_n_train_steps}.")
+            raise ValueError(
+                f"every_n_train_steps must be >= 1 or None (at each checkpoint), got {every_n_train_steps}."
+            )
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.merged = merged
@@ -45,25 +46,26 @@ class HFExportCallback(L.Callback):
             return None
         target = self.folder(step)
         merged = target.with_name(f"{target.name}-merged") if self.merged else None
-        self.exported[step] = pl_module.export(target, card_info={"exported at global step": step},
-                                               merged_path=merged)
+        self.exported[step] = pl_module.export(target, card_info={"exported at global step": step}, merged_path=merged)
         rank_zero_info(f"Exported the model at step {step} to {target}")
         return target
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.strategy.__class__.__name__ == "ModelParallelStrategy":
-            raise ValueError("HFExportCallback writes from rank zero alone, but under trainer=fsdp the weights are "
-                             "sharded across ranks (gathering them takes every rank). Drop it "
-                             "(callbacks=[default]): the run still exports the full student at the end, and "
-                             "checkpoints hold the full student state.")
+            raise ValueError(
+                "HFExportCallback writes from rank zero alone, but under trainer=fsdp the weights are "
+                "sharded across ranks (gathering them takes every rank). Drop it "
+                "(callbacks=[default]): the run still exports the full student at the end, and "
+                "checkpoints hold the full student state."
+            )
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self.every_n_train_steps is None:
             self.export(trainer, pl_module)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         n = self.every_n_train_steps
         if n is not None and trainer.global_step > 0 and trainer.global_step % n == 0:
             self.export(trainer, pl_module)

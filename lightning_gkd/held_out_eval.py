@@ -23,8 +23,9 @@ class HeldOutEvaluation(L.Callback):
     Every rank evaluates (sharded models need all ranks in each forward); rank zero reports.
     """
 
-    def __init__(self, metrics: Mapping[str, GenerationMetric] | None = None, max_new_tokens: int = 32,
-                 batch_size: int = 64) -> None:
+    def __init__(
+        self, metrics: Mapping[str, GenerationMetric] | None = None, max_new_tokens: int = 32, batch_size: int = 64
+    ) -> None:
         self.metrics = dict(metrics or {"accuracy": exact_match})
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
@@ -38,8 +39,14 @@ class HeldOutEvaluation(L.Callback):
         return getattr(datamodule, "test_rows", None)
 
     def _evaluate(self, trainer: L.Trainer, model: Any, rows: Any) -> dict[str, float]:
-        return evaluate_generations(model, trainer.lightning_module.tokenizer, rows, metrics=self.metrics,
-                                    batch_size=self.batch_size, max_new_tokens=self.max_new_tokens)
+        return evaluate_generations(
+            model,
+            trainer.lightning_module.tokenizer,
+            rows,
+            metrics=self.metrics,
+            batch_size=self.batch_size,
+            max_new_tokens=self.max_new_tokens,
+        )
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rows = self._rows(trainer)
@@ -55,8 +62,9 @@ class HeldOutEvaluation(L.Callback):
         if rows is None:
             return
         self.results["after"] = self._evaluate(trainer, pl_module.model, rows)
-        flat = {f"test/{name}_{when}": value for when in ("before", "after")
-                for name, value in self.results[when].items()}
+        flat = {
+            f"test/{name}_{when}": value for when in ("before", "after") for name, value in self.results[when].items()
+        }
         flat.update({f"test/teacher_{name}": v for name, v in self.results.get("teacher", {}).items()})
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -70,8 +78,10 @@ class HeldOutEvaluation(L.Callback):
     def table(self, num_rows: int) -> str:
         lines = [f"Held-out evaluation on {num_rows} test prompts (greedy):"]
         for name in self.metrics:
-            parts = [f"{who} {self.results[key][name]:.3f}" for who, key in
-                     (("teacher", "teacher"), ("model before", "before"), ("model after", "after"))
-                     if key in self.results]
+            parts = [
+                f"{who} {self.results[key][name]:.3f}"
+                for who, key in (("teacher", "teacher"), ("model before", "before"), ("model after", "after"))
+                if key in self.results
+            ]
             lines.append(f"  {name}: " + " | ".join(parts))
         return "\n".join(lines)

@@ -41,8 +41,9 @@ def output_weight(model: nn.Module) -> torch.Tensor:
     return head.weight
 
 
-def final_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        positions: torch.Tensor) -> torch.Tensor:
+def final_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """The decoder's final (normed) hidden states at ``positions``.
 
     Args:
@@ -64,8 +65,13 @@ def final_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
 
     handle = decoder.register_forward_hook(capture)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-              use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device))
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
+        )
     finally:
         handle.remove()
     if "hidden" not in captured:

@@ -17,10 +17,12 @@ def hub_token() -> str:
     """The token in ``$HF_TOKEN``; raises ``HubPushError`` (naming the fix) when it is unset. Never logged."""
     token = os.environ.get(TOKEN_VARIABLE, "").strip()
     if not token:
-        raise HubPushError(f"push_to_hub needs a Hugging Face token in the environment variable {TOKEN_VARIABLE} "
-                           "(a token with write access, from https://huggingface.co/settings/tokens): "
-                           f"`export {TOKEN_VARIABLE}=...`. It is read from the environment only, never from a "
-                           "config file or the command line. Or run with push_to_hub=false.")
+        raise HubPushError(
+            f"push_to_hub needs a Hugging Face token in the environment variable {TOKEN_VARIABLE} "
+            "(a token with write access, from https://huggingface.co/settings/tokens): "
+            f"`export {TOKEN_VARIABLE}=...`. It is read from the environment only, never from a "
+            "config file or the command line. Or run with push_to_hub=false."
+        )
     return token
 
 
@@ -32,14 +34,21 @@ def check_push_settings(repo_id: str | None) -> None:
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
-        raise HubPushError(f"Cannot push to {repo_id!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE or "
-                           "TRANSFORMERS_OFFLINE is set). Unset it on a machine with network access, or run with "
-                           "push_to_hub=false and upload the export folder later with "
-                           f"`hf upload {repo_id} <export folder>`.")
+        raise HubPushError(
+            f"Cannot push to {repo_id!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE or "
+            "TRANSFORMERS_OFFLINE is set). Unset it on a machine with network access, or run with "
+            "push_to_hub=false and upload the export folder later with "
+            f"`hf upload {repo_id} <export folder>`."
+        )
 
 
-def push_folder(folder: str | Path, repo_id: str, *, private: bool = False,
-                commit_message: str = "Upload model trained with lightning_gkd") -> str:
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    commit_message: str = "Upload model trained with lightning_gkd",
+) -> str:
     """Create ``repo_id`` (a model repo; kept if it exists) and upload ``folder`` to it; returns the repo URL.
 
     Errors from the hub are re-raised as ``HubPushError`` naming the repo id and the fix (offline, token missing
@@ -54,23 +63,27 @@ def push_folder(folder: str | Path, repo_id: str, *, private: bool = False,
     later = f" The export stays in {str(folder)!r}; upload it later with `hf upload {repo_id} {folder}`."
     try:
         url = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
-                          commit_message=commit_message)
+        api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", commit_message=commit_message)
     except OfflineModeIsEnabled:
-        raise HubPushError(f"Cannot push to {repo_id!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE or "
-                           "TRANSFORMERS_OFFLINE is set); unset it on a machine with network access." + later
-                           ) from None
+        raise HubPushError(
+            f"Cannot push to {repo_id!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE or "
+            "TRANSFORMERS_OFFLINE is set); unset it on a machine with network access." + later
+        ) from None
     except HfHubHTTPError as error:
         status = getattr(getattr(error, "response", None), "status_code", None)
         if status in (401, 403):
-            fix = (f"the hub rejected the token in {TOKEN_VARIABLE} (HTTP {status}): use a token with write "
-                   f"access to {repo_id.split('/')[0]!r} (https://huggingface.co/settings/tokens).")
+            fix = (
+                f"the hub rejected the token in {TOKEN_VARIABLE} (HTTP {status}): use a token with write "
+                f"access to {repo_id.split('/')[0]!r} (https://huggingface.co/settings/tokens)."
+            )
         else:
             fix = f"the hub answered HTTP {status}: {str(error).splitlines()[0] if str(error) else ''}"
         raise HubPushError(f"Cannot push to {repo_id!r}: {fix}" + later) from None
     except _network_errors() as error:
-        raise HubPushError(f"Cannot push to {repo_id!r}: the hub is unreachable ({type(error).__name__}). Check the "
-                           "network or proxy settings." + later) from None
+        raise HubPushError(
+            f"Cannot push to {repo_id!r}: the hub is unreachable ({type(error).__name__}). Check the "
+            "network or proxy settings." + later
+        ) from None
     return str(url)
 
 

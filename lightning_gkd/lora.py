@@ -23,8 +23,10 @@ def _import_peft() -> Any:
     try:
         import peft
     except ImportError as error:  # pragma: no cover - peft is a dev dependency, so the tests always have it
-        raise ImportError("A LoRA student (a 'lora' entry in the model spec, e.g. model.student.lora.r=8) needs "
-                          "the peft package: pip install peft (or pip install 'lightning-gkd[lora]').") from error
+        raise ImportError(
+            "A LoRA student (a 'lora' entry in the model spec, e.g. model.student.lora.r=8) needs "
+            "the peft package: pip install peft (or pip install 'lightning-gkd[lora]')."
+        ) from error
     return peft
 
 
@@ -49,8 +51,9 @@ def lora_config(spec: Any) -> Any:
     if isinstance(spec, peft.PeftConfig):
         return spec
     if not isinstance(spec, Mapping):
-        raise TypeError(f"lora must be a mapping like {{'r': 8, 'alpha': 16}} or a peft.LoraConfig, got "
-                        f"{type(spec).__name__}.")
+        raise TypeError(
+            f"lora must be a mapping like {{'r': 8, 'alpha': 16}} or a peft.LoraConfig, got {type(spec).__name__}."
+        )
     kwargs: dict[str, Any] = {}
     for short, name in _ALIASES.items():
         if short in spec and name in spec and spec[short] is not None and spec[name] is not None:
@@ -74,8 +77,9 @@ def lora_config(spec: Any) -> Any:
     try:
         return peft.LoraConfig(**kwargs)
     except TypeError as error:
-        raise ValueError(f"lora: {error}. Allowed keys: r, alpha, dropout, target_modules and the arguments of "
-                         "peft.LoraConfig.") from error
+        raise ValueError(
+            f"lora: {error}. Allowed keys: r, alpha, dropout, target_modules and the arguments of peft.LoraConfig."
+        ) from error
 
 
 def apply_lora(model: nn.Module, spec: Any, *, role: str = "model") -> nn.Module:
@@ -90,8 +94,10 @@ def apply_lora(model: nn.Module, spec: Any, *, role: str = "model") -> nn.Module
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return peft.get_peft_model(model, config)
     except ValueError as error:
-        raise ValueError(f"{role}: cannot add LoRA adapters ({error}). Check lora.target_modules "
-                         f"({config.target_modules!r}) against the model's module names.") from error
+        raise ValueError(
+            f"{role}: cannot add LoRA adapters ({error}). Check lora.target_modules "
+            f"({config.target_modules!r}) against the model's module names."
+        ) from error
 
 
 def is_peft_model(model: nn.Module) -> bool:

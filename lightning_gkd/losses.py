@@ -11,8 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "PREFERENCE_LOSS_TYPES", "generalized_jsd_loss", "preference_loss",
-           "sequence_logps"]
+__all__ = ["IGNORE_INDEX", "PREFERENCE_LOSS_TYPES", "generalized_jsd_loss", "preference_loss", "sequence_logps"]
 
 #: Label value marking positions that do not contribute to the loss.
 IGNORE_INDEX: int = -100
@@ -136,9 +135,7 @@ def generalized_jsd_loss(
         loss = log_s.exp() * (log_s - log_t)
     else:
         log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
-        loss = beta * (log_t.exp() * (log_t - log_m)) + (1.0 - beta) * (
-            log_s.exp() * (log_s - log_m)
-        )
+        loss = beta * (log_t.exp() * (log_t - log_m)) + (1.0 - beta) * (log_s.exp() * (log_s - log_m))
 
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
@@ -182,8 +179,9 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
         ``(B,)`` float32 (float64 for float64 logits); 0 for a row without a valid position.
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:-1]:
-        raise ValueError(f"Expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and "
-                         f"{tuple(labels.shape)}.")
+        raise ValueError(
+            f"Expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and {tuple(labels.shape)}."
+        )
     mask = labels != ignore_index
     targets = labels.masked_fill(~mask, 0).unsqueeze(-1)
     picked = _to_compute_dtype(logits.gather(-1, targets).squeeze(-1))
@@ -234,8 +232,10 @@ def preference_loss(
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}.")
     if label_smoothing and loss_type != "sigmoid":
-        raise ValueError(f"label_smoothing applies to loss_type='sigmoid' only; got loss_type={loss_type!r} with "
-                         f"label_smoothing={label_smoothing}. Set label_smoothing=0.")
+        raise ValueError(
+            f"label_smoothing applies to loss_type='sigmoid' only; got loss_type={loss_type!r} with "
+            f"label_smoothing={label_smoothing}. Set label_smoothing=0."
+        )
     shapes = {tuple(t.shape) for t in (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)}
     if len(shapes) != 1 or chosen_logps.dim() != 1:
         raise ValueError(f"The four log-prob tensors must all have shape (B,), got {sorted(shapes)}.")
@@ -243,10 +243,13 @@ def preference_loss(
     rejected_ratio = rejected_logps - ref_rejected_logps
     if loss_type == "ipo":
         if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError("loss_type='ipo' normalises by completion length: pass chosen_lengths and "
-                             "rejected_lengths (token counts, shape (B,)).")
-        delta = (chosen_ratio / chosen_lengths.clamp(min=1).to(chosen_ratio.dtype)
-                 - rejected_ratio / rejected_lengths.clamp(min=1).to(rejected_ratio.dtype))
+            raise ValueError(
+                "loss_type='ipo' normalises by completion length: pass chosen_lengths and "
+                "rejected_lengths (token counts, shape (B,))."
+            )
+        delta = chosen_ratio / chosen_lengths.clamp(min=1).to(
+            chosen_ratio.dtype
+        ) - rejected_ratio / rejected_lengths.clamp(min=1).to(rejected_ratio.dtype)
         return (delta - 1.0 / (2.0 * beta)) ** 2
     logits = beta * (chosen_ratio - rejected_ratio)
     if loss_type == "hinge":

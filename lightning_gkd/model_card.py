@@ -58,13 +58,19 @@ def card_info_from_trainer(module: Any) -> dict[str, Any]:
     trainer = getattr(module, "_trainer", None)
     if trainer is None:
         return {}
-    info: dict[str, Any] = {"global_step": int(trainer.global_step),
-                            "metrics": {key: float(value) for key, value in trainer.callback_metrics.items()
-                                        if getattr(value, "numel", lambda: 1)() == 1}}
+    info: dict[str, Any] = {
+        "global_step": int(trainer.global_step),
+        "metrics": {
+            key: float(value)
+            for key, value in trainer.callback_metrics.items()
+            if getattr(value, "numel", lambda: 1)() == 1
+        },
+    }
     datamodule = getattr(trainer, "datamodule", None)
     if datamodule is not None:
-        data = {split: describe_data(getattr(datamodule, f"{split}_source", None))
-                for split in ("train", "val", "test")}
+        data = {
+            split: describe_data(getattr(datamodule, f"{split}_source", None)) for split in ("train", "val", "test")
+        }
         info["data"] = {split: text for split, text in data.items() if text}
     return info
 
@@ -82,10 +88,18 @@ def model_card(module: Any, card_info: Mapping[str, Any] | None = None) -> str:
     if is_hub_id(base):
         front.append(f"base_model: {base}")
     front.append("---")
-    lines = [*front, "", f"# {Path(str(base)).name if base else 'model'} trained with lightning_gkd ({method})", "",
-             "## Models", ""]
-    lines += [f"- {name}: `{source}`" if source else f"- {name}: (an in-memory model; source unknown)"
-              for name, source in sources.items()]
+    lines = [
+        *front,
+        "",
+        f"# {Path(str(base)).name if base else 'model'} trained with lightning_gkd ({method})",
+        "",
+        "## Models",
+        "",
+    ]
+    lines += [
+        f"- {name}: `{source}`" if source else f"- {name}: (an in-memory model; source unknown)"
+        for name, source in sources.items()
+    ]
     lines += ["", f"## Method: {method}", ""]
     lines += [f"- {key}: `{value!r}`" for key, value in sorted(hparams.items())] or ["- (no hyperparameters recorded)"]
     data = info.pop("data", None)
@@ -100,10 +114,15 @@ def model_card(module: Any, card_info: Mapping[str, Any] | None = None) -> str:
         lines.append(f"- {key}: {value}")
     if metrics:
         lines += ["", "## Final metrics", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
-                  for key, value in sorted(metrics.items())]
-    lines += ["", "Load it with `AutoModelForCausalLM.from_pretrained(<this folder or repo>)`; the tokenizer is saved "
-              "beside it.", ""]
+        lines += [
+            f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
+            for key, value in sorted(metrics.items())
+        ]
+    lines += [
+        "",
+        "Load it with `AutoModelForCausalLM.from_pretrained(<this folder or repo>)`; the tokenizer is saved beside it.",
+        "",
+    ]
     return "\n".join(lines)
 
 

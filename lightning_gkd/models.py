@@ -27,8 +27,13 @@ def resolve_dtype(value: Any) -> Any:
     return dtype
 
 
-def load_causal_lm(source: ModelSource, *, init_kwargs: Mapping[str, Any] | None = None,
-                   trust_remote_code: bool = False, role: str = "model") -> nn.Module:
+def load_causal_lm(
+    source: ModelSource,
+    *,
+    init_kwargs: Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    role: str = "model",
+) -> nn.Module:
     """Build or load a causal LM.
 
     ``source`` may be: an ``nn.Module`` (returned as is); a local folder written by ``save_pretrained`` or a hub
@@ -52,8 +57,9 @@ def load_causal_lm(source: ModelSource, *, init_kwargs: Mapping[str, Any] | None
     if isinstance(source, Mapping):
         unknown = set(source) - _SPEC_KEYS
         if unknown:
-            raise ValueError(f"{role}: unknown key(s) {sorted(unknown)} in the model spec; "
-                             f"allowed: {sorted(_SPEC_KEYS)}.")
+            raise ValueError(
+                f"{role}: unknown key(s) {sorted(unknown)} in the model spec; allowed: {sorted(_SPEC_KEYS)}."
+            )
         kwargs = {**dict(source.get("init_kwargs") or {}), **kwargs}
         trust_remote_code = bool(source.get("trust_remote_code", trust_remote_code))
         if source.get("config") is not None:
@@ -74,8 +80,10 @@ def load_causal_lm(source: ModelSource, *, init_kwargs: Mapping[str, Any] | None
     if folder.is_dir():
         name = str(folder)
     elif name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise FileNotFoundError(f"{role}: model folder {name!r} does not exist. Pass an existing folder written by "
-                                "save_pretrained, or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'.")
+        raise FileNotFoundError(
+            f"{role}: model folder {name!r} does not exist. Pass an existing folder written by "
+            "save_pretrained, or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'."
+        )
     if "dtype" in kwargs:
         kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
     if isinstance(kwargs.get("quantization_config"), Mapping):
@@ -134,6 +142,8 @@ def check_same_vocab(student: nn.Module, teacher: nn.Module, *, teacher_role: st
     """Token-level distillation compares distributions over one vocabulary: sizes must match."""
     student_size, teacher_size = vocab_size(student), vocab_size(teacher)
     if student_size is not None and teacher_size is not None and student_size != teacher_size:
-        raise ValueError(f"Student vocabulary size {student_size} differs from the {teacher_role}'s {teacher_size}. "
-                         "Token-level distillation needs one shared tokenizer/vocabulary: pick a "
-                         f"{teacher_role} from the student's model family, or resize the embeddings to match.")
+        raise ValueError(
+            f"Student vocabulary size {student_size} differs from the {teacher_role}'s {teacher_size}. "
+            "Token-level distillation needs one shared tokenizer/vocabulary: pick a "
+            f"{teacher_role} from the student's model family, or resize the embeddings to match."
+        )

@@ -14,12 +14,21 @@ def latest_run_checkpoint(runs_dir: str | Path, *, exclude: str | Path | None = 
     the run folder ``exclude`` (the current run). Raises ``CheckpointError`` naming the folder when none exists."""
     runs_dir = Path(runs_dir)
     skip = Path(exclude).resolve() if exclude is not None else None
-    candidates = [path for path in runs_dir.glob("*/checkpoints/last.ckpt")
-                  if path.is_file() and path.parents[1].resolve() != skip] if runs_dir.is_dir() else []
+    candidates = (
+        [
+            path
+            for path in runs_dir.glob("*/checkpoints/last.ckpt")
+            if path.is_file() and path.parents[1].resolve() != skip
+        ]
+        if runs_dir.is_dir()
+        else []
+    )
     if not candidates:
-        raise CheckpointError(f"ckpt_path=last: no earlier run under {str(runs_dir)!r} has checkpoints/last.ckpt. "
-                              "Start without ckpt_path, or pass the checkpoint file: ckpt_path=<run>/checkpoints/"
-                              "<name>.ckpt.")
+        raise CheckpointError(
+            f"ckpt_path=last: no earlier run under {str(runs_dir)!r} has checkpoints/last.ckpt. "
+            "Start without ckpt_path, or pass the checkpoint file: ckpt_path=<run>/checkpoints/"
+            "<name>.ckpt."
+        )
     return max(candidates, key=lambda path: (path.stat().st_mtime, str(path)))
 
 

@@ -32,11 +32,19 @@ class SampleTable(L.Callback):
     ``samples/top1_agreement``. Every rank generates (sharded models need all ranks); rank zero reports.
     """
 
-    def __init__(self, every_n_steps: int = 50, num_samples: int = 4, max_new_tokens: int = 32,
-                 max_chars: int = 60, filename: str = "samples.jsonl") -> None:
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        num_samples: int = 4,
+        max_new_tokens: int = 32,
+        max_chars: int = 60,
+        filename: str = "samples.jsonl",
+    ) -> None:
         if every_n_steps < 1 or num_samples < 1 or max_new_tokens < 1:
-            raise ValueError("every_n_steps, num_samples and max_new_tokens must be >= 1, got "
-                             f"{every_n_steps}, {num_samples}, {max_new_tokens}.")
+            raise ValueError(
+                "every_n_steps, num_samples and max_new_tokens must be >= 1, got "
+                f"{every_n_steps}, {num_samples}, {max_new_tokens}."
+            )
         self.every_n_steps, self.num_samples, self.max_new_tokens = every_n_steps, num_samples, max_new_tokens
         self.max_chars, self.filename = max_chars, filename
         self.history: list[dict[str, Any]] = []  # every reported sample, as written to samples.jsonl
@@ -44,8 +52,9 @@ class SampleTable(L.Callback):
         self._disabled = False
         self._last_step = -1
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self._disabled or step == 0 or step == self._last_step or step % self.every_n_steps:
             return
@@ -75,16 +84,22 @@ class SampleTable(L.Callback):
         eos = resolve_eos_token_id(model, tokenizer)
         ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        full = generate_completions(model, ids, mask, max_new_tokens=self.max_new_tokens, pad_token_id=pad,
-                                    eos_token_id=eos, do_sample=False)
-        completions = decode_until_eos(tokenizer, full["input_ids"][:, ids.shape[1]:].tolist(), eos)
+        full = generate_completions(
+            model, ids, mask, max_new_tokens=self.max_new_tokens, pad_token_id=pad, eos_token_id=eos, do_sample=False
+        )
+        completions = decode_until_eos(tokenizer, full["input_ids"][:, ids.shape[1] :].tolist(), eos)
         compared = next((getattr(pl_module, name) for name in _COMPARED if hasattr(pl_module, name)), None)
         agreement: list[float | None] = [None] * len(completions)
         if isinstance(compared, nn.Module):
             agreement = top1_agreement(model, compared, full).tolist()
-        return [{"prompt": tokenizer.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True),
-                 "completion": completion, "agreement": agree}
-                for row, row_mask, completion, agree in zip(ids, mask, completions, agreement, strict=True)]
+        return [
+            {
+                "prompt": tokenizer.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True),
+                "completion": completion,
+                "agreement": agree,
+            }
+            for row, row_mask, completion, agree in zip(ids, mask, completions, agreement, strict=True)
+        ]
 
     def _report(self, trainer: L.Trainer, step: int, rows: list[dict[str, Any]]) -> None:
         pl_module = trainer.lightning_module
@@ -104,8 +119,12 @@ class SampleTable(L.Callback):
             if callable(getattr(experiment, "add_text", None)):  # TensorBoard
                 experiment.add_text("samples", _markdown(rows, compared), global_step=step)
             elif callable(getattr(logger, "log_text", None)):  # W&B
-                logger.log_text(key="samples", columns=["prompt", "completion", "agreement"],
-                                data=[[r["prompt"], r["completion"], r["agreement"]] for r in rows], step=step)
+                logger.log_text(
+                    key="samples",
+                    columns=["prompt", "completion", "agreement"],
+                    data=[[r["prompt"], r["completion"], r["agreement"]] for r in rows],
+                    step=step,
+                )
 
 
 @torch.no_grad()
@@ -113,8 +132,12 @@ def top1_agreement(model: nn.Module, compared: nn.Module, batch: Mapping[str, to
     """Per row ``(B,)``: the fraction of completion positions (labels != -100) where the argmax of ``compared``'s
     next-token logits equals ``model``'s (0 for a row without completion tokens)."""
     mask = batch["attention_mask"]
-    kwargs = {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
-              "use_cache": False}
+    kwargs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": mask,
+        "position_ids": position_ids_from_mask(mask),
+        "use_cache": False,
+    }
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -150,7 +173,7 @@ def _clip(text: str, limit: int, *, keep_end: bool = False) -> str:
     flat = " ".join(text.split())
     if len(flat) <= limit:
         return flat
-    return "…" + flat[-(limit - 1):] if keep_end else flat[:limit - 1] + "…"
+    return "…" + flat[-(limit - 1) :] if keep_end else flat[: limit - 1] + "…"
 
 
 def _completion_cell(text: str, limit: int) -> str:
@@ -179,8 +202,10 @@ def _markdown(rows: list[dict[str, Any]], compared: str | None) -> str:
     header = "| prompt | completion |" + (f" top-1 agreement with {compared} |" if compared else "")
     lines = [header, "|---|---|" + ("---|" if compared else "")]
     for row in rows:
-        cells = [_clip(row["prompt"], 200, keep_end=True).replace("|", "\\|"),
-                 _completion_cell(row["completion"], 200).replace("|", "\\|")]
+        cells = [
+            _clip(row["prompt"], 200, keep_end=True).replace("|", "\\|"),
+            _completion_cell(row["completion"], 200).replace("|", "\\|"),
+        ]
         if compared:
             cells.append("-" if row["agreement"] is None else f"{row['agreement']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")

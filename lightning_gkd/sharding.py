@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["decoder_layers", "full_state_dict", "is_sharded", "mixed_precision_policy", "reshard",
-           "shard_causal_lm"]
+__all__ = ["decoder_layers", "full_state_dict", "is_sharded", "mixed_precision_policy", "reshard", "shard_causal_lm"]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -42,8 +41,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [module for module in model.modules() if type(module).__name__ in names]
     if not found:
-        raise ValueError(f"Cannot find the decoder layers of {type(model).__name__} to shard: it has neither "
-                         "get_decoder().layers nor submodules named in _no_split_modules.")
+        raise ValueError(
+            f"Cannot find the decoder layers of {type(model).__name__} to shard: it has neither "
+            "get_decoder().layers nor submodules named in _no_split_modules."
+        )
     return found
 
 
@@ -54,8 +55,9 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
-def shard_causal_lm(model: nn.Module, mesh: Any, *, reshard_after_forward: bool = True,
-                    mp_policy: Any = None) -> nn.Module:
+def shard_causal_lm(
+    model: nn.Module, mesh: Any, *, reshard_after_forward: bool = True, mp_policy: Any = None
+) -> nn.Module:
     """``fully_shard`` each decoder layer of ``model`` over the 1-D ``mesh``, then ``model`` itself (the root unit:
     embeddings, final norm, LM head). Idempotent: a model that is already sharded is returned as is.
 
@@ -103,4 +105,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-

@@ -60,5 +60,7 @@ class SignalCheckpoint(L.Callback):
             return
         trainer.save_checkpoint(self.path)
         self.saved_path = self.path
-        rank_zero_info(f"Received {name}: stopped after step {trainer.global_step} and saved {self.path}. Resume "
-                       f"with ckpt_path={self.path}")
+        rank_zero_info(
+            f"Received {name}: stopped after step {trainer.global_step} and saved {self.path}. Resume "
+            f"with ckpt_path={self.path}"
+        )

@@ -1,6 +1,6 @@
 """Hydra entry point: compose -> instantiate -> fit -> export.
 
-    python -m lightning_gkd.train [overrides...]      # or: lightning-gkd [overrides...]
+python -m lightning_gkd.train [overrides...]      # or: lightning-gkd [overrides...]
 """
 
 from __future__ import annotations
@@ -68,16 +68,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     datamodule = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
-    module = instantiate(cfg.method, tokenizer=datamodule.tokenizer, optimizer=instantiate(cfg.optimizer),
-                         scheduler=scheduler, _convert_="all")
+    module = instantiate(
+        cfg.method,
+        tokenizer=datamodule.tokenizer,
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=scheduler,
+        _convert_="all",
+    )
     # Load and check the data now: an error raised inside fit comes after the loggers have set up their folders
     # (the CSV logger deletes an old metrics.csv there).
     datamodule.setup("fit")
     if hasattr(module, "check_datamodule"):
         module.check_datamodule(datamodule)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")),
-                                     logger=logger)
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=logger)
     use_safe_checkpoint_io(trainer)  # weights-only loading, atomic checkpoint writes, clear errors
     started = time.perf_counter()
     try:
@@ -88,38 +92,53 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
     signal_checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, SignalCheckpoint)), None)
     result: dict[str, Any] = {
-        "metrics": metrics, "global_step": trainer.global_step, "fit_seconds": time.perf_counter() - started,
-        "tokens_per_sec": module.tokens_per_second(), "trained_tokens": module.trained_tokens,
-        "student_dir": None, "merged_dir": None, "hub_url": None, "stopped_by_signal": stopped_by_signal,
+        "metrics": metrics,
+        "global_step": trainer.global_step,
+        "fit_seconds": time.perf_counter() - started,
+        "tokens_per_sec": module.tokens_per_second(),
+        "trained_tokens": module.trained_tokens,
+        "student_dir": None,
+        "merged_dir": None,
+        "hub_url": None,
+        "stopped_by_signal": stopped_by_signal,
         "resumed_from": ckpt_path,
-        "resume_from": str(signal_checkpoint.saved_path) if signal_checkpoint and signal_checkpoint.saved_path
+        "resume_from": str(signal_checkpoint.saved_path)
+        if signal_checkpoint and signal_checkpoint.saved_path
         else None,
-        "held_out": next((cb.results for cb in trainer.callbacks if isinstance(cb, HeldOutEvaluation)), {})}
+        "held_out": next((cb.results for cb in trainer.callbacks if isinstance(cb, HeldOutEvaluation)), {}),
+    }
     if cfg.get("export") and trainer.is_global_zero and not stopped_by_signal:
         # A LoRA student exports its adapter to student/ and, with export_merged, the merged model to
         # student_merged/; any other model exports itself to student/.
         output_dir = Path(cfg.paths.output_dir)
         merged = output_dir / "student_merged" if cfg.get("export_merged", True) else None
-        result["student_dir"] = str(module.export(output_dir / "student", card_info=card_info(cfg, result),
-                                                  merged_path=merged))
+        result["student_dir"] = str(
+            module.export(output_dir / "student", card_info=card_info(cfg, result), merged_path=merged)
+        )
         if merged is not None and is_peft_model(module.model):
             result["merged_dir"] = str(merged.resolve())
         if cfg.get("push_to_hub"):
-            result["hub_url"] = push_folder(result["student_dir"], cfg.hub_model_id,
-                                            private=bool(cfg.get("hub_private_repo")))
+            result["hub_url"] = push_folder(
+                result["student_dir"], cfg.hub_model_id, private=bool(cfg.get("hub_private_repo"))
+            )
     print_summary(result)
     return result
 
 
 def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
     """What the model card records beyond the module's own view: the run's knobs and results."""
-    info: dict[str, Any] = {"seed": cfg.seed, "fit time (s)": round(result["fit_seconds"], 1),
-                            "throughput (completion tokens/s)": round(result["tokens_per_sec"])}
+    info: dict[str, Any] = {
+        "seed": cfg.seed,
+        "fit time (s)": round(result["fit_seconds"], 1),
+        "throughput (completion tokens/s)": round(result["tokens_per_sec"]),
+    }
     data = cfg.get("data")
     if data is not None:
-        info["data"] = {split: _describe_data_config(data.get(key)) for split, key in
-                        (("train", "train_data"), ("val", "val_data"), ("test", "test_data"))
-                        if data.get(key) is not None}
+        info["data"] = {
+            split: _describe_data_config(data.get(key))
+            for split, key in (("train", "train_data"), ("val", "val_data"), ("test", "test_data"))
+            if data.get(key) is not None
+        }
     if result.get("resumed_from"):
         info["resumed from"] = result["resumed_from"]
     for who, scores in result["held_out"].items():
@@ -140,11 +159,16 @@ def _describe_data_config(node: Any) -> str:
 @rank_zero_only
 def print_summary(result: dict[str, Any]) -> None:
     """Steps, time, throughput, final losses and metrics, held-out scores, and where the student went."""
-    lines = [f"steps: {result['global_step']}  fit time: {result['fit_seconds']:.1f}s  "
-             f"throughput: {result['tokens_per_sec']:.0f} tokens/s ({result['trained_tokens']} completion tokens "
-             "trained)"]
-    metrics = {name: value for name, value in result["metrics"].items()
-               if not name.startswith("test/") and name != "train/tokens_per_sec"}
+    lines = [
+        f"steps: {result['global_step']}  fit time: {result['fit_seconds']:.1f}s  "
+        f"throughput: {result['tokens_per_sec']:.0f} tokens/s ({result['trained_tokens']} completion tokens "
+        "trained)"
+    ]
+    metrics = {
+        name: value
+        for name, value in result["metrics"].items()
+        if not name.startswith("test/") and name != "train/tokens_per_sec"
+    }
     losses = sorted(name for name in metrics if name.endswith("/loss"))
     lines += [f"{name}: {metrics[name]:.4f}" for name in losses + sorted(set(metrics) - set(losses))]
     for who, scores in result["held_out"].items():

@@ -35,10 +35,20 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDENT = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
-           "num_key_value_heads": 2}
-TEACHER = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
-           "num_key_value_heads": 4}
+STUDENT = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TEACHER = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
 VOCAB, BATCH, NEW_TOKENS, MAX_LENGTH = 32000, 8, 64, 256
 CONFIGS = ["trl", "trl_no_gc", "ours", "ours_k4"]
 
@@ -72,8 +82,15 @@ def bench_rows(count: int, seed: int = 0) -> list[dict]:
             out += rng.choice(words) + " "
         return out[:chars].strip()
 
-    return [{"messages": [{"role": "user", "content": "Continue: " + text(30)},
-                          {"role": "assistant", "content": text(NEW_TOKENS)}]} for _ in range(count)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "Continue: " + text(30)},
+                {"role": "assistant", "content": text(NEW_TOKENS)},
+            ]
+        }
+        for _ in range(count)
+    ]
 
 
 def build_models(tokenizer):
@@ -82,9 +99,16 @@ def build_models(tokenizer):
 
     def model(spec: dict, seed: int):
         torch.manual_seed(seed)
-        config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, max_position_embeddings=512,
-                                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **spec)
+        config = AutoConfig.for_model(
+            "qwen2",
+            vocab_size=VOCAB,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            **spec,
+        )
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     return model(STUDENT, 0), model(TEACHER, 1)
@@ -112,14 +136,36 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
                 ends.append(time.perf_counter())
 
         with tempfile.TemporaryDirectory() as out:
-            args = GKDConfig(output_dir=out, per_device_train_batch_size=BATCH, max_steps=warmup + steps,
-                             lmbda=lmbda, beta=0.5, temperature=0.9, max_new_tokens=NEW_TOKENS, learning_rate=1e-5,
-                             max_grad_norm=1.0, max_length=MAX_LENGTH, logging_steps=10**6, save_strategy="no",
-                             report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0,
-                             gradient_checkpointing=(config == "trl"), dataloader_num_workers=0)
-            trainer = GKDTrainer(model=student, teacher_model=teacher, args=args,
-                                 train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                                 data_collator=ChatMLCollator(tokenizer, MAX_LENGTH), callbacks=[StepEnds()])
+            args = GKDConfig(
+                output_dir=out,
+                per_device_train_batch_size=BATCH,
+                max_steps=warmup + steps,
+                lmbda=lmbda,
+                beta=0.5,
+                temperature=0.9,
+                max_new_tokens=NEW_TOKENS,
+                learning_rate=1e-5,
+                max_grad_norm=1.0,
+                max_length=MAX_LENGTH,
+                logging_steps=10**6,
+                save_strategy="no",
+                report_to=[],
+                use_cpu=True,
+                bf16=False,
+                fp16=False,
+                seed=0,
+                gradient_checkpointing=(config == "trl"),
+                dataloader_num_workers=0,
+            )
+            trainer = GKDTrainer(
+                model=student,
+                teacher_model=teacher,
+                args=args,
+                train_dataset=Dataset.from_list(rows),
+                processing_class=tokenizer,
+                data_collator=ChatMLCollator(tokenizer, MAX_LENGTH),
+                callbacks=[StepEnds()],
+            )
             trainer.train()
         group = 1
     else:
@@ -133,17 +179,41 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 ends.append(time.perf_counter())
 
-        module = GKDModule(student, teacher, tokenizer, lmbda=lmbda, beta=0.5, temperature=0.9,
-                           max_new_tokens=NEW_TOKENS, optimizer=partial(torch.optim.AdamW, lr=1e-5), seed=0)
-        datamodule = ChatDataModule(tokenizer, rows, batch_size=BATCH, max_length=MAX_LENGTH,
-                                    steps_per_generation=group)
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, gradient_clip_val=1.0, callbacks=[StepEnds()])
+        module = GKDModule(
+            student,
+            teacher,
+            tokenizer,
+            lmbda=lmbda,
+            beta=0.5,
+            temperature=0.9,
+            max_new_tokens=NEW_TOKENS,
+            optimizer=partial(torch.optim.AdamW, lr=1e-5),
+            seed=0,
+        )
+        datamodule = ChatDataModule(
+            tokenizer, rows, batch_size=BATCH, max_length=MAX_LENGTH, steps_per_generation=group
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=warmup + steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            gradient_clip_val=1.0,
+            callbacks=[StepEnds()],
+        )
         trainer.fit(module, datamodule=datamodule)
-    timed = [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:], strict=True)]
-    return {"seconds_per_step": sum(timed) / len(timed), "steps": len(timed), "group": group,
-            "peak_rss_mb": rss_mb(), "baseline_rss_mb": baseline}
+    timed = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=True)]
+    return {
+        "seconds_per_step": sum(timed) / len(timed),
+        "steps": len(timed),
+        "group": group,
+        "peak_rss_mb": rss_mb(),
+        "baseline_rss_mb": baseline,
+    }
 
 
 def breakdown(batches: int = 4) -> dict:
@@ -158,8 +228,7 @@ def breakdown(batches: int = 4) -> dict:
     tokenizer = build_chatml_tokenizer()
     student, teacher = build_models(tokenizer)
     module = GKDModule(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=NEW_TOKENS)
-    datamodule = ChatDataModule(tokenizer, bench_rows(BATCH * (batches + 1)), batch_size=BATCH,
-                                max_length=MAX_LENGTH)
+    datamodule = ChatDataModule(tokenizer, bench_rows(BATCH * (batches + 1)), batch_size=BATCH, max_length=MAX_LENGTH)
     datamodule.setup("fit")
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
     parts: dict[str, list[float]] = {"sample": [], "loss forward": [], "backward": [], "optimizer": []}
@@ -182,8 +251,13 @@ def breakdown(batches: int = 4) -> dict:
 
 def run_one(config: str, lmbda: float, warmup: int, steps: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, __file__, "--worker", config, str(lmbda), str(warmup), str(steps)],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", config, str(lmbda), str(warmup), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{config} lmbda={lmbda} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -196,60 +270,79 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
     def ratio(value: float, baseline: str, lmbda: float, key: str) -> str:
         return f"{value / med(baseline, lmbda, key):.2f}x" if f"{baseline}@{lmbda}" in results else "—"
 
-    lines = ["# Benchmarks: one GKD optimizer step, ours vs TRL's GKDTrainer", "",
-             f"Made by `{command}` on {time.strftime('%Y-%m-%d')} in {seconds / 60:.1f} min.", "",
-             f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-             f"{platform.system()}, Python {platform.python_version()}, torch "
-             f"{__import__('torch').__version__} (CPU), transformers {__import__('transformers').__version__}, "
-             f"trl {__import__('trl').__version__}, lightning {__import__('lightning').__version__}.",
-             f"- Models: Qwen2, random init, vocabulary {VOCAB}; student {STUDENT['num_hidden_layers']} x "
-             f"{STUDENT['hidden_size']}, teacher {TEACHER['num_hidden_layers']} x {TEACHER['hidden_size']}; "
-             f"float32 on both sides.",
-             f"- Batch {BATCH}, prompts ~40 tokens, dataset answers ~{NEW_TOKENS} tokens, {NEW_TOKENS} sampled tokens "
-             "at temperature 0.9 (random models rarely sample EOS, so every on-policy batch is 64 tokens), "
-             "beta 0.5, AdamW, clipping 1.0.",
-             f"- Each cell: median over {reps} repetitions of the mean seconds per optimizer step over {steps} timed "
-             "steps after warm-up, each measurement in its own process, configurations alternating. Peak memory: "
-             "the process's peak resident set (includes Python, torch and the models, "
-             "~the 'baseline' column measured just before training).",
-             "- TRL's supervised (lmbda 0) step is slow here because these rows have ~64-token answers and "
-             f"~40-token prompts: it projects both models to the {VOCAB}-way vocabulary at all ~110 positions and "
-             "keeps several such float32 tensors for its loss and backward; shorter rows make it cheaper.", "",
-             "| configuration | lmbda | s / optimizer step | vs TRL default | vs TRL no-gc | peak RSS MB | "
-             "baseline RSS MB | peak vs TRL default |",
-             "|---|---|---|---|---|---|---|---|"]
-    names = {"trl": "TRL GKDTrainer, defaults (gradient checkpointing on)",
-             "trl_no_gc": "TRL GKDTrainer, gradient checkpointing off",
-             "ours": "ours, GKDModule (steps_per_generation 1)", "ours_k4": "ours, steps_per_generation 4"}
+    lines = [
+        "# Benchmarks: one GKD optimizer step, ours vs TRL's GKDTrainer",
+        "",
+        f"Made by `{command}` on {time.strftime('%Y-%m-%d')} in {seconds / 60:.1f} min.",
+        "",
+        f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{platform.system()}, Python {platform.python_version()}, torch "
+        f"{__import__('torch').__version__} (CPU), transformers {__import__('transformers').__version__}, "
+        f"trl {__import__('trl').__version__}, lightning {__import__('lightning').__version__}.",
+        f"- Models: Qwen2, random init, vocabulary {VOCAB}; student {STUDENT['num_hidden_layers']} x "
+        f"{STUDENT['hidden_size']}, teacher {TEACHER['num_hidden_layers']} x {TEACHER['hidden_size']}; "
+        f"float32 on both sides.",
+        f"- Batch {BATCH}, prompts ~40 tokens, dataset answers ~{NEW_TOKENS} tokens, {NEW_TOKENS} sampled tokens "
+        "at temperature 0.9 (random models rarely sample EOS, so every on-policy batch is 64 tokens), "
+        "beta 0.5, AdamW, clipping 1.0.",
+        f"- Each cell: median over {reps} repetitions of the mean seconds per optimizer step over {steps} timed "
+        "steps after warm-up, each measurement in its own process, configurations alternating. Peak memory: "
+        "the process's peak resident set (includes Python, torch and the models, "
+        "~the 'baseline' column measured just before training).",
+        "- TRL's supervised (lmbda 0) step is slow here because these rows have ~64-token answers and "
+        f"~40-token prompts: it projects both models to the {VOCAB}-way vocabulary at all ~110 positions and "
+        "keeps several such float32 tensors for its loss and backward; shorter rows make it cheaper.",
+        "",
+        "| configuration | lmbda | s / optimizer step | vs TRL default | vs TRL no-gc | peak RSS MB | "
+        "baseline RSS MB | peak vs TRL default |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    names = {
+        "trl": "TRL GKDTrainer, defaults (gradient checkpointing on)",
+        "trl_no_gc": "TRL GKDTrainer, gradient checkpointing off",
+        "ours": "ours, GKDModule (steps_per_generation 1)",
+        "ours_k4": "ours, steps_per_generation 4",
+    }
     for lmbda in (0.0, 1.0):
         for config in CONFIGS:
             if f"{config}@{lmbda}" not in results:
                 continue
             s = med(config, lmbda, "seconds_per_step")
             peak = med(config, lmbda, "peak_rss_mb")
-            lines.append(f"| {names[config]} | {lmbda:g} | {s:.3f} | {ratio(s, 'trl', lmbda, 'seconds_per_step')}"
-                         f" | {ratio(s, 'trl_no_gc', lmbda, 'seconds_per_step')} | {peak:.0f} | "
-                         f"{med(config, lmbda, 'baseline_rss_mb'):.0f} | {ratio(peak, 'trl', lmbda, 'peak_rss_mb')} |")
+            lines.append(
+                f"| {names[config]} | {lmbda:g} | {s:.3f} | {ratio(s, 'trl', lmbda, 'seconds_per_step')}"
+                f" | {ratio(s, 'trl_no_gc', lmbda, 'seconds_per_step')} | {peak:.0f} | "
+                f"{med(config, lmbda, 'baseline_rss_mb'):.0f} | {ratio(peak, 'trl', lmbda, 'peak_rss_mb')} |"
+            )
     if "breakdown" in results:
         parts = results["breakdown"][0]
         total = sum(parts.values())
-        lines += ["", "Where one on-policy step of ours goes (lmbda 1, steps_per_generation 1; each part timed "
-                  "separately outside Lightning, median of 3 batches):", "",
-                  "| part | seconds | share |", "|---|---|---|"]
+        lines += [
+            "",
+            "Where one on-policy step of ours goes (lmbda 1, steps_per_generation 1; each part timed "
+            "separately outside Lightning, median of 3 batches):",
+            "",
+            "| part | seconds | share |",
+            "|---|---|---|",
+        ]
         lines += [f"| {name} | {value:.3f} | {value / total:.0%} |" for name, value in parts.items()]
-        lines += ["", f"Sampling {NEW_TOKENS} tokens for {BATCH} rows is one prefill plus {NEW_TOKENS - 1} "
-                  "one-token forwards with the KV cache; each reads the student's whole output projection "
-                  f"({VOCAB} x {STUDENT['hidden_size']} floats), which bounds it from below. "
-                  "steps_per_generation 4 samples 4 batches in one call, so that read is shared by 4x the rows. "
-                  "The loss forward is the student and teacher forwards plus the chunked JSD (projection to the "
-                  "vocabulary at completion positions only, gradients of the logits computed in the same pass), "
-                  "which is why the backward is short."]
+        lines += [
+            "",
+            f"Sampling {NEW_TOKENS} tokens for {BATCH} rows is one prefill plus {NEW_TOKENS - 1} "
+            "one-token forwards with the KV cache; each reads the student's whole output projection "
+            f"({VOCAB} x {STUDENT['hidden_size']} floats), which bounds it from below. "
+            "steps_per_generation 4 samples 4 batches in one call, so that read is shared by 4x the rows. "
+            "The loss forward is the student and teacher forwards plus the chunked JSD (projection to the "
+            "vocabulary at completion positions only, gradients of the logits computed in the same pass), "
+            "which is why the backward is short.",
+        ]
     lines += ["", "Raw measurements (seconds per step, peak RSS MB) per repetition:", ""]
     for key, runs in results.items():
         if key == "breakdown":
             continue
-        lines.append(f"- `{key}`: " + ", ".join(f"{r['seconds_per_step']:.3f} s / {r['peak_rss_mb']:.0f} MB"
-                                                 for r in runs))
+        lines.append(
+            f"- `{key}`: " + ", ".join(f"{r['seconds_per_step']:.3f} s / {r['peak_rss_mb']:.0f} MB" for r in runs)
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -281,8 +374,11 @@ def main() -> None:
             for config in order:
                 result = run_one(config, lmbda, args.warmup, args.steps)
                 results.setdefault(f"{config}@{lmbda}", []).append(result)
-                print(f"rep {rep} {config:10s} lmbda={lmbda:g}: {result['seconds_per_step']:.3f} s/step, "
-                      f"peak {result['peak_rss_mb']:.0f} MB", flush=True)
+                print(
+                    f"rep {rep} {config:10s} lmbda={lmbda:g}: {result['seconds_per_step']:.3f} s/step, "
+                    f"peak {result['peak_rss_mb']:.0f} MB",
+                    flush=True,
+                )
     if "ours" in args.configs and 1.0 in args.lmbdas:
         results["breakdown"] = [run_one("breakdown", 1.0, 0, 0)]
     command = "python scripts/bench.py " + " ".join(sys.argv[1:])

@@ -40,23 +40,59 @@ class PrintValidation(L.Callback):
         print(f"step {trainer.global_step}: {metrics}", flush=True)
 
 
-def sft(model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, target: float | None,
-        root: Path, val_every: int = 250) -> SFTModule:
+def sft(
+    model,
+    tokenizer,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    target: float | None,
+    root: Path,
+    val_every: int = 250,
+) -> SFTModule:
     L.seed_everything(seed, workers=True)
-    module = SFTModule(model, tokenizer, optimizer=partial(torch.optim.AdamW, lr=lr),
-                       scheduler=partial(get_cosine_schedule_with_warmup, num_warmup_steps=min(100, steps // 10),
-                                         num_training_steps=steps),
-                       metrics={"accuracy": exact_match}, eval_max_new_tokens=8, seed=seed)
-    data = ChatDataModule(tokenizer, addition_rows("train"), addition_rows("val"), batch_size=batch_size,
-                          val_batch_size=256, max_length=64, seed=seed)
+    module = SFTModule(
+        model,
+        tokenizer,
+        optimizer=partial(torch.optim.AdamW, lr=lr),
+        scheduler=partial(
+            get_cosine_schedule_with_warmup, num_warmup_steps=min(100, steps // 10), num_training_steps=steps
+        ),
+        metrics={"accuracy": exact_match},
+        eval_max_new_tokens=8,
+        seed=seed,
+    )
+    data = ChatDataModule(
+        tokenizer,
+        addition_rows("train"),
+        addition_rows("val"),
+        batch_size=batch_size,
+        val_batch_size=256,
+        max_length=64,
+        seed=seed,
+    )
     callbacks: list[L.Callback] = [PrintValidation()]
     if target is not None:
-        callbacks.append(EarlyStopping("val/accuracy", mode="max", stopping_threshold=target, patience=10**6,
-                                       check_on_train_epoch_end=False))
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, val_check_interval=min(val_every, steps),
-                        check_val_every_n_epoch=None, logger=False, enable_checkpointing=False,
-                        gradient_clip_val=1.0, callbacks=callbacks, default_root_dir=root,
-                        enable_model_summary=False, enable_progress_bar=False)
+        callbacks.append(
+            EarlyStopping(
+                "val/accuracy", mode="max", stopping_threshold=target, patience=10**6, check_on_train_epoch_end=False
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        val_check_interval=min(val_every, steps),
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_checkpointing=False,
+        gradient_clip_val=1.0,
+        callbacks=callbacks,
+        default_root_dir=root,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(module, datamodule=data)
     return module
 
@@ -66,15 +102,22 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ASSET_DIR)
     parser.add_argument("--teacher-steps", type=int, default=6000)
     parser.add_argument("--student-steps", type=int, default=1500, help="length of the student's LR schedule")
-    parser.add_argument("--student-target", type=float, default=0.25,
-                        help="student val accuracy at which its brief SFT stops (checked every 50 steps)")
+    parser.add_argument(
+        "--student-target",
+        type=float,
+        default=0.25,
+        help="student val accuracy at which its brief SFT stops (checked every 50 steps)",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--target", type=float, default=0.97, help="teacher val accuracy that stops training")
     parser.add_argument("--required", type=float, default=0.95, help="teacher test accuracy the script demands")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reuse-teacher", action="store_true",
-                        help="keep the teacher already in --out (its manifest entry too) and only remake the student")
+    parser.add_argument(
+        "--reuse-teacher",
+        action="store_true",
+        help="keep the teacher already in --out (its manifest entry too) and only remake the student",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -88,19 +131,36 @@ def main() -> int:
         teacher_model = load_causal_lm(str(args.out / "teacher"))
         teacher_steps = previous["teacher"]["sft_steps"]
     else:
-        teacher = sft(tiny_causal_lm(TOY_TEACHER, tokenizer, seed=args.seed), tokenizer, steps=args.teacher_steps,
-                      lr=args.lr, batch_size=args.batch_size, seed=args.seed, target=args.target,
-                      root=args.out.parent / ".train_teacher")
+        teacher = sft(
+            tiny_causal_lm(TOY_TEACHER, tokenizer, seed=args.seed),
+            tokenizer,
+            steps=args.teacher_steps,
+            lr=args.lr,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            target=args.target,
+            root=args.out.parent / ".train_teacher",
+        )
         teacher_model, teacher_steps = teacher.model, teacher.global_step
     teacher_acc = evaluate_generations(teacher_model, tokenizer, test_rows, max_new_tokens=8)["accuracy"]
     print(f"teacher: {teacher_steps} steps, test accuracy {teacher_acc:.4f}")
     if teacher_acc < args.required:
-        print(f"teacher test accuracy {teacher_acc:.4f} < required {args.required}; raise --teacher-steps",
-              file=sys.stderr)
+        print(
+            f"teacher test accuracy {teacher_acc:.4f} < required {args.required}; raise --teacher-steps",
+            file=sys.stderr,
+        )
         return 1
-    student = sft(tiny_causal_lm(TOY_STUDENT, tokenizer, seed=args.seed + 1), tokenizer, steps=args.student_steps,
-                  lr=args.lr, batch_size=args.batch_size, seed=args.seed + 1, target=args.student_target,
-                  root=args.out.parent / ".train_student", val_every=50)
+    student = sft(
+        tiny_causal_lm(TOY_STUDENT, tokenizer, seed=args.seed + 1),
+        tokenizer,
+        steps=args.student_steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed + 1,
+        target=args.student_target,
+        root=args.out.parent / ".train_student",
+        val_every=50,
+    )
     student_acc = evaluate_generations(student.model, tokenizer, test_rows, max_new_tokens=8)["accuracy"]
     print(f"student start: {student.global_step} SFT steps, test accuracy {student_acc:.4f}")
 
@@ -111,13 +171,22 @@ def main() -> int:
     manifest = {
         "task": "lightning_gkd.data.toy.addition_rows (3-digit addition, digits reversed)",
         "teacher": {"config": TOY_TEACHER, "sft_steps": teacher_steps, "test_accuracy": teacher_acc},
-        "student_init": {"config": TOY_STUDENT, "sft_steps": student.global_step,
-                         "schedule_steps": args.student_steps, "test_accuracy": student_acc},
-        "training": {"batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-                     "schedule": "cosine with warmup", "seconds": round(time.perf_counter() - started, 1)},
+        "student_init": {
+            "config": TOY_STUDENT,
+            "sft_steps": student.global_step,
+            "schedule_steps": args.student_steps,
+            "test_accuracy": student_acc,
+        },
+        "training": {
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "seed": args.seed,
+            "schedule": "cosine with warmup",
+            "seconds": round(time.perf_counter() - started, 1),
+        },
         "command": "python scripts/train_toy_teacher.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
+        f"torch {torch.__version__}",
     }
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(json.dumps(manifest, indent=2))

@@ -76,8 +76,7 @@ class Recorded(GKDModule):
 
     def training_batch(self, batch, batch_idx):
         source, batch = super().training_batch(batch, batch_idx)
-        self._current = {"step": self.global_step, "source": source,
-                         **{k: batch[k].detach().cpu() for k in KEYS}}
+        self._current = {"step": self.global_step, "source": source, **{k: batch[k].detach().cpu() for k in KEYS}}
         return source, batch
 
     def dataset_loss(self, batch):
@@ -92,14 +91,31 @@ SGD = partial(torch.optim.SGD, lr=LR)
 
 
 def make_module(tokenizer, *, lmbda: float, optimizer=SGD, **kwargs) -> Recorded:
-    return Recorded(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
-                    tokenizer, lmbda=lmbda, beta=0.5, optimizer=optimizer, seed=SEED, **kwargs)
+    return Recorded(
+        tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
+        tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
+        tokenizer,
+        lmbda=lmbda,
+        beta=0.5,
+        optimizer=optimizer,
+        seed=SEED,
+        **kwargs,
+    )
 
 
 def fit(out: Path, module: Recorded, data: ChatDataModule, steps: int) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, limit_val_batches=0,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=out)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
     trainer.fit(module, datamodule=data)
     return trainer
 
@@ -119,11 +135,13 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def expected_prompts(rows: list[dict], data: ChatDataModule, *, group_size: int, groups: int,
-                     rank: int) -> list[list[int]]:
+def expected_prompts(
+    rows: list[dict], data: ChatDataModule, *, group_size: int, groups: int, rank: int
+) -> list[list[int]]:
     """Prompt ids of the rows ``rank_groups`` gives ``rank`` in its first ``groups`` groups of epoch 0."""
-    picked = rank_groups(len(rows), group_size=group_size, epoch=0, seed=SEED, shuffle=True, rank=rank,
-                         world_size=2)[:groups]
+    picked = rank_groups(len(rows), group_size=group_size, epoch=0, seed=SEED, shuffle=True, rank=rank, world_size=2)[
+        :groups
+    ]
     batch = data.collator([rows[i] for group in picked for i in group])
     return prompt_tokens(batch["prompts"], batch["prompt_attention_mask"] == 1)
 
@@ -194,9 +212,10 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
         "weights_changed": max_abs_diff(final, flat_state(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0))),
         "prompts_match_rank_groups": [prompts[r] == expected[r] for r in (0, 1)],
         "doubled_rows_are_both_ranks": all(
-            sorted(doubled_prompts[s]) == sorted(prompts[0][s * per_rank:(s + 1) * per_rank]
-                                                 + prompts[1][s * per_rank:(s + 1) * per_rank])
-            for s in range(steps)),
+            sorted(doubled_prompts[s])
+            == sorted(prompts[0][s * per_rank : (s + 1) * per_rank] + prompts[1][s * per_rank : (s + 1) * per_rank])
+            for s in range(steps)
+        ),
     }
 
 
@@ -217,18 +236,20 @@ def flips(out: Path, tokenizer, steps: int = 8) -> dict | None:
 # -- 4: grouped generation -------------------------------------------------------------------------------------
 def grouped(out: Path, tokenizer, steps: int = 4, k: int = 2, per_rank: int = 2) -> dict | None:
     rows = addition_rows("train", 32)
-    data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED,
-                          steps_per_generation=k)
+    data = ChatDataModule(
+        tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED, steps_per_generation=k
+    )
     module = make_module(tokenizer, lmbda=1.0, max_new_tokens=4)
     fit(out, module, data, steps)
     rank = dist.get_rank()
-    report = {"sampling_calls": module.sampling_calls,
-              "sampled": module.sampled,  # [call][row] prompt ids
-              "trained": [trained_prompts(row) for row in module.trained],  # [step][row]
-              "sources": [row["source"] for row in module.trained],
-              "steps": [row["step"] for row in module.trained],
-              "expected": expected_prompts(rows, data, group_size=k * per_rank, groups=steps // k,
-                                           rank=rank)}
+    report = {
+        "sampling_calls": module.sampling_calls,
+        "sampled": module.sampled,  # [call][row] prompt ids
+        "trained": [trained_prompts(row) for row in module.trained],  # [step][row]
+        "sources": [row["source"] for row in module.trained],
+        "steps": [row["step"] for row in module.trained],
+        "expected": expected_prompts(rows, data, group_size=k * per_rank, groups=steps // k, rank=rank),
+    }
     parts = gather(report)
     return {"ranks": parts, "steps": steps, "k": k} if rank == 0 else None
 

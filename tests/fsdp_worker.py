@@ -60,8 +60,9 @@ class Recorded(GKDModule):
     def dataset_loss(self, batch):
         loss = super().dataset_loss(batch)
         if self._trainer is not None and self.trainer.training:
-            self.trained.append({"step": self.global_step, "loss": loss.item(),
-                                 **{k: batch[k].detach().cpu() for k in KEYS}})
+            self.trained.append(
+                {"step": self.global_step, "loss": loss.item(), **{k: batch[k].detach().cpu() for k in KEYS}}
+            )
         return loss
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
@@ -72,21 +73,38 @@ class Recorded(GKDModule):
 
 
 def make_module(tokenizer) -> Recorded:
-    return Recorded(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
-                    tokenizer, lmbda=1.0, beta=0.5, max_new_tokens=NEW_TOKENS,
-                    optimizer=partial(torch.optim.AdamW, lr=LR), seed=3)
+    return Recorded(
+        tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
+        tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
+        tokenizer,
+        lmbda=1.0,
+        beta=0.5,
+        max_new_tokens=NEW_TOKENS,
+        optimizer=partial(torch.optim.AdamW, lr=LR),
+        seed=3,
+    )
 
 
 def make_trainer(out: Path, max_steps: int, distributed_ckpt: bool) -> L.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=distributed_ckpt)
-    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps, gradient_clip_val=CLIP,
-                     limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)],
-                     default_root_dir=out)
+    strategy = ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed_ckpt
+    )
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=max_steps,
+        gradient_clip_val=CLIP,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)],
+        default_root_dir=out,
+    )
 
 
 def gather(obj):
@@ -99,10 +117,12 @@ def shard_report(model: torch.nn.Module) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     params = list(model.parameters())
-    return {"all_dtensor": all(isinstance(p, DTensor) for p in params),
-            "all_shard0": all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in params),
-            "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
-            "full_numel": sum(p.numel() for p in params)}
+    return {
+        "all_dtensor": all(isinstance(p, DTensor) for p in params),
+        "all_shard0": all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in params),
+        "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
+        "full_numel": sum(p.numel() for p in params),
+    }
 
 
 def lean_head_check(tokenizer) -> dict:
@@ -124,7 +144,8 @@ def lean_head_check(tokenizer) -> dict:
     def lean_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, str]:
         captured = {}
         hook = model.get_decoder().register_forward_hook(
-            lambda module, args, output: captured.__setitem__("hidden", output.last_hidden_state))
+            lambda module, args, output: captured.__setitem__("hidden", output.last_hidden_state)
+        )
         try:
             model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
         finally:
@@ -134,8 +155,10 @@ def lean_head_check(tokenizer) -> dict:
         hidden = captured["hidden"]
         total = hidden.new_zeros(())
         for chunk, chunk_labels in zip(hidden.split(4, dim=1), labels.split(4, dim=1), strict=True):
+
             def piece(h, w, y=chunk_labels):
                 return torch.nn.functional.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten(), reduction="sum")
+
             total = total + torch.utils.checkpoint.checkpoint(piece, chunk, weight, use_reentrant=False)
         return total / labels.numel(), kind
 
@@ -149,8 +172,10 @@ def lean_head_check(tokenizer) -> dict:
         logits = plain(input_ids=rank_ids, use_cache=False).logits
         ref_losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), rank_labels.flatten()))
     torch.stack(ref_losses).mean().backward()
-    grad_diff = max((full(p.grad) - q.grad).abs().max().item()
-                    for p, q in zip(sharded.parameters(), plain.parameters(), strict=True))
+    grad_diff = max(
+        (full(p.grad) - q.grad).abs().max().item()
+        for p, q in zip(sharded.parameters(), plain.parameters(), strict=True)
+    )
     # A frozen model (teacher): its root stays gathered after a no-grad forward (plain head weight, usable by the
     # lean loss) until reshard() (CausalLMModule.on_before_backward) frees it.
     from lightning_gkd.sharding import reshard
@@ -162,9 +187,13 @@ def lean_head_check(tokenizer) -> dict:
     after_forward = type(teacher.get_output_embeddings().weight).__name__
     reshard(teacher)
     after_reshard = teacher.get_output_embeddings().weight
-    return {"loss_diff": abs(loss.item() - ref_losses[dist.get_rank()].item()), "grad_max_abs_diff": grad_diff,
-            "student_head_after_forward": head_kind, "teacher_head_after_nograd_forward": after_forward,
-            "teacher_head_after_reshard_is_dtensor": isinstance(after_reshard, DTensor)}
+    return {
+        "loss_diff": abs(loss.item() - ref_losses[dist.get_rank()].item()),
+        "grad_max_abs_diff": grad_diff,
+        "student_head_after_forward": head_kind,
+        "teacher_head_after_nograd_forward": after_forward,
+        "teacher_head_after_reshard_is_dtensor": isinstance(after_reshard, DTensor),
+    }
 
 
 def replay(tokenizer, trained: list[dict], steps: int) -> tuple[list[float], torch.nn.Module]:
@@ -201,8 +230,9 @@ def main() -> None:
     result["student_shards"] = gather(shard_report(module.student))
     result["teacher_shards"] = gather(shard_report(module.teacher))
     teacher_after = {k: full(v) for k, v in module.teacher.state_dict().items()}
-    result["teacher_max_change"] = max((teacher_after[k] - teacher_before[k]).abs().max().item()
-                                       for k in teacher_before)
+    result["teacher_max_change"] = max(
+        (teacher_after[k] - teacher_before[k]).abs().max().item() for k in teacher_before
+    )
     result["teacher_grads"] = sum(p.grad is not None for p in module.teacher.parameters())
     result["teacher_requires_grad"] = sum(p.requires_grad for p in module.teacher.parameters())
     result["teacher_training"] = module.teacher.training
@@ -220,8 +250,15 @@ def main() -> None:
     timing = {}
     for name, model in (("sharded", module.student),):
         start = time.perf_counter()
-        generate_completions(model, prompts["prompts"], prompts["prompt_attention_mask"], max_new_tokens=16,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=None, do_sample=False)
+        generate_completions(
+            model,
+            prompts["prompts"],
+            prompts["prompt_attention_mask"],
+            max_new_tokens=16,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=None,
+            do_sample=False,
+        )
         timing[name] = time.perf_counter() - start
 
     probe = torch.randint(0, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(7))
@@ -252,16 +289,22 @@ def main() -> None:
         ref3, ref_student3 = replay(tokenizer, trained, STEPS)
         with torch.no_grad():
             result["logits_vs_reference"] = (sharded_logits - ref_student3(input_ids=probe).logits).abs().max().item()
-            result["resumed_logits_vs_reference"] = (resumed_logits
-                                                     - ref_student(input_ids=probe).logits).abs().max().item()
+            result["resumed_logits_vs_reference"] = (
+                (resumed_logits - ref_student(input_ids=probe).logits).abs().max().item()
+            )
             exported = AutoModelForCausalLM.from_pretrained(out / "student")
-            result["export_logits_vs_sharded"] = (exported(input_ids=probe).logits
-                                                  - sharded_logits).abs().max().item()
+            result["export_logits_vs_sharded"] = (exported(input_ids=probe).logits - sharded_logits).abs().max().item()
         result["export_files"] = sorted(p.name for p in (out / "student").iterdir())
         start = time.perf_counter()
-        generate_completions(ref_student3.eval(), prompts["prompts"], prompts["prompt_attention_mask"],
-                             max_new_tokens=16, pad_token_id=tokenizer.pad_token_id, eos_token_id=None,
-                             do_sample=False)
+        generate_completions(
+            ref_student3.eval(),
+            prompts["prompts"],
+            prompts["prompt_attention_mask"],
+            max_new_tokens=16,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=None,
+            do_sample=False,
+        )
         timing["unsharded"] = time.perf_counter() - start
         result["sampling_seconds_16_tokens"] = timing
         last = out / "checkpoints" / "last.ckpt"

@@ -13,8 +13,9 @@ import lightning_gkd.train  # noqa: F401  (registers the ${asset:...} resolver)
 def compose_train(tmp_path: Path, overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True,
-                      overrides=[f"paths.cache_dir={tmp_path / 'cache'}", *overrides])
+        cfg = compose(
+            "train", return_hydra_config=True, overrides=[f"paths.cache_dir={tmp_path / 'cache'}", *overrides]
+        )
     HydraConfig().set_config(cfg)
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "run")

@@ -40,8 +40,15 @@ def load_model() -> torch.nn.Module:
 
 
 def greedy(model, batch, eos, pad_id) -> torch.Tensor:
-    return sample_tokens(model, batch["prompts"], batch["prompt_attention_mask"], max_new_tokens=MAX_NEW_TOKENS,
-                         pad_token_id=pad_id, eos_token_id=eos, do_sample=False)
+    return sample_tokens(
+        model,
+        batch["prompts"],
+        batch["prompt_attention_mask"],
+        max_new_tokens=MAX_NEW_TOKENS,
+        pad_token_id=pad_id,
+        eos_token_id=eos,
+        do_sample=False,
+    )
 
 
 def finish_step(tokens: list[int], eos: list[int]) -> int:
@@ -58,13 +65,19 @@ def plan(model, tokenizer, collator) -> dict:
     x = max(set(firsts), key=lambda t: (firsts.count(t), -t))  # the most common first token
     rank0 = [i for i, t in enumerate(firsts) if t == x][:ROWS_PER_RANK]
     eos = [end, x]
-    late = [i for i, seq in enumerate(free) if firsts[i] != x and finish_step(seq, eos) >= 4
-            and end in seq[:finish_step(seq, eos)]]  # ends at <|im_end|>, never at x, after >= 4 tokens
+    late = [
+        i
+        for i, seq in enumerate(free)
+        if firsts[i] != x and finish_step(seq, eos) >= 4 and end in seq[: finish_step(seq, eos)]
+    ]  # ends at <|im_end|>, never at x, after >= 4 tokens
     late.sort(key=lambda i: (-finish_step(free[i], eos), i))
     assert len(rank0) == ROWS_PER_RANK and len(late) >= ROWS_PER_RANK, (firsts, late)
     rank1 = [late[0], late[-1]]  # the longest and the shortest qualifying answers
-    return {"eos": eos, "rows": [[rows[i] for i in rank0], [rows[i] for i in rank1]],
-            "unsharded_steps": [[finish_step(free[i], eos) for i in rank0], [finish_step(free[i], eos) for i in rank1]]}
+    return {
+        "eos": eos,
+        "rows": [[rows[i] for i in rank0], [rows[i] for i in rank1]],
+        "unsharded_steps": [[finish_step(free[i], eos) for i in rank0], [finish_step(free[i], eos) for i in rank1]],
+    }
 
 
 def main() -> None:
@@ -92,12 +105,23 @@ def main() -> None:
     plain_out = greedy(plain, batch, eos, pad_id)
     dist.barrier()
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "world_size": dist.get_world_size(), "is_sharded": is_sharded(sharded),
-        "eos": eos, "pad": pad_id, "max_new_tokens": MAX_NEW_TOKENS,
-        "unsharded_steps": the_plan["unsharded_steps"],
-        "sharded": sharded_out.tolist(), "unsharded": plain_out.tolist(),
-        "sharded_forwards": len(forwards), "seconds": seconds}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world_size": dist.get_world_size(),
+                "is_sharded": is_sharded(sharded),
+                "eos": eos,
+                "pad": pad_id,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "unsharded_steps": the_plan["unsharded_steps"],
+                "sharded": sharded_out.tolist(),
+                "unsharded": plain_out.tolist(),
+                "sharded_forwards": len(forwards),
+                "seconds": seconds,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

@@ -11,9 +11,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_runs_trl_and_ours_and_writes_the_table(tmp_path):
     out = tmp_path / "bench.md"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--reps", "1", "--steps",
-                           "4", "--warmup", "4", "--configs", "trl_no_gc", "ours_k4", "--lmbdas", "1", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--tiny",
+            "--reps",
+            "1",
+            "--steps",
+            "4",
+            "--warmup",
+            "4",
+            "--configs",
+            "trl_no_gc",
+            "ours_k4",
+            "--lmbdas",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
     assert set(results) == {"trl_no_gc@1.0", "ours_k4@1.0"}

@@ -23,12 +23,23 @@ def test_equals_generalized_jsd_on_projected_logits(beta, temperature, chunk_siz
     student_weight = torch.randn(vocab, student_dim, requires_grad=True)
     teacher_hidden, teacher_weight = torch.randn(positions, teacher_dim), torch.randn(vocab, teacher_dim)
 
-    expected = generalized_jsd_loss(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T,
-                                    labels=torch.zeros(positions, dtype=torch.long), beta=beta,
-                                    temperature=temperature)
+    expected = generalized_jsd_loss(
+        student_hidden @ student_weight.T,
+        teacher_hidden @ teacher_weight.T,
+        labels=torch.zeros(positions, dtype=torch.long),
+        beta=beta,
+        temperature=temperature,
+    )
     expected_grads = torch.autograd.grad(expected * 3.0, (student_hidden, student_weight))
-    value = projected_jsd_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta,
-                               temperature=temperature, chunk_size=chunk_size)
+    value = projected_jsd_loss(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        beta=beta,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
     grads = torch.autograd.grad(value * 3.0, (student_hidden, student_weight))  # the incoming gradient scales
     torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, expected_grads, strict=True):
@@ -111,8 +122,9 @@ def test_gkd_module_lean_loss_equals_the_full_logits_loss(student, teacher, toke
     batch = next(iter(datamodule.train_dataloader()))
     results = []
     for lean in (True, False):
-        module = GKDModule(student, teacher, tokenizer, beta=beta, lean_loss=lean, loss_chunk_size=5,
-                           loss_temperature=0.8)
+        module = GKDModule(
+            student, teacher, tokenizer, beta=beta, lean_loss=lean, loss_chunk_size=5, loss_temperature=0.8
+        )
         student.zero_grad()
         loss = module.dataset_loss(batch)
         loss.backward()

@@ -21,9 +21,16 @@ from lightning_gkd.data.toy_preference import addition_preference_rows
 from lightning_gkd.models import load_causal_lm, quantization_config_from_dict
 from lightning_gkd.train import run
 
-FAST = ["trainer.max_steps=4", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
-        "trainer.log_every_n_steps=1", "data.batch_size=4", "data.val_batch_size=4", "print_config=false",
-        "export=false"]
+FAST = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=4",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "data.val_batch_size=4",
+    "print_config=false",
+    "export=false",
+]
 
 
 def csv_column(tmp_path: Path, key: str) -> list[float]:
@@ -41,10 +48,21 @@ def test_dpo_config_composes_policy_reference_and_preference_data(tmp_path):
 
 
 def test_optimizer_scheduler_callbacks_and_metrics_from_config(tmp_path, capsys):
-    cfg = compose_train(tmp_path, [*FAST, "method=dpo", "optimizer=sgd", "optimizer.lr=0.04", "scheduler=step",
-                                   "scheduler.step_size=2", "callbacks=[default,print_metrics]",
-                                   "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
-                                   "+metrics=exact_match", "method.eval_max_new_tokens=6"])
+    cfg = compose_train(
+        tmp_path,
+        [
+            *FAST,
+            "method=dpo",
+            "optimizer=sgd",
+            "optimizer.lr=0.04",
+            "scheduler=step",
+            "scheduler.step_size=2",
+            "callbacks=[default,print_metrics]",
+            "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+            "+metrics=exact_match",
+            "method.eval_max_new_tokens=6",
+        ],
+    )
     result = run(cfg)
 
     assert result["global_step"] == 4
@@ -58,8 +76,17 @@ def test_optimizer_scheduler_callbacks_and_metrics_from_config(tmp_path, capsys)
 
 
 def test_bf16_mixed_precision_run_computes_the_loss_in_float32(tmp_path):
-    cfg = compose_train(tmp_path, [*FAST, "method=dpo", "trainer.precision=bf16-mixed", "trainer.max_steps=2",
-                                   "trainer.val_check_interval=2", "callbacks=none"])
+    cfg = compose_train(
+        tmp_path,
+        [
+            *FAST,
+            "method=dpo",
+            "trainer.precision=bf16-mixed",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "callbacks=none",
+        ],
+    )
     result = run(cfg)
     assert result["global_step"] == 2
     losses = csv_column(tmp_path, "train/loss")
@@ -67,14 +94,16 @@ def test_bf16_mixed_precision_run_computes_the_loss_in_float32(tmp_path):
     assert all(math.isfinite(x) for x in losses + [result["metrics"]["val/loss"]])
 
 
-@pytest.mark.parametrize("option, role, key, expected", [
-    ("reference_8bit", "reference", "load_in_8bit", True),
-    ("reference_4bit", "reference", "bnb_4bit_compute_dtype", torch.bfloat16),
-    ("teacher_8bit", "teacher", "load_in_8bit", True),
-    ("teacher_4bit", "teacher", "bnb_4bit_quant_type", "nf4"),
-])
-def test_quantization_group_puts_a_bitsandbytes_config_on_the_frozen_model_only(tmp_path, option, role, key,
-                                                                                 expected):
+@pytest.mark.parametrize(
+    "option, role, key, expected",
+    [
+        ("reference_8bit", "reference", "load_in_8bit", True),
+        ("reference_4bit", "reference", "bnb_4bit_compute_dtype", torch.bfloat16),
+        ("teacher_8bit", "teacher", "load_in_8bit", True),
+        ("teacher_4bit", "teacher", "bnb_4bit_quant_type", "nf4"),
+    ],
+)
+def test_quantization_group_puts_a_bitsandbytes_config_on_the_frozen_model_only(tmp_path, option, role, key, expected):
     method = ["method=dpo"] if role == "reference" else []
     cfg = compose_train(tmp_path, [*method, "model=hub", f"+quantization={option}"])
     spec = instantiate(cfg.method[role], _convert_="all")
@@ -89,22 +118,35 @@ def test_quantization_group_puts_a_bitsandbytes_config_on_the_frozen_model_only(
 
 def test_a_plain_quantization_mapping_reaches_from_pretrained_as_a_config(monkeypatch):
     calls = []
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
-                        lambda name, **kw: calls.append(kw) or torch.nn.Linear(1, 1))
-    load_causal_lm({"name_or_path": "org/model",
-                    "init_kwargs": {"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}}})
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", lambda name, **kw: calls.append(kw) or torch.nn.Linear(1, 1)
+    )
+    load_causal_lm(
+        {
+            "name_or_path": "org/model",
+            "init_kwargs": {"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}},
+        }
+    )
     config = calls[0]["quantization_config"]
     assert isinstance(config, BitsAndBytesConfig) and config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
     generic = quantization_config_from_dict({"quant_method": "bitsandbytes", "load_in_8bit": True})
     assert isinstance(generic, BitsAndBytesConfig) and generic.load_in_8bit
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
-                    reason="bitsandbytes quantization needs a CUDA GPU and the bitsandbytes package")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
+    reason="bitsandbytes quantization needs a CUDA GPU and the bitsandbytes package",
+)
 def test_an_8bit_reference_trains_a_policy_on_gpu(student, tokenizer, tmp_path):
     student.save_pretrained(tmp_path / "policy")
-    module = DPOModule(str(tmp_path / "policy"), tokenizer, reference={
-        "name_or_path": str(tmp_path / "policy"), "init_kwargs": {"quantization_config": {"load_in_8bit": True}}})
+    module = DPOModule(
+        str(tmp_path / "policy"),
+        tokenizer,
+        reference={
+            "name_or_path": str(tmp_path / "policy"),
+            "init_kwargs": {"quantization_config": {"load_in_8bit": True}},
+        },
+    )
     assert module.reference.is_loaded_in_8bit
     data = PreferenceDataModule(tokenizer, addition_preference_rows("train", 16), batch_size=4, max_length=64)
     trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False)
@@ -114,8 +156,9 @@ def test_an_8bit_reference_trains_a_policy_on_gpu(student, tokenizer, tmp_path):
 
 def test_offline_dpo_run_prefers_correct_sums_on_held_out_pairs(tmp_path):
     # The bundled run as shipped, minus checkpoints and export.
-    cfg = compose_train(tmp_path, ["method=dpo", "data=toy_preference", "callbacks=none", "export=false",
-                                   "print_config=false"])
+    cfg = compose_train(
+        tmp_path, ["method=dpo", "data=toy_preference", "callbacks=none", "export=false", "print_config=false"]
+    )
     result = run(cfg)
     accuracies = csv_column(tmp_path, "val/rewards/accuracies")
     assert result["global_step"] == cfg.trainer.max_steps and accuracies
@@ -133,14 +176,22 @@ class GradientCapture(L.Callback):
         self.steps.append({n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()})
 
 
-def accumulated_gradient(policy, reference, tokenizer, rows, batch_size: int, accumulate: int
-                         ) -> dict[str, torch.Tensor]:
+def accumulated_gradient(
+    policy, reference, tokenizer, rows, batch_size: int, accumulate: int
+) -> dict[str, torch.Tensor]:
     module = DPOModule(copy.deepcopy(policy), tokenizer, reference=copy.deepcopy(reference))
     capture = GradientCapture()
     data = PreferenceDataModule(tokenizer, rows, batch_size=batch_size, shuffle=False, max_length=64)
-    L.Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture],
-              logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False).fit(module, datamodule=data)
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, datamodule=data)
     assert len(capture.steps) == 1
     return capture.steps[0]
 

@@ -19,9 +19,15 @@ from lightning_gkd.assets import write_tiny_models
 
 DOC = Path(__file__).parents[1] / "docs" / "customization.md"
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
-REQUIRED = ["Optimizer and learning-rate scheduler", "A quantized reference or teacher (8-bit / 4-bit)", "Callbacks",
-            "Evaluation metrics", "Mixed precision and gradient accumulation", "A new objective by subclassing",
-            "A custom batch format"]
+REQUIRED = [
+    "Optimizer and learning-rate scheduler",
+    "A quantized reference or teacher (8-bit / 4-bit)",
+    "Callbacks",
+    "Evaluation metrics",
+    "Mixed precision and gradient accumulation",
+    "A new objective by subclassing",
+    "A custom batch format",
+]
 
 
 def sections() -> dict[str, list[tuple[str, str]]]:

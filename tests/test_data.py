@@ -12,9 +12,9 @@ from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 # Hand-checked ids of the project tokenizer: 0 pad, 1 <|im_start|>, 2 <|im_end|>, "\n" = 201, " " = 223,
 # and printable ASCII character c = ord(c) - 30 (the 256 byte symbols follow the 3 specials in sorted order).
 NL = 201
-USER = [87, 85, 71, 84]                                 # "user"
-ASSISTANT = [67, 85, 85, 75, 85, 86, 67, 80, 86]        # "assistant"
-SYSTEM = [85, 91, 85, 86, 71, 79]                       # "system"
+USER = [87, 85, 71, 84]  # "user"
+ASSISTANT = [67, 85, 85, 75, 85, 86, 67, 80, 86]  # "assistant"
+SYSTEM = [85, 91, 85, 86, 71, 79]  # "system"
 
 
 def turn(role_ids, content_ids):
@@ -22,18 +22,27 @@ def turn(role_ids, content_ids):
 
 
 ONE_TURN = {"messages": [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]}
-ONE_TURN_PROMPT = [*turn(USER, [19, 13, 20, 31]), 1, *ASSISTANT, NL]     # ... "<|im_start|>assistant\n"
-ONE_TURN_COMPLETION = [21, 2, NL]                                         # "3<|im_end|>\n"
+ONE_TURN_PROMPT = [*turn(USER, [19, 13, 20, 31]), 1, *ASSISTANT, NL]  # ... "<|im_start|>assistant\n"
+ONE_TURN_COMPLETION = [21, 2, NL]  # "3<|im_end|>\n"
 
-MULTI_TURN = {"messages": [
-    {"role": "system", "content": "Be"},
-    {"role": "user", "content": "hi"},
-    {"role": "assistant", "content": "yo"},
-    {"role": "user", "content": "ok"},
-    {"role": "assistant", "content": "k"},
-]}
-MULTI_PROMPT = [*turn(SYSTEM, [36, 71]), *turn(USER, [74, 75]), *turn(ASSISTANT, [91, 81]),
-                *turn(USER, [81, 77]), 1, *ASSISTANT, NL]
+MULTI_TURN = {
+    "messages": [
+        {"role": "system", "content": "Be"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "k"},
+    ]
+}
+MULTI_PROMPT = [
+    *turn(SYSTEM, [36, 71]),
+    *turn(USER, [74, 75]),
+    *turn(ASSISTANT, [91, 81]),
+    *turn(USER, [81, 77]),
+    1,
+    *ASSISTANT,
+    NL,
+]
 MULTI_COMPLETION = [77, 2, NL]  # only the LAST assistant turn is the completion
 
 
@@ -58,11 +67,15 @@ def test_collated_batch_is_left_padded_with_prompt_masked(tokenizer):
     assert set(batch) == {"input_ids", "attention_mask", "labels", "prompts", "prompt_attention_mask"}
     width = len(MULTI_PROMPT) + 3
     pad = width - 26
-    assert batch["input_ids"].tolist() == [[0] * pad + ONE_TURN_PROMPT + ONE_TURN_COMPLETION,
-                                           MULTI_PROMPT + MULTI_COMPLETION]
+    assert batch["input_ids"].tolist() == [
+        [0] * pad + ONE_TURN_PROMPT + ONE_TURN_COMPLETION,
+        MULTI_PROMPT + MULTI_COMPLETION,
+    ]
     assert batch["attention_mask"].tolist() == [[0] * pad + [1] * 26, [1] * width]
-    assert batch["labels"].tolist() == [[-100] * (pad + 23) + ONE_TURN_COMPLETION,
-                                        [-100] * len(MULTI_PROMPT) + MULTI_COMPLETION]
+    assert batch["labels"].tolist() == [
+        [-100] * (pad + 23) + ONE_TURN_COMPLETION,
+        [-100] * len(MULTI_PROMPT) + MULTI_COMPLETION,
+    ]
     prompt_pad = len(MULTI_PROMPT) - 23
     assert batch["prompts"].tolist() == [[0] * prompt_pad + ONE_TURN_PROMPT, MULTI_PROMPT]
     assert batch["prompt_attention_mask"].tolist() == [[0] * prompt_pad + [1] * 23, [1] * len(MULTI_PROMPT)]
@@ -84,14 +97,17 @@ def test_truncation_keeps_the_last_tokens(tokenizer):
         tokenize_chat(tokenizer, ONE_TURN["messages"], max_length=3)
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"text": "hi"}, r"train_data row 1: missing field 'messages' \(fields present: \['text'\]\)"),
-    ({"messages": [{"content": "hi"}]}, r"row 1: messages\[0\] is missing 'role'"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, r"row 1: messages\[0\] has unknown role 'robot'"),
-    ({"messages": [{"role": "user", "content": 7}]}, r"row 1: messages\[0\] has non-string content of type int"),
-    ({"messages": [{"role": "user"}]}, r"row 1: messages\[0\] is missing 'content'"),
-    ({"messages": []}, r"row 1: 'messages' must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"text": "hi"}, r"train_data row 1: missing field 'messages' \(fields present: \['text'\]\)"),
+        ({"messages": [{"content": "hi"}]}, r"row 1: messages\[0\] is missing 'role'"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, r"row 1: messages\[0\] has unknown role 'robot'"),
+        ({"messages": [{"role": "user", "content": 7}]}, r"row 1: messages\[0\] has non-string content of type int"),
+        ({"messages": [{"role": "user"}]}, r"row 1: messages\[0\] is missing 'content'"),
+        ({"messages": []}, r"row 1: 'messages' must be a non-empty list"),
+    ],
+)
 def test_bad_rows_are_named(tokenizer, row, message):
     dm = ChatDataModule(tokenizer, [ONE_TURN, row])
     with pytest.raises(ValueError, match=message):
@@ -111,6 +127,7 @@ def test_tokenizer_without_chat_template_names_the_option():
     with pytest.raises(ValueError, match=r"no chat template.*data\.chat_template"):
         ChatDataModule(tok, [ONE_TURN])
     from lightning_gkd.data.tokenizer import CHATML_TEMPLATE
+
     assert ChatDataModule(tok, [ONE_TURN], chat_template=CHATML_TEMPLATE).tokenizer.chat_template == CHATML_TEMPLATE
 
 
@@ -135,9 +152,16 @@ def _write_sources(tmp_path, rows):
 def test_every_source_kind_gives_the_same_batches(tokenizer, tmp_path):
     rows = [ONE_TURN, MULTI_TURN, {"messages": [{"role": "user", "content": "only a prompt"}]}]
     _write_sources(tmp_path, rows)
-    sources = [rows, datasets.Dataset.from_list(rows), datasets.DatasetDict(train=datasets.Dataset.from_list(rows)),
-               tmp_path / "rows.jsonl", str(tmp_path / "rows.json"), str(tmp_path / "rows.parquet"),
-               str(tmp_path / "saved"), str(tmp_path / "hub_like")]
+    sources = [
+        rows,
+        datasets.Dataset.from_list(rows),
+        datasets.DatasetDict(train=datasets.Dataset.from_list(rows)),
+        tmp_path / "rows.jsonl",
+        str(tmp_path / "rows.json"),
+        str(tmp_path / "rows.parquet"),
+        str(tmp_path / "saved"),
+        str(tmp_path / "hub_like"),
+    ]
     expected = ChatMLCollator(tokenizer)(rows)
     for source in sources:
         dm = ChatDataModule(tokenizer, source, batch_size=3, shuffle=False)
@@ -156,8 +180,9 @@ def test_missing_file_and_unknown_split(tmp_path):
 def test_dataloaders_shuffle_reproducibly_and_validate(tokenizer, toy_rows):
     dm = ChatDataModule(tokenizer, toy_rows["train"], toy_rows["val"], batch_size=8, val_batch_size=16, seed=3)
     first = [b["input_ids"] for b in dm.train_dataloader()]
-    again = [b["input_ids"] for b in ChatDataModule(tokenizer, toy_rows["train"], batch_size=8,
-                                                     seed=3).train_dataloader()]
+    again = [
+        b["input_ids"] for b in ChatDataModule(tokenizer, toy_rows["train"], batch_size=8, seed=3).train_dataloader()
+    ]
     assert len(first) == 8 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     val = list(dm.val_dataloader())
     assert len(val) == 1 and val[0]["input_ids"].shape[0] == 16

@@ -29,19 +29,44 @@ def free_port() -> int:
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher's variables (Lightning then starts rank 1 itself), one thread per
     process, the repository importable, and a free port."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_",
-                                "RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]), **extra)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            (
+                "SLURM_",
+                "LOCAL_RANK",
+                "NODE_RANK",
+                "GROUP_RANK",
+                "WORLD_SIZE",
+                "MASTER_",
+                "RANK",
+                "LOCAL_WORLD_SIZE",
+                "TORCHELASTIC_",
+            )
+        )
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    )
     return env
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ddp") / "run"
-    done = subprocess.run([sys.executable, str(TESTS / "ddp_worker.py"), str(out)], cwd=out.parent,
-                          env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "ddp_worker.py"), str(out)],
+        cwd=out.parent,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo"
@@ -106,7 +131,7 @@ def test_ddp_grouped_generation_samples_once_per_group_on_each_rank(ddp):
         # each group's k micro-batches are a permutation of the group's sampled prompts
         for g in range(steps // k):
             group = [tuple(p) for p in rank["sampled"][g]]
-            micro = [tuple(p) for step in rank["trained"][g * k:(g + 1) * k] for p in step]
+            micro = [tuple(p) for step in rank["trained"][g * k : (g + 1) * k] for p in step]
             assert sorted(micro) == sorted(group)
         assert sampled == [tuple(p) for p in rank["expected"]]  # the loader's rank_groups share, in order
         assert len(set(trained)) == len(trained)
@@ -119,9 +144,17 @@ def test_sharded_sampling_with_uneven_eos_does_not_hang(tmp_path):
     collective, so rank 0 (all rows done after 1 token) must keep decoding until rank 1 is done."""
     out = tmp_path / "out"
     env = clean_env(WORLD_SIZE="2")
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "sharded_sampling_worker.py"), str(out)], cwd=tmp_path,
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / "sharded_sampling_worker.py"), str(out)],
+            cwd=tmp_path,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     logs = []
     try:
         for proc in procs:
@@ -145,4 +178,4 @@ def test_sharded_sampling_with_uneven_eos_does_not_hang(tmp_path):
         unsharded = r["unsharded"]
         assert len(unsharded[0]) == max(steps[rank])  # alone, a rank stops at its own last EOS
         for got, want in zip(r["sharded"], unsharded, strict=True):
-            assert got[:len(want)] == want and all(t == r["pad"] for t in got[len(want):])
+            assert got[: len(want)] == want and all(t == r["pad"] for t in got[len(want) :])

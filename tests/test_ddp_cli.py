@@ -11,19 +11,43 @@ import sys
 
 import pytest
 
-FAST_DDP = ["trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-            "trainer.log_every_n_steps=1", "data.batch_size=8", "method.max_new_tokens=4", "print_config=false"]
+FAST_DDP = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=8",
+    "method.max_new_tokens=4",
+    "print_config=false",
+]
 
 
 @pytest.mark.multiprocess
 def test_ddp_on_cpu_from_the_command_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in [name for name in env if name.startswith(("SLURM_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE",
-                                                          "MASTER_", "GROUP_RANK"))]:
+    for name in [
+        name
+        for name in env
+        if name.startswith(("SLURM_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "GROUP_RANK"))
+    ]:
         env.pop(name)  # a plain shell: Lightning starts rank 1 itself
-    result = subprocess.run([sys.executable, "-m", "lightning_gkd.train", "trainer=ddp", "trainer.devices=2",
-                             "trainer.accelerator=cpu", *FAST_DDP, f"paths.cache_dir={tmp_path}/cache"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_gkd.train",
+            "trainer=ddp",
+            "trainer.devices=2",
+            "trainer.accelerator=cpu",
+            *FAST_DDP,
+            f"paths.cache_dir={tmp_path}/cache",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "Starting with 2 processes" in result.stderr + result.stdout  # really two ranks
 

@@ -19,8 +19,15 @@ from lightning_gkd.data.toy_preference import addition_preference_rows
 from lightning_gkd.losses import sequence_logps
 from lightning_gkd.modules import dpo as dpo_module
 
-STATS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-         "logps/rejected"]
+STATS = [
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +43,19 @@ def make_module(student, tokenizer, reference="copy", **kwargs) -> DPOModule:
 
 def fit(module, tokenizer, pairs, tmp_path, max_steps=3, ckpt_path=None, **trainer_kwargs) -> L.Trainer:
     data = PreferenceDataModule(tokenizer, pairs["train"], pairs["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=CSVLogger(tmp_path, name="", version=""),
-                        log_every_n_steps=1, limit_val_batches=1, val_check_interval=max_steps,
-                        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        val_check_interval=max_steps,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer
 
@@ -72,9 +88,12 @@ def test_fit_trains_policy_only_and_logs_reward_statistics(student, tokenizer, p
     # Step 0: the policy equals the reference, so rewards are 0 and the sigmoid loss is ln 2.
     assert logged(tmp_path, "train/loss")[0] == pytest.approx(math.log(2), abs=1e-6)
     assert logged(tmp_path, "train/rewards/chosen")[0] == pytest.approx(0.0, abs=1e-6)
-    for chosen, rejected, margin in zip(logged(tmp_path, "train/rewards/chosen"),
-                                        logged(tmp_path, "train/rewards/rejected"),
-                                        logged(tmp_path, "train/rewards/margins"), strict=True):
+    for chosen, rejected, margin in zip(
+        logged(tmp_path, "train/rewards/chosen"),
+        logged(tmp_path, "train/rewards/rejected"),
+        logged(tmp_path, "train/rewards/margins"),
+        strict=True,
+    ):
         assert margin == pytest.approx(chosen - rejected, abs=1e-5)
     assert logged(tmp_path, "train/loss")[-1] < math.log(2)  # the policy learned to prefer the chosen sums
     assert all(0 <= a <= 1 for a in logged(tmp_path, "val/rewards/accuracies"))
@@ -145,8 +164,9 @@ def test_pair_loss_is_the_configured_preference_loss(student, tokenizer, loss_ty
 def test_peft_policy_uses_itself_with_adapters_disabled_as_reference(student, tokenizer, pairs, tmp_path):
     peft = pytest.importorskip("peft")
     base = copy.deepcopy(student)
-    policy = peft.get_peft_model(student, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                          lora_dropout=0.0))
+    policy = peft.get_peft_model(
+        student, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     module = DPOModule(policy, tokenizer, optimizer=partial(torch.optim.AdamW, lr=5e-2))
     assert module.reference_source == "peft" and module.frozen_names == () and not hasattr(module, "reference")
     fit(module, tokenizer, pairs, tmp_path, max_steps=2)
@@ -162,8 +182,9 @@ def test_peft_policy_uses_itself_with_adapters_disabled_as_reference(student, to
 
 
 @pytest.mark.parametrize("reference", ["copy", None])
-def test_precomputed_reference_logps_are_cached_checkpointed_and_resumed(student, tokenizer, pairs, tmp_path,
-                                                                        reference, monkeypatch):
+def test_precomputed_reference_logps_are_cached_checkpointed_and_resumed(
+    student, tokenizer, pairs, tmp_path, reference, monkeypatch
+):
     initial = copy.deepcopy(student)
     module = make_module(student, tokenizer, reference=reference, precompute_ref_logps=True)
     trainer = fit(module, tokenizer, pairs, tmp_path, max_steps=2)
@@ -183,10 +204,19 @@ def test_precomputed_reference_logps_are_cached_checkpointed_and_resumed(student
     assert not any(k.startswith("reference.") for k in checkpoint["state_dict"])
 
     resumed = make_module(copy.deepcopy(initial), tokenizer, reference=None, precompute_ref_logps=True)
-    monkeypatch.setattr(DPOModule, "precompute_reference_logps",
-                        lambda *a: pytest.fail("resuming must reuse the checkpointed reference log-probs"))
-    resumed_trainer = fit(resumed, tokenizer, pairs, tmp_path / "resumed", max_steps=3,
-                          ckpt_path=tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
+    monkeypatch.setattr(
+        DPOModule,
+        "precompute_reference_logps",
+        lambda *a: pytest.fail("resuming must reuse the checkpointed reference log-probs"),
+    )
+    resumed_trainer = fit(
+        resumed,
+        tokenizer,
+        pairs,
+        tmp_path / "resumed",
+        max_steps=3,
+        ckpt_path=tmp_path / "checkpoints" / "epoch=0-step=2.ckpt",
+    )
     assert trainer.global_step == 2 and resumed_trainer.global_step == 3
     assert torch.equal(resumed.reference_logps_cache["train"], cache["train"])
 
@@ -205,8 +235,11 @@ def test_reference_logps_given_in_the_rows_skip_the_reference(student, tokenizer
 
 def test_policy_and_reference_load_from_local_folders(student, tokenizer, tmp_path):
     student.save_pretrained(tmp_path / "policy")
-    module = DPOModule(str(tmp_path / "policy"), tokenizer,
-                       reference={"name_or_path": str(tmp_path / "policy"), "init_kwargs": {"dtype": "bfloat16"}})
+    module = DPOModule(
+        str(tmp_path / "policy"),
+        tokenizer,
+        reference={"name_or_path": str(tmp_path / "policy"), "init_kwargs": {"dtype": "bfloat16"}},
+    )
     assert module.reference.dtype == torch.bfloat16 and module.policy.dtype == torch.float32
     assert not any(p.requires_grad for p in module.reference.parameters())
     expected = {k: v.to(torch.bfloat16) for k, v in student.state_dict().items()}
@@ -225,11 +258,18 @@ def test_unusable_setups_fail_with_a_clear_message(student, tokenizer, toy_rows,
     with pytest.raises(ValueError, match="looks like a chat batch.*PreferenceDataModule"):
         module.preference_step(chat_batch)
     with pytest.raises(ValueError, match=r"has no \['labels'\]"):
-        module.preference_step({"input_ids": torch.zeros(2, 3, dtype=torch.long),
-                                "attention_mask": torch.ones(2, 3, dtype=torch.long)})
+        module.preference_step(
+            {"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+        )
     precomputing = make_module(copy.deepcopy(student), tokenizer, precompute_ref_logps=True)
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     loader = PreferenceDataModule(tokenizer, pairs["train"], batch_size=4).train_dataloader()
     with pytest.raises(ValueError, match="precompute_ref_logps=True reads the data from the datamodule"):
         trainer.fit(precomputing, train_dataloaders=loader)

@@ -25,13 +25,21 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 ATOL = 1e-5
-FAST = ["trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-        "trainer.log_every_n_steps=1", "data.batch_size=4", "method.max_new_tokens=6", "print_config=false"]
+FAST = [
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "method.max_new_tokens=6",
+    "print_config=false",
+]
 
 
 @pytest.fixture(scope="module")
 def base_folder(tmp_path_factory):
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
     folder = tmp_path_factory.mktemp("base") / "student"
     tiny_causal_lm(TINY_STUDENT, build_chatml_tokenizer(), seed=0).save_pretrained(folder)
     return str(folder)
@@ -39,13 +47,15 @@ def base_folder(tmp_path_factory):
 
 def lora_module(base_folder, teacher, tokenizer, **kwargs):
     spec = {"name_or_path": base_folder, "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}}
-    return GKDModule(spec, teacher, tokenizer, lmbda=0.0, max_new_tokens=6,
-                     optimizer=partial(torch.optim.AdamW, lr=1e-2), **kwargs)
+    return GKDModule(
+        spec, teacher, tokenizer, lmbda=0.0, max_new_tokens=6, optimizer=partial(torch.optim.AdamW, lr=1e-2), **kwargs
+    )
 
 
 def probe(tokenizer):
-    batch = tokenizer(["<|im_start|>user\n123+456=<|im_end|>\n<|im_start|>assistant\n", "7+8="], padding=True,
-                      return_tensors="pt")
+    batch = tokenizer(
+        ["<|im_start|>user\n123+456=<|im_end|>\n<|im_start|>assistant\n", "7+8="], padding=True, return_tensors="pt"
+    )
     return batch.input_ids, batch.attention_mask
 
 
@@ -69,10 +79,18 @@ def perturb_adapters(model):
 
 def fit(module, tokenizer, rows, tmp_path, max_steps, callbacks):
     data = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, callbacks=callbacks,
-                        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-                        limit_val_batches=0, num_sanity_val_steps=0, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, datamodule=data)
     return trainer
 
@@ -114,8 +132,9 @@ def test_lora_export_writes_the_adapter_and_a_merged_copy(base_folder, teacher, 
 
     diffs = {
         "AutoPeftModelForCausalLM(adapter)": peft.AutoPeftModelForCausalLM.from_pretrained(adapter),
-        "PeftModel.from_pretrained(base, adapter)": peft.PeftModel.from_pretrained(load_causal_lm(base_folder),
-                                                                                   adapter),
+        "PeftModel.from_pretrained(base, adapter)": peft.PeftModel.from_pretrained(
+            load_causal_lm(base_folder), adapter
+        ),
         "AutoModelForCausalLM(merged)": AutoModelForCausalLM.from_pretrained(merged),
     }
     diffs = {name: max_diff(logits(model, tokenizer), expected) for name, model in diffs.items()}
@@ -126,8 +145,9 @@ def test_lora_export_writes_the_adapter_and_a_merged_copy(base_folder, teacher, 
 
 
 @pytest.mark.parametrize("lora, every_n_train_steps", [(True, None), (True, 2), (False, None)])
-def test_export_callback_writes_a_folder_per_checkpoint(base_folder, teacher, tokenizer, toy_rows, tmp_path, lora,
-                                                       every_n_train_steps):
+def test_export_callback_writes_a_folder_per_checkpoint(
+    base_folder, teacher, tokenizer, toy_rows, tmp_path, lora, every_n_train_steps
+):
     if lora:
         module = lora_module(base_folder, teacher, tokenizer)
     else:
@@ -135,8 +155,17 @@ def test_export_callback_writes_a_folder_per_checkpoint(base_folder, teacher, to
     checkpoints = tmp_path / "checkpoints"
     callbacks = [HFExportCallback(checkpoints, every_n_train_steps=every_n_train_steps)]
     if every_n_train_steps is None:  # at each checkpoint save (step 2, step 4 and last.ckpt at step 4)
-        callbacks.insert(0, ModelCheckpoint(dirpath=checkpoints, filename="step{step}", auto_insert_metric_name=False,
-                                            every_n_train_steps=2, save_top_k=-1, save_last=True))
+        callbacks.insert(
+            0,
+            ModelCheckpoint(
+                dirpath=checkpoints,
+                filename="step{step}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=2,
+                save_top_k=-1,
+                save_last=True,
+            ),
+        )
     fit(module, tokenizer, toy_rows, tmp_path, max_steps=4, callbacks=callbacks)
 
     names = sorted(p.name for p in checkpoints.iterdir())
@@ -153,9 +182,12 @@ def test_export_callback_writes_a_folder_per_checkpoint(base_folder, teacher, to
     step2 = logits(load(checkpoints / "step2-hf"), tokenizer)
     if lora:
         diffs["step2 merged vs step2"] = max_diff(
-            logits(AutoModelForCausalLM.from_pretrained(checkpoints / "step2-hf-merged"), tokenizer), step2)
-    print(f"per-checkpoint export (lora={lora}, every_n_train_steps={every_n_train_steps}): max |logit diff| "
-          f"{diffs}; step 2 vs step 4: {max_diff(step2, expected):.2e}")
+            logits(AutoModelForCausalLM.from_pretrained(checkpoints / "step2-hf-merged"), tokenizer), step2
+        )
+    print(
+        f"per-checkpoint export (lora={lora}, every_n_train_steps={every_n_train_steps}): max |logit diff| "
+        f"{diffs}; step 2 vs step 4: {max_diff(step2, expected):.2e}"
+    )
     assert all(diff <= ATOL for diff in diffs.values())
     assert max_diff(step2, expected) > 1e-4  # step 2 is an earlier model
     if every_n_train_steps is None:  # the step-2 folder holds the same weights as step2.ckpt
@@ -166,8 +198,9 @@ def test_export_callback_writes_a_folder_per_checkpoint(base_folder, teacher, to
 
 
 def test_hydra_run_with_a_lora_student_exports_adapter_merged_and_per_checkpoint(tmp_path):
-    cfg = compose_train(tmp_path, [*FAST, "model.student.lora.r=4", "method.lmbda=0.0",
-                                   "callbacks=[default,hf_export]"])
+    cfg = compose_train(
+        tmp_path, [*FAST, "model.student.lora.r=4", "method.lmbda=0.0", "callbacks=[default,hf_export]"]
+    )
     assert cfg.method.student.lora.r == 4 and cfg.export_merged is True
     result = run(cfg)
     run_dir = tmp_path / "run"
@@ -181,8 +214,10 @@ def test_hydra_run_with_a_lora_student_exports_adapter_merged_and_per_checkpoint
     checkpoint = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step3-hf-merged")
     tok = load_tokenizer(str(run_dir / "student"))  # the run's tokenizer is saved beside the adapter
     reference = logits(adapter, tok)
-    diffs = {"merged": max_diff(logits(merged, tok), reference),
-             "step3-hf-merged": max_diff(logits(checkpoint, tok), reference)}
+    diffs = {
+        "merged": max_diff(logits(merged, tok), reference),
+        "step3-hf-merged": max_diff(logits(checkpoint, tok), reference),
+    }
     print("Hydra LoRA run: max |logit diff| vs the exported adapter:", diffs)
     assert all(diff <= ATOL for diff in diffs.values())
     assert (run_dir / "checkpoints" / "step3-hf" / "adapter_config.json").is_file()
@@ -192,8 +227,9 @@ def test_hydra_run_with_a_lora_student_exports_adapter_merged_and_per_checkpoint
 
 
 def test_hydra_run_with_export_merged_false_writes_the_adapter_only(tmp_path):
-    cfg = compose_train(tmp_path, [*FAST, "model.student.lora.r=4", "export_merged=false", "callbacks=none",
-                                   "method.lmbda=0.0"])
+    cfg = compose_train(
+        tmp_path, [*FAST, "model.student.lora.r=4", "export_merged=false", "callbacks=none", "method.lmbda=0.0"]
+    )
     result = run(cfg)
     assert result["merged_dir"] is None and not (tmp_path / "run" / "student_merged").exists()
     assert (tmp_path / "run" / "student" / "adapter_config.json").is_file()

@@ -38,8 +38,15 @@ def test_python_formatting_func_gives_the_same_batches_as_messages(tokenizer, to
     chat = toy_rows["train"][:8]
     assert [m["role"] for m in chat[0]["messages"]] == ["user", "assistant"]
     raw = as_qa(chat)
-    formatted = ChatDataModule(tokenizer, raw, val_data=as_qa(toy_rows["val"][:4]), formatting_func=qa_to_chat,
-                               batch_size=8, shuffle=False, max_length=64)
+    formatted = ChatDataModule(
+        tokenizer,
+        raw,
+        val_data=as_qa(toy_rows["val"][:4]),
+        formatting_func=qa_to_chat,
+        batch_size=8,
+        shuffle=False,
+        max_length=64,
+    )
     plain = ChatDataModule(tokenizer, chat, batch_size=8, shuffle=False, max_length=64)
     formatted.setup("fit")
     plain.setup("fit")
@@ -79,15 +86,26 @@ def compose_data(tmp_path, toy_rows, override: str):
     path.write_text("\n".join(json.dumps(row) for row in as_qa(toy_rows["train"][:8])))
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["data=chat_files", f"data.train_data={path}", "+data.shuffle=false",
-                                          "data.max_length=64", override])
+        cfg = compose(
+            "train",
+            overrides=[
+                "data=chat_files",
+                f"data.train_data={path}",
+                "+data.shuffle=false",
+                "data.max_length=64",
+                override,
+            ],
+        )
     return cfg
 
 
-@pytest.mark.parametrize("override", [
-    "data.formatting_func=test_formatting_func.qa_to_chat",
-    "data.formatting_func={_target_:test_formatting_func.qa_to_chat,_partial_:true,system:brief}",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.formatting_func=test_formatting_func.qa_to_chat",
+        "data.formatting_func={_target_:test_formatting_func.qa_to_chat,_partial_:true,system:brief}",
+    ],
+)
 def test_formatting_func_from_the_config(tmp_path, tokenizer, toy_rows, override):
     cfg = compose_data(tmp_path, toy_rows, override)
     data = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")

@@ -8,13 +8,42 @@ from lightning_gkd import GKDModule
 from lightning_gkd.assets import TINY_STUDENT, tiny_causal_lm
 
 ROOT = Path(__file__).parents[1]
-TRL_ARGUMENTS = ["model", "teacher_model", "lmbda", "beta", "temperature", "max_new_tokens", "seq_kd",
-                 "disable_dropout", "teacher_model_name_or_path", "teacher_model_init_kwargs",
-                 "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type",
-                 "warmup_steps", "max_steps", "num_train_epochs", "bf16", "gradient_checkpointing", "eval_strategy",
-                 "eval_steps", "save_steps", "logging_steps", "seed", "max_length", "peft_config", "callbacks",
-                 "compute_metrics", "optimizers", "data_collator", "formatting_func", "resume_from_checkpoint",
-                 "push_to_hub", "hub_model_id"]
+TRL_ARGUMENTS = [
+    "model",
+    "teacher_model",
+    "lmbda",
+    "beta",
+    "temperature",
+    "max_new_tokens",
+    "seq_kd",
+    "disable_dropout",
+    "teacher_model_name_or_path",
+    "teacher_model_init_kwargs",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "max_steps",
+    "num_train_epochs",
+    "bf16",
+    "gradient_checkpointing",
+    "eval_strategy",
+    "eval_steps",
+    "save_steps",
+    "logging_steps",
+    "seed",
+    "max_length",
+    "peft_config",
+    "callbacks",
+    "compute_metrics",
+    "optimizers",
+    "data_collator",
+    "formatting_func",
+    "resume_from_checkpoint",
+    "push_to_hub",
+    "hub_model_id",
+]
 
 
 def rows() -> list[list[str]]:

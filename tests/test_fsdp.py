@@ -19,12 +19,21 @@ pytestmark = pytest.mark.multiprocess
 
 
 def run_worker(out: Path, checkpoint: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # a clean launcher
         env.pop(key, None)
-    done = subprocess.run([sys.executable, str(WORKER), str(out), checkpoint], cwd=out.parent, env=env,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(out), checkpoint],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 

@@ -254,9 +254,7 @@ def test_train_flags_restored_on_exception():
     model.dropout.eval()  # mixed flags must come back exactly
     model.raise_on_call = True
     with pytest.raises(RuntimeError, match="boom"):
-        generate_completions(
-            model, PROMPT_IDS[:1], PROMPT_MASK[:1], max_new_tokens=2, pad_token_id=0, eos_token_id=2
-        )
+        generate_completions(model, PROMPT_IDS[:1], PROMPT_MASK[:1], max_new_tokens=2, pad_token_id=0, eos_token_id=2)
     assert model.training is True
     assert model.dropout.training is False
 

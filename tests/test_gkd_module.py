@@ -22,10 +22,18 @@ def make_module(student, teacher, tokenizer, **kwargs):
 
 def fit(module, tokenizer, rows, tmp_path, max_steps=3, **trainer_kwargs):
     datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=CSVLogger(tmp_path, name="", version=""),
-                        log_every_n_steps=1, limit_val_batches=1, val_check_interval=max_steps,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        val_check_interval=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
     trainer.fit(module, datamodule=datamodule)
     return trainer
 
@@ -39,15 +47,22 @@ def snapshot(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("lmbda, seq_kd, expected_source", [(0.0, False, "dataset"), (1.0, False, "student"),
-                                                            (0.0, True, "teacher")])
-def test_fit_trains_student_only(student, teacher, tokenizer, toy_rows, tmp_path, monkeypatch,
-                                 lmbda, seq_kd, expected_source):
+@pytest.mark.parametrize(
+    "lmbda, seq_kd, expected_source", [(0.0, False, "dataset"), (1.0, False, "student"), (0.0, True, "teacher")]
+)
+def test_fit_trains_student_only(
+    student, teacher, tokenizer, toy_rows, tmp_path, monkeypatch, lmbda, seq_kd, expected_source
+):
     module = make_module(student, teacher, tokenizer, lmbda=lmbda, seq_kd=seq_kd)
     sampled_by = []
     original = GKDModule.sample_batch
-    monkeypatch.setattr(GKDModule, "sample_batch", lambda self, model, batch, seed: sampled_by.append(
-        "student" if model is self.student else "teacher") or original(self, model, batch, seed))
+    monkeypatch.setattr(
+        GKDModule,
+        "sample_batch",
+        lambda self, model, batch, seed: (
+            sampled_by.append("student" if model is self.student else "teacher") or original(self, model, batch, seed)
+        ),
+    )
     student_before, teacher_before = snapshot(module.student), snapshot(module.teacher)
 
     trainer = fit(module, tokenizer, toy_rows, tmp_path)
@@ -75,10 +90,10 @@ def test_checkpoint_reloads_strictly_without_teacher_keys(student, teacher, toke
     trainer = fit(module, tokenizer, toy_rows, tmp_path, max_steps=2)
     path = tmp_path / "manual.ckpt"
     trainer.save_checkpoint(path)
-    fresh = make_module(load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": len(tokenizer)}}),
-                        module.teacher, tokenizer)
-    loaded = type(fresh).load_from_checkpoint(path, student=fresh.student, teacher=fresh.teacher,
-                                              tokenizer=tokenizer)
+    fresh = make_module(
+        load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": len(tokenizer)}}), module.teacher, tokenizer
+    )
+    loaded = type(fresh).load_from_checkpoint(path, student=fresh.student, teacher=fresh.teacher, tokenizer=tokenizer)
     for key, value in module.student.state_dict().items():
         assert torch.equal(loaded.student.state_dict()[key], value)
     assert loaded.hparams.lmbda == 0.0
@@ -108,14 +123,17 @@ def test_coin_flip_is_a_function_of_seed_step_and_batch(student, teacher, tokeni
     assert 0.4 < on_policy < 0.6 and set(flips_a) == {"student", "dataset"}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"lmbda": 1.5}, r"lmbda must be in \[0, 1\], got 1.5"),
-    ({"beta": -0.1}, r"beta must be in \[0, 1\], got -0.1"),
-    ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
-    ({"loss_temperature": -1.0}, "loss_temperature must be > 0"),
-    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lmbda": 1.5}, r"lmbda must be in \[0, 1\], got 1.5"),
+        ({"beta": -0.1}, r"beta must be in \[0, 1\], got -0.1"),
+        ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+        ({"loss_temperature": -1.0}, "loss_temperature must be > 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ],
+)
 def test_invalid_hyperparameters_fail_at_construction(student, teacher, tokenizer, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_module(student, teacher, tokenizer, **kwargs)
@@ -129,7 +147,8 @@ def test_vocab_mismatch_fails_before_training(student, tokenizer):
 
 def test_scheduler_steps_every_optimizer_step(student, teacher, tokenizer, toy_rows, tmp_path):
     scheduler = partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 1.0 / (1 + step))
-    module = make_module(student, teacher, tokenizer, lmbda=0.0, scheduler=scheduler,
-                         optimizer=partial(torch.optim.SGD, lr=0.1))
+    module = make_module(
+        student, teacher, tokenizer, lmbda=0.0, scheduler=scheduler, optimizer=partial(torch.optim.SGD, lr=0.1)
+    )
     trainer = fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / 4)

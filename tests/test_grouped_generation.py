@@ -32,9 +32,17 @@ def make_module(student, teacher, tokenizer, **kwargs):
 
 
 def trainer_for(tmp_path, max_steps, **kwargs):
-    return L.Trainer(accelerator="cpu", max_steps=max_steps, logger=CSVLogger(tmp_path, name="", version=""),
-                     log_every_n_steps=1, limit_val_batches=0, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
 
 
 def logged(tmp_path, key):
@@ -71,8 +79,7 @@ def test_setting_both_or_a_batch_that_does_not_divide_is_an_error():
 
 def test_ranks_get_distinct_whole_groups_and_every_row_once():
     rows = 100
-    per_rank = [rank_groups(rows, group_size=12, epoch=3, seed=7, shuffle=True, rank=r, world_size=2)
-                for r in range(2)]
+    per_rank = [rank_groups(rows, group_size=12, epoch=3, seed=7, shuffle=True, rank=r, world_size=2) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])  # same number of groups, so the same number of steps
     assert [len(g) for g in per_rank[0]] == [12, 12, 12, 12, 2]  # 4 full groups, then 4 leftover rows shared
     seen = [i for groups in per_rank for group in groups for i in group]
@@ -84,8 +91,9 @@ def test_ranks_get_distinct_whole_groups_and_every_row_once():
 
 def test_loader_yields_k_micro_batches_per_group_cut_from_one_collated_group(tokenizer):
     rows = addition_rows("train", 24)
-    loader = GroupedBatches(RowDataset(rows), ChatMLCollator(tokenizer, 64), batch_size=4, steps_per_generation=3,
-                            seed=1)
+    loader = GroupedBatches(
+        RowDataset(rows), ChatMLCollator(tokenizer, 64), batch_size=4, steps_per_generation=3, seed=1
+    )
     items = list(loader)
     assert len(items) == len(loader) == 6
     assert [item[GROUP_STEP] for item in items] == [0, 1, 2, 0, 1, 2]
@@ -100,13 +108,16 @@ def test_loader_yields_k_micro_batches_per_group_cut_from_one_collated_group(tok
 
 
 def test_k4_eight_optimizer_steps_make_two_sampling_calls_and_use_each_prompt_once(
-        student, teacher, tokenizer, tmp_path):
+    student, teacher, tokenizer, tmp_path
+):
     rows = addition_rows("train", 32)
     module = RecordingGKD(student, teacher, tokenizer, lmbda=1.0)
     calls = []
     original = module.sample_batch
-    module.sample_batch = lambda model, batch, seed: (calls.append(batch["prompts"].shape[0]),
-                                                      original(model, batch, seed))[1]
+    module.sample_batch = lambda model, batch, seed: (
+        calls.append(batch["prompts"].shape[0]),
+        original(model, batch, seed),
+    )[1]
     datamodule = ChatDataModule(tokenizer, rows, batch_size=4, max_length=64, steps_per_generation=4)
     trainer = trainer_for(tmp_path, max_steps=8)
     trainer.fit(module, datamodule=datamodule)
@@ -116,15 +127,18 @@ def test_k4_eight_optimizer_steps_make_two_sampling_calls_and_use_each_prompt_on
     # each of the 32 prompts trained on exactly once in the epoch
     collator = ChatMLCollator(tokenizer, 64)
     all_prompts = collator(rows)
-    expected = Counter(tuple(ids[mask.bool()].tolist())
-                       for ids, mask in zip(all_prompts["prompts"], all_prompts["prompt_attention_mask"], strict=True))
+    expected = Counter(
+        tuple(ids[mask.bool()].tolist())
+        for ids, mask in zip(all_prompts["prompts"], all_prompts["prompt_attention_mask"], strict=True)
+    )
     assert Counter(module.trained_rows) == expected
 
 
 def test_grouped_generation_with_gradient_accumulation(student, teacher, tokenizer, tmp_path):
     module = RecordingGKD(student, teacher, tokenizer, lmbda=1.0)
-    datamodule = ChatDataModule(tokenizer, addition_rows("train", 32), batch_size=4, max_length=64,
-                                generation_batch_size=16)
+    datamodule = ChatDataModule(
+        tokenizer, addition_rows("train", 32), batch_size=4, max_length=64, generation_batch_size=16
+    )
     trainer = trainer_for(tmp_path, max_steps=4, accumulate_grad_batches=2)
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4
@@ -133,14 +147,14 @@ def test_grouped_generation_with_gradient_accumulation(student, teacher, tokeniz
 
 
 def _run(student, teacher, tokenizer, tmp_path, *, max_steps, ckpt_path=None, every=None):
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.5, max_new_tokens=5, seed=3,
-                       optimizer=partial(torch.optim.AdamW, lr=1e-2))
-    datamodule = ChatDataModule(tokenizer, addition_rows("train", 48), batch_size=4, max_length=64,
-                                steps_per_generation=3, seed=5)
-    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every \
-        else []
-    trainer = trainer_for(tmp_path, max_steps=max_steps, callbacks=callbacks,
-                          enable_checkpointing=bool(every))
+    module = GKDModule(
+        student, teacher, tokenizer, lmbda=0.5, max_new_tokens=5, seed=3, optimizer=partial(torch.optim.AdamW, lr=1e-2)
+    )
+    datamodule = ChatDataModule(
+        tokenizer, addition_rows("train", 48), batch_size=4, max_length=64, steps_per_generation=3, seed=5
+    )
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every else []
+    trainer = trainer_for(tmp_path, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(every))
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return logged(tmp_path, "train/loss"), logged(tmp_path, "train/on_policy"), module
 
@@ -157,8 +171,9 @@ def test_resume_mid_group_and_mid_epoch_repeats_the_uninterrupted_run_exactly(to
     _run(*models(), tokenizer, tmp_path / "first", max_steps=16, every=7)
     ckpt = tmp_path / "first" / "ckpt" / "epoch=0-step=7.ckpt"
     assert ckpt.exists()
-    resumed_losses, resumed_flips, _ = _run(*models(), tokenizer, tmp_path / "resumed", max_steps=16,
-                                            ckpt_path=str(ckpt))
+    resumed_losses, resumed_flips, _ = _run(
+        *models(), tokenizer, tmp_path / "resumed", max_steps=16, ckpt_path=str(ckpt)
+    )
     assert len(full_losses) == 16 and len(resumed_losses) == 9
     assert resumed_flips == full_flips[7:]
     assert resumed_losses == full_losses[7:]  # bit-exact on CPU

@@ -24,14 +24,25 @@ from omegaconf import OmegaConf, open_dict
 
 ROOT = Path(__file__).parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
-FAST = ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-        "trainer.log_every_n_steps=1", "data.batch_size=4", "data.val_batch_size=8", "method.max_new_tokens=4",
-        "print_config=false", "callbacks.held_out_eval=null"]
+FAST = [
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "data.val_batch_size=8",
+    "method.max_new_tokens=4",
+    "print_config=false",
+    "callbacks.held_out_eval=null",
+]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("SLURM_", "SUBMITIT_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("SLURM_", "SUBMITIT_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
+    }
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -41,8 +52,7 @@ def _metrics(run_dir: Path) -> list[dict[str, str]]:
 
 
 def test_slurm_launcher_maps_the_trainer_onto_the_job(tmp_path, monkeypatch):
-    cfg = compose_train(tmp_path, ["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2",
-                                   "trainer.devices=4"])
+    cfg = compose_train(tmp_path, ["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", "trainer.devices=4"])
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
@@ -54,13 +64,20 @@ def test_slurm_launcher_maps_the_trainer_onto_the_job(tmp_path, monkeypatch):
     plugin = instantiate(launcher)
     params = dict(plugin.params)
     params.pop("submitit_folder")
-    executor = submitit.AutoExecutor(cluster="slurm", folder=tmp_path / "submitit",
-                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    executor = submitit.AutoExecutor(
+        cluster="slurm", folder=tmp_path / "submitit", slurm_max_num_timeout=params.pop("max_num_timeout")
+    )
     base = set(OmegaConf.structured(submitit_conf().BaseQueueConf).keys())
     executor.update_parameters(**{key if key in base else f"slurm_{key}": value for key, value in params.items()})
     script = executor._executor._make_submission_file_text("python -m lightning_gkd.train", "0")
-    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --signal=USR1@90", "#SBATCH --requeue", "#SBATCH --time=240"]:
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --signal=USR1@90",
+        "#SBATCH --requeue",
+        "#SBATCH --time=240",
+    ]:
         assert line in script.splitlines(), (line, script)
     assert "USR2" not in script  # one owner of requeue: Lightning (SIGUSR1), not submitit
     assert "--partition" not in script
@@ -71,14 +88,29 @@ def test_slurm_launcher_maps_the_trainer_onto_the_job(tmp_path, monkeypatch):
 
 def submitit_conf():
     from hydra_plugins.hydra_submitit_launcher import config
+
     return config
 
 
 @pytest.mark.multiprocess
 def test_local_submitit_multirun_runs_every_job(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "lightning_gkd.train", "-m", "hydra/launcher=local",
-                             "method.beta=0,1", *FAST, f"paths.cache_dir={tmp_path}/cache"],
-                            cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_gkd.train",
+            "-m",
+            "hydra/launcher=local",
+            "method.beta=0,1",
+            *FAST,
+            f"paths.cache_dir={tmp_path}/cache",
+        ],
+        cwd=tmp_path,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
     jobs = sorted(path for path in sweep.iterdir() if path.name.isdigit())
@@ -96,6 +128,7 @@ def test_local_submitit_multirun_runs_every_job(tmp_path):
     time.sleep(1.1)
     from hydra.core.singleton import Singleton
     from hydra.core.utils import setup_globals
+
     for path in submitted:
         with open(path, "rb") as handle:
             delayed = cloudpickle.load(handle)
@@ -113,24 +146,41 @@ def _fake_slurm(tmp_path: Path, job_id: str) -> dict[str, str]:
     """A fake single-task SLURM job: srun runs its arguments (recording the pid), scontrol records its arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    scripts = {"srun": '#!/bin/bash\necho $$ > "$FAKE_SLURM_DIR/srun.pid"\nexec "$@"\n',
-               "scontrol": '#!/bin/bash\necho "$@" >> "$FAKE_SLURM_DIR/scontrol.log"\n'}
+    scripts = {
+        "srun": '#!/bin/bash\necho $$ > "$FAKE_SLURM_DIR/srun.pid"\nexec "$@"\n',
+        "scontrol": '#!/bin/bash\necho "$@" >> "$FAKE_SLURM_DIR/scontrol.log"\n',
+    }
     for name, text in scripts.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
-    return _clean_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(tmp_path),
-                      PYTHON=sys.executable, SLURM_JOB_ID=job_id, SLURM_JOB_NAME="lightning-gkd", SLURM_NNODES="1",
-                      SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_PROCID="0", SLURM_LOCALID="0",
-                      SLURM_NODEID="0", SLURM_NODELIST="localhost", MASTER_PORT="29671")
+    return _clean_env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        FAKE_SLURM_DIR=str(tmp_path),
+        PYTHON=sys.executable,
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NAME="lightning-gkd",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="1",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_NODELIST="localhost",
+        MASTER_PORT="29671",
+    )
 
 
 def test_sbatch_script_lines():
     subprocess.run(["bash", "-n", str(SBATCH)], check=True)
     text = SBATCH.read_text()
-    for line in ["#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --ntasks-per-node=4",
-                 "#SBATCH --gpus-per-node=4"]:
+    for line in [
+        "#SBATCH --signal=SIGUSR1@90",
+        "#SBATCH --requeue",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+    ]:
         assert line in text.splitlines()
-    assert "hydra.run.dir=\"$run_dir\"" in text and "trainer.devices=\"$SLURM_NTASKS_PER_NODE\"" in text
+    assert 'hydra.run.dir="$run_dir"' in text and 'trainer.devices="$SLURM_NTASKS_PER_NODE"' in text
 
 
 @pytest.mark.multiprocess
@@ -141,8 +191,14 @@ def test_sbatch_requeue_resumes_in_the_job_directory(tmp_path):
     command = ["bash", str(SBATCH), *FAST, f"paths.cache_dir={tmp_path}/cache", "callbacks.sample_table=null"]
     run_dir = tmp_path / "outputs" / "slurm" / "4242"
     # Far more steps than it will take: the signals stop it.
-    first = subprocess.Popen([*command, "trainer.max_steps=5000"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [*command, "trainer.max_steps=5000"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (run_dir / "checkpoints" / "last.ckpt").is_file():  # training is under way (step 2 saved)
@@ -167,8 +223,14 @@ def test_sbatch_requeue_resumes_in_the_job_directory(tmp_path):
     assert 2 <= stopped_at < 5000
 
     # The requeued job: same job id, same script; it picks the newest checkpoint of outputs/slurm/4242.
-    second = subprocess.run([*command, f"trainer.max_steps={stopped_at + 2}"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    second = subprocess.run(
+        [*command, f"trainer.max_steps={stopped_at + 2}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert f"resuming from {run_dir.relative_to(tmp_path)}/checkpoints/last.ckpt" in second.stdout
     assert f"steps: {stopped_at + 2}" in second.stdout and (run_dir / "student" / "model.safetensors").is_file()

@@ -29,6 +29,7 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 def base_folder(tmp_path_factory):
     """The tiny student saved with save_pretrained, so specs load it by name_or_path like a hub id."""
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
     folder = tmp_path_factory.mktemp("base") / "student"
     tiny_causal_lm(TINY_STUDENT, build_chatml_tokenizer(), seed=0).save_pretrained(folder)
     return str(folder)
@@ -47,8 +48,14 @@ def adapter_weights(model) -> dict[str, torch.Tensor]:
 
 
 def test_lora_spec_trains_only_the_adapters(base_folder, teacher, tokenizer, toy_rows, tmp_path):
-    module = GKDModule(lora_spec(base_folder), teacher, tokenizer, lmbda=0.5, max_new_tokens=6,
-                       optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    module = GKDModule(
+        lora_spec(base_folder),
+        teacher,
+        tokenizer,
+        lmbda=0.5,
+        max_new_tokens=6,
+        optimizer=partial(torch.optim.AdamW, lr=1e-2),
+    )
     student = module.student
     assert isinstance(student, peft.PeftModel)
     trainable = {n for n, p in student.named_parameters() if p.requires_grad}
@@ -73,8 +80,9 @@ def test_lora_config_defaults_aliases_and_errors(base_folder):
     config = lora_config({"r": 8})
     assert (config.r, config.lora_alpha, config.lora_dropout, config.target_modules) == (8, 16, 0.0, "all-linear")
     assert config.task_type == "CAUSAL_LM"
-    config = lora_config({"r": 2, "lora_alpha": 3, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"],
-                          "use_rslora": True})
+    config = lora_config(
+        {"r": 2, "lora_alpha": 3, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "use_rslora": True}
+    )
     assert (config.lora_alpha, config.lora_dropout, config.use_rslora) == (3, 0.1, True)
     assert set(config.target_modules) == {"q_proj", "v_proj"}
     passed = peft.LoraConfig(r=2, task_type="CAUSAL_LM")
@@ -120,8 +128,14 @@ def test_sampling_from_a_lora_student_uses_the_adapters(base_folder, tokenizer):
     base = load_causal_lm(base_folder).eval()
     assert torch.equal(without, sample_tokens(base, prompts.input_ids, prompts.attention_mask, **kwargs))
     assert not torch.equal(with_adapters, without)
-    sampled = sample_tokens(model, prompts.input_ids, prompts.attention_mask, **{**kwargs, "do_sample": True},
-                            temperature=0.9, generator=torch.Generator().manual_seed(0))
+    sampled = sample_tokens(
+        model,
+        prompts.input_ids,
+        prompts.attention_mask,
+        **{**kwargs, "do_sample": True},
+        temperature=0.9,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert sampled.shape == (2, 6)
 
 
@@ -131,9 +145,17 @@ def test_dpo_with_a_lora_spec_uses_the_adapters_disabled_reference(base_folder, 
     base_before = base_weights(module.policy)
     pairs = {"train": addition_preference_rows("train", 16), "val": addition_preference_rows("val", 4)}
     data = PreferenceDataModule(tokenizer, pairs["train"], pairs["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2
     after = dict(module.policy.named_parameters())
@@ -150,10 +172,22 @@ def test_hydra_dpo_with_a_lora_policy_and_no_reference_model(tmp_path):
 
     from lightning_gkd.train import run
 
-    cfg = compose_train(tmp_path, ["method=dpo", "model.student.lora.r=4", "method.reference=null",
-                                   "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-                                   "data.batch_size=4", "data.val_batch_size=4", "print_config=false",
-                                   "callbacks=none", "export_merged=false"])
+    cfg = compose_train(
+        tmp_path,
+        [
+            "method=dpo",
+            "model.student.lora.r=4",
+            "method.reference=null",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=1",
+            "data.batch_size=4",
+            "data.val_batch_size=4",
+            "print_config=false",
+            "callbacks=none",
+            "export_merged=false",
+        ],
+    )
     result = run(cfg)
     assert result["global_step"] == 2 and result["metrics"]["val/loss"] > 0
     assert (tmp_path / "run" / "student" / "adapter_config.json").is_file() and result["merged_dir"] is None

@@ -58,14 +58,10 @@ def test_temperature_scales_logits() -> None:
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_identical_and_uniform_inputs_give_zero(beta: float) -> None:
     logits = _random_logits(2, 4, 9, seed=2)
-    assert generalized_jsd_loss(logits, logits.clone(), beta=beta).item() == pytest.approx(
-        0.0, abs=1e-12
-    )
+    assert generalized_jsd_loss(logits, logits.clone(), beta=beta).item() == pytest.approx(0.0, abs=1e-12)
     uniform = torch.zeros(2, 4, 9, dtype=torch.float64)
     # Constant shift of the logits does not change the softmax.
-    assert generalized_jsd_loss(uniform, uniform + 5.0, beta=beta).item() == pytest.approx(
-        0.0, abs=1e-12
-    )
+    assert generalized_jsd_loss(uniform, uniform + 5.0, beta=beta).item() == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
@@ -130,9 +126,7 @@ def test_reductions_with_labels() -> None:
     total = full[mask].sum()
     total_loss = generalized_jsd_loss(s, t, labels=labels, beta=0.4, reduction="sum")
     torch.testing.assert_close(total_loss, total, rtol=0, atol=1e-12)
-    torch.testing.assert_close(
-        generalized_jsd_loss(s, t, labels=labels, beta=0.4), total / 5, rtol=0, atol=1e-12
-    )
+    torch.testing.assert_close(generalized_jsd_loss(s, t, labels=labels, beta=0.4), total / 5, rtol=0, atol=1e-12)
     torch.testing.assert_close(
         generalized_jsd_loss(s, t, labels=labels, beta=0.4, reduction="mean"),
         total / (5 * V),
@@ -142,9 +136,7 @@ def test_reductions_with_labels() -> None:
     # Masked positions do not influence the result at all.
     s2 = s.clone()
     s2[~mask] = 1e3
-    torch.testing.assert_close(
-        generalized_jsd_loss(s2, t, labels=labels, beta=0.4), total / 5, rtol=0, atol=1e-12
-    )
+    torch.testing.assert_close(generalized_jsd_loss(s2, t, labels=labels, beta=0.4), total / 5, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("num_items", [7, torch.tensor(7), torch.tensor(7.0)])
@@ -154,9 +146,7 @@ def test_num_items_in_batch_overrides_reduction(num_items, reduction: str) -> No
     t = _random_logits(2, 4, 6, seed=14)
     labels = torch.tensor([[1, -100, 3, 4], [-100, -100, 0, 5]])
     total = generalized_jsd_loss(s, t, labels=labels, reduction="sum")
-    loss = generalized_jsd_loss(
-        s, t, labels=labels, reduction=reduction, num_items_in_batch=num_items
-    )
+    loss = generalized_jsd_loss(s, t, labels=labels, reduction=reduction, num_items_in_batch=num_items)
     assert loss.shape == ()
     assert loss.dtype == torch.float64
     torch.testing.assert_close(loss, total / 7, rtol=0, atol=1e-12)
@@ -169,9 +159,7 @@ def test_all_masked_is_zero_with_gradient_path(reduction: str, num_items, beta: 
     s = _random_logits(2, 3, 5, seed=15, dtype=torch.float32).requires_grad_()
     t = _random_logits(2, 3, 5, seed=16, dtype=torch.float32).requires_grad_()
     labels = torch.full((2, 3), -100)
-    loss = generalized_jsd_loss(
-        s, t, labels=labels, beta=beta, reduction=reduction, num_items_in_batch=num_items
-    )
+    loss = generalized_jsd_loss(s, t, labels=labels, beta=beta, reduction=reduction, num_items_in_batch=num_items)
     assert loss.shape == ()
     assert loss.item() == 0.0
     assert loss.requires_grad
@@ -192,9 +180,7 @@ def test_half_precision_inputs_computed_in_float32(low: torch.dtype, beta: float
     labels = torch.tensor([[0, 1, -100, 2, 3, 4], [5, -100, -100, 6, 7, 8]])
     loss = generalized_jsd_loss(s, t, labels=labels, beta=beta, temperature=0.7)
     assert loss.dtype == torch.float32
-    reference = generalized_jsd_loss(
-        s.detach().float(), t.float(), labels=labels, beta=beta, temperature=0.7
-    )
+    reference = generalized_jsd_loss(s.detach().float(), t.float(), labels=labels, beta=beta, temperature=0.7)
     torch.testing.assert_close(loss.detach(), reference, rtol=1e-6, atol=1e-7)
     loss.backward()
     assert s.grad is not None and s.grad.dtype == low and torch.isfinite(s.grad.float()).all()

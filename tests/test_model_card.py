@@ -18,11 +18,18 @@ def test_export_without_a_trainer_writes_models_and_hyperparameters(student, tea
 
 
 def test_export_after_fit_records_steps_data_and_metrics(student, teacher, tokenizer, toy_rows, tmp_path):
-    data = ChatDataModule(tokenizer, toy_rows["train"][:8], val_data=toy_rows["val"][:4], batch_size=4,
-                          max_length=64)
+    data = ChatDataModule(tokenizer, toy_rows["train"][:8], val_data=toy_rows["val"][:4], batch_size=4, max_length=64)
     module = GKDModule(student, teacher, tokenizer, lmbda=0.0)
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, max_steps=2, val_check_interval=2, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_steps=2,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=data)
     card = (module.export(tmp_path / "out") / "README.md").read_text()
     assert "- steps: 2" in card

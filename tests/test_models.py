@@ -12,8 +12,17 @@ def test_module_is_returned_as_is(student):
 
 
 def test_from_config_spec_builds_the_described_model():
-    spec = {"config": {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
-                       "num_hidden_layers": 1, "num_attention_heads": 2}, "init_kwargs": {"dtype": "bfloat16"}}
+    spec = {
+        "config": {
+            "model_type": "llama",
+            "vocab_size": 50,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        "init_kwargs": {"dtype": "bfloat16"},
+    }
     model = load_causal_lm(spec)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.config.hidden_size == 32 and model.get_output_embeddings().weight.shape == (50, 32)
@@ -22,8 +31,10 @@ def test_from_config_spec_builds_the_described_model():
 
 def test_local_folder_loads_through_from_pretrained_with_init_kwargs(student, tmp_path):
     student.save_pretrained(tmp_path / "student")
-    spec = {"name_or_path": str(tmp_path / "student"),
-            "init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager"}}
+    spec = {
+        "name_or_path": str(tmp_path / "student"),
+        "init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager"},
+    }
     loaded = load_causal_lm(spec)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     assert loaded.config._attn_implementation == "eager"
@@ -33,8 +44,9 @@ def test_local_folder_loads_through_from_pretrained_with_init_kwargs(student, tm
 
 def test_hub_id_passes_init_kwargs_and_never_trusts_remote_code_by_default(monkeypatch):
     calls = []
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
-                        lambda name, **kw: calls.append((name, kw)) or torch.nn.Linear(1, 1))
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", lambda name, **kw: calls.append((name, kw)) or torch.nn.Linear(1, 1)
+    )
     load_causal_lm({"name_or_path": "org/model", "init_kwargs": {"dtype": "float16", "revision": "v2"}})
     load_causal_lm("org/other", trust_remote_code=True)
     assert calls[0] == ("org/model", {"dtype": torch.float16, "revision": "v2", "trust_remote_code": False})

@@ -14,8 +14,11 @@ from lightning_gkd.data.preference_validation import validate_preference_rows
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.data.toy_preference import addition_preference_rows
 
-CONVERSATIONAL = {"prompt": [{"role": "user", "content": "2+2="}], "chosen": [{"role": "assistant", "content": "4"}],
-                  "rejected": [{"role": "assistant", "content": "17"}]}
+CONVERSATIONAL = {
+    "prompt": [{"role": "user", "content": "2+2="}],
+    "chosen": [{"role": "assistant", "content": "4"}],
+    "rejected": [{"role": "assistant", "content": "17"}],
+}
 TEXT = {"prompt": "Q: 2+2=", "chosen": " 4", "rejected": " 17"}
 
 
@@ -28,8 +31,11 @@ def real(row_ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
 
 
 def test_conversational_pair_batch_layout(tokenizer):
-    other = {**CONVERSATIONAL, "prompt": [{"role": "user", "content": "100+250="}],
-             "chosen": [{"role": "assistant", "content": "350"}]}
+    other = {
+        **CONVERSATIONAL,
+        "prompt": [{"role": "user", "content": "100+250="}],
+        "chosen": [{"role": "assistant", "content": "350"}],
+    }
     batch = PreferenceCollator(tokenizer)([{**CONVERSATIONAL, "row_index": 7}, {**other, "row_index": 3}])
     assert batch["input_ids"].shape[0] == 4 and batch["prompts"].shape[0] == 2
     assert batch["index"].tolist() == [7, 3]
@@ -55,8 +61,14 @@ def test_plain_text_rows_append_eos(tokenizer):
 
 
 def test_pretokenized_rows_pass_untouched(tokenizer):
-    row = {"prompt_input_ids": [5, 6, 7], "chosen_input_ids": [8, 9], "rejected_input_ids": [10, 11, 12, 13],
-           "ref_chosen_logps": -1.25, "ref_rejected_logps": -3.5, "prompt": "ignored when ids are given"}
+    row = {
+        "prompt_input_ids": [5, 6, 7],
+        "chosen_input_ids": [8, 9],
+        "rejected_input_ids": [10, 11, 12, 13],
+        "ref_chosen_logps": -1.25,
+        "ref_rejected_logps": -3.5,
+        "prompt": "ignored when ids are given",
+    }
     batch = PreferenceCollator(tokenizer)([row])
     assert real(batch["input_ids"][0], batch["attention_mask"][0]) == [5, 6, 7, 8, 9]
     assert real(batch["input_ids"][1], batch["attention_mask"][1]) == [5, 6, 7, 10, 11, 12, 13]
@@ -73,18 +85,21 @@ def test_truncation_keeps_last_tokens_and_rejects_a_lost_prompt(tokenizer):
         PreferenceCollator(tokenizer, max_length=3)([row])
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"prompt": "Q", "chosen": "A"}, r"row 1: missing field 'rejected' \(fields present: \['chosen', 'prompt'\]\)"),
-    ({"prompt": "Q", "chosen": "", "rejected": "B"}, "row 1: 'chosen' is an empty completion"),
-    ({**CONVERSATIONAL, "rejected": [{"role": "assistant", "content": ""}]}, "row 1: 'rejected' is an empty compl"),
-    ({**CONVERSATIONAL, "chosen": "4"}, "row 1: 'prompt' is a list of messages, so 'chosen' must be one too"),
-    ({"prompt": "Q", "chosen": "A", "rejected": ["B"]}, "row 1: 'prompt' is a string, so 'rejected' must be one"),
-    ({**CONVERSATIONAL, "chosen": [{"role": "user", "content": "4"}]}, "'chosen' must be exactly one assistant"),
-    ({**CONVERSATIONAL, "prompt": [{"role": "robot", "content": "hi"}]}, r"'prompt'\[0\] has unknown role 'robot'"),
-    ({"prompt_input_ids": [1], "chosen_input_ids": [], "rejected_input_ids": [2]}, "'chosen_input_ids' is empty"),
-    ({**TEXT, "ref_chosen_logps": -1.0}, "has 'ref_chosen_logps' but not its partner"),
-    ("not a dict", "row 1: expected a dict, got str"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "Q", "chosen": "A"}, r"row 1: missing field 'rejected' \(fields present: \['chosen', 'prompt'\]\)"),
+        ({"prompt": "Q", "chosen": "", "rejected": "B"}, "row 1: 'chosen' is an empty completion"),
+        ({**CONVERSATIONAL, "rejected": [{"role": "assistant", "content": ""}]}, "row 1: 'rejected' is an empty compl"),
+        ({**CONVERSATIONAL, "chosen": "4"}, "row 1: 'prompt' is a list of messages, so 'chosen' must be one too"),
+        ({"prompt": "Q", "chosen": "A", "rejected": ["B"]}, "row 1: 'prompt' is a string, so 'rejected' must be one"),
+        ({**CONVERSATIONAL, "chosen": [{"role": "user", "content": "4"}]}, "'chosen' must be exactly one assistant"),
+        ({**CONVERSATIONAL, "prompt": [{"role": "robot", "content": "hi"}]}, r"'prompt'\[0\] has unknown role 'robot'"),
+        ({"prompt_input_ids": [1], "chosen_input_ids": [], "rejected_input_ids": [2]}, "'chosen_input_ids' is empty"),
+        ({**TEXT, "ref_chosen_logps": -1.0}, "has 'ref_chosen_logps' but not its partner"),
+        ("not a dict", "row 1: expected a dict, got str"),
+    ],
+)
 def test_bad_rows_name_the_row_and_field(row, message):
     with pytest.raises(ValueError, match=message):
         validate_preference_rows([TEXT, row], name="train_data")
@@ -120,8 +135,9 @@ def test_custom_collator_sees_raw_rows_with_their_index(tokenizer):
         seen.extend(rows)
         return {"n": len(rows)}
 
-    data = PreferenceDataModule(tokenizer, [{"question": "q1"}, {"question": "q2"}], collator=collate,
-                                batch_size=2, shuffle=False)
+    data = PreferenceDataModule(
+        tokenizer, [{"question": "q1"}, {"question": "q2"}], collator=collate, batch_size=2, shuffle=False
+    )
     assert next(iter(data.train_dataloader())) == {"n": 2}  # not validated: the collator owns the format
     assert seen == [{"question": "q1", "row_index": 0}, {"question": "q2", "row_index": 1}]
 
@@ -133,7 +149,7 @@ def test_toy_preference_pairs():
         assert row["prompt"] == source["messages"][:-1] and row["chosen"] == [source["messages"][-1]]
         chosen, rejected, answer = row["chosen"][0]["content"], row["rejected"][0]["content"], row["answer"]
         head, _, tail = chosen.rpartition(answer)  # the rejected reply is the chosen one with a wrong number
-        wrong = rejected[len(head):len(rejected) - len(tail)]
+        wrong = rejected[len(head) : len(rejected) - len(tail)]
         assert rejected.startswith(head) and rejected.endswith(tail)
         assert wrong.isdigit() and wrong != answer
     assert len({row["rejected"][0]["content"] for row in rows}) > 40  # varied, not one constant wrong answer

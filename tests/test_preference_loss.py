@@ -22,8 +22,9 @@ GOLDEN = pair(-1.0, -2.0, -1.5, -1.5)  # chosen, rejected, ref chosen, ref rejec
 def test_golden_values():
     assert preference_loss(*GOLDEN, beta=0.1).item() == pytest.approx(0.6443966600735709, abs=1e-15)
     assert preference_loss(*GOLDEN, beta=0.1, loss_type="hinge").item() == pytest.approx(0.9, abs=1e-15)
-    ipo = preference_loss(*GOLDEN, beta=0.1, loss_type="ipo", chosen_lengths=torch.tensor([2]),
-                          rejected_lengths=torch.tensor([4]))
+    ipo = preference_loss(
+        *GOLDEN, beta=0.1, loss_type="ipo", chosen_lengths=torch.tensor([2]), rejected_lengths=torch.tensor([4])
+    )
     assert ipo.item() == pytest.approx(21.390625, abs=1e-12)  # (0.5/2 + 0.5/4 - 5)^2
 
 
@@ -63,19 +64,21 @@ def test_per_pair_output_and_gradient_direction():
 
 def test_hinge_is_flat_past_the_margin():
     chosen = torch.tensor([0.0], requires_grad=True)
-    loss = preference_loss(chosen, torch.tensor([-30.0]), torch.zeros(1), torch.zeros(1), beta=0.1,
-                           loss_type="hinge")
+    loss = preference_loss(chosen, torch.tensor([-30.0]), torch.zeros(1), torch.zeros(1), beta=0.1, loss_type="hinge")
     loss.sum().backward()
     assert loss.item() == 0.0 and chosen.grad.item() == 0.0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"loss_type": "kto"}, "loss_type must be one of"),
-    ({"beta": 0.0}, "beta must be > 0"),
-    ({"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
-    ({"loss_type": "hinge", "label_smoothing": 0.1}, "sigmoid' only"),
-    ({"loss_type": "ipo"}, "pass chosen_lengths and rejected_lengths"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss_type": "kto"}, "loss_type must be one of"),
+        ({"beta": 0.0}, "beta must be > 0"),
+        ({"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
+        ({"loss_type": "hinge", "label_smoothing": 0.1}, "sigmoid' only"),
+        ({"loss_type": "ipo"}, "pass chosen_lengths and rejected_lengths"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         preference_loss(*GOLDEN, **kwargs)
@@ -87,6 +90,7 @@ def test_shape_mismatch_raises():
 
 
 # --------------------------------------------------------------------------- sequence log-probs
+
 
 def naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     mask = labels != -100

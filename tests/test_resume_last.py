@@ -16,16 +16,28 @@ from lightning_gkd.hub import HubPushError
 from lightning_gkd.resume import resolve_ckpt_path
 from lightning_gkd.train import run
 
-FAST = ["model=tiny", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
-        "data.batch_size=4", "data.test_data=null", "method.max_new_tokens=4", "method.eval_max_new_tokens=4",
-        "callbacks.held_out_eval=null", "callbacks.sample_table=null", "print_config=false", "~scheduler"]
+FAST = [
+    "model=tiny",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "data.test_data=null",
+    "method.max_new_tokens=4",
+    "method.eval_max_new_tokens=4",
+    "callbacks.held_out_eval=null",
+    "callbacks.sample_table=null",
+    "print_config=false",
+    "~scheduler",
+]
 
 
 def compose_run(tmp_path: Path, name: str, overrides: list[str]):
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True,
-                      overrides=[f"paths.cache_dir={tmp_path / 'cache'}", *FAST, *overrides])
+        cfg = compose(
+            "train", return_hydra_config=True, overrides=[f"paths.cache_dir={tmp_path / 'cache'}", *FAST, *overrides]
+        )
     HydraConfig().set_config(cfg)
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "outputs" / "runs" / name)
@@ -56,16 +68,24 @@ def test_card_push_and_resume_from_last(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", "hf_secret_for_test")
     FakeApi.calls = []
-    first = run(compose_run(tmp_path, "2026-01-01_00-00-00", [
-        "trainer.max_steps=2", "push_to_hub=true", "hub_model_id=me/tiny-student", "hub_private_repo=true"]))
+    first = run(
+        compose_run(
+            tmp_path,
+            "2026-01-01_00-00-00",
+            ["trainer.max_steps=2", "push_to_hub=true", "hub_model_id=me/tiny-student", "hub_private_repo=true"],
+        )
+    )
     student = Path(first["student_dir"])
     card = (student / "README.md").read_text()
     assert "## Method: GKDModule" in card and "- lmbda: `0.5`" in card and "- steps: 2" in card
     assert f"- student: `{tmp_path / 'cache' / 'tiny-v1' / 'student'}`" in card
     assert "- teacher: `" in card and "lightning_gkd.data.toy.addition_rows(split=train)" in card
     assert "| val/loss |" in card and "hf_secret_for_test" not in card
-    assert FakeApi.calls == [("token", "hf_secret_for_test"), ("create_repo", "me/tiny-student", True),
-                             ("upload_folder", "me/tiny-student", str(student))]
+    assert FakeApi.calls == [
+        ("token", "hf_secret_for_test"),
+        ("create_repo", "me/tiny-student", True),
+        ("upload_folder", "me/tiny-student", str(student)),
+    ]
     assert first["hub_url"] == "https://huggingface.co/me/tiny-student"
     first_ckpt = tmp_path / "outputs" / "runs" / "2026-01-01_00-00-00" / "checkpoints" / "last.ckpt"
     assert first_ckpt.is_file() and (first_ckpt.parent / "step2.ckpt").is_file()  # save_steps
@@ -83,6 +103,7 @@ def test_last_picks_the_most_recent_other_run_and_explains_when_none(tmp_path):
     with pytest.raises(CheckpointError, match=r"ckpt_path=last: no earlier run under .*runs' has checkpoints/last"):
         resolve_ckpt_path("last", runs / "now")
     import os
+
     for index, name in enumerate(["b_old", "a_new", "now"]):
         path = runs / name / "checkpoints" / "last.ckpt"
         path.parent.mkdir(parents=True)

@@ -40,8 +40,11 @@ def test_checkpoints_are_loaded_weights_only_even_when_asked_otherwise(tmp_path,
     marker = tmp_path / "code-ran"
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}, "extra": Payload(marker)}, path)
-    with pytest.raises(CheckpointError, match=r"Cannot load checkpoint '.*evil\.ckpt' \(UnpicklingError.*\)\. It "
-                                              r"holds Python objects that weights-only loading refuses"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"Cannot load checkpoint '.*evil\.ckpt' \(UnpicklingError.*\)\. It "
+        r"holds Python objects that weights-only loading refuses",
+    ):
         SafeCheckpointIO().load_checkpoint(path, weights_only=asked)
     assert not marker.exists()
     torch.save({"state_dict": {"w": torch.ones(2)}, "hparams": {"lr": 0.1, "name": "x"}}, path)
@@ -73,10 +76,18 @@ def test_dpo_cached_reference_logps_resume_through_weights_only_loading(student,
     pairs = addition_preference_rows("train", 16)
 
     def fit(max_steps, ckpt_path=None):
-        module = DPOModule(copy.deepcopy(student), tokenizer, precompute_ref_logps=True,
-                           optimizer=partial(torch.optim.AdamW, lr=1e-3))
-        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=tmp_path, plugins=[SafeCheckpointIO()])
+        module = DPOModule(
+            copy.deepcopy(student), tokenizer, precompute_ref_logps=True, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            plugins=[SafeCheckpointIO()],
+        )
         trainer.fit(module, datamodule=PreferenceDataModule(tokenizer, pairs, batch_size=4), ckpt_path=ckpt_path)
         return module, trainer
 
@@ -96,8 +107,11 @@ def test_remote_code_is_off_unless_asked(student, teacher, tokenizer, tmp_path, 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **kw: calls.append(kw) or tokenizer)
     load_tokenizer("org/tokenizer")
     assert calls == [{"revision": None, "trust_remote_code": False}]
-    enabled = [str(p.relative_to(CONF)) for p in CONF.rglob("*.yaml")
-               if re.search(r"trust_remote_code:\s*true", p.read_text(), re.IGNORECASE)]
+    enabled = [
+        str(p.relative_to(CONF))
+        for p in CONF.rglob("*.yaml")
+        if re.search(r"trust_remote_code:\s*true", p.read_text(), re.IGNORECASE)
+    ]
     assert enabled == []
 
 
@@ -105,8 +119,13 @@ def test_no_pickle_loading_anywhere_in_the_package():
     offending = []
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
-        for pattern in (r"pickle\.loads?\(", r"weights_only\s*=\s*False", r"import dill", r"torch\.load\((?![^)]*"
-                        r"weights_only\s*=\s*True)"):
+        for pattern in (
+            r"pickle\.loads?\(",
+            r"weights_only\s*=\s*False",
+            r"import dill",
+            r"torch\.load\((?![^)]*"
+            r"weights_only\s*=\s*True)",
+        ):
             offending += [f"{path.name}: {m.group(0)}" for m in re.finditer(pattern, text)]
     assert offending == []
 
@@ -120,6 +139,7 @@ def test_an_interrupted_export_keeps_the_previous_model(student, teacher, tokeni
 
     def dies(*args, **kwargs):
         raise KeyboardInterrupt("killed while writing the tokenizer")
+
     monkeypatch.setattr(type(tokenizer), "save_pretrained", dies)
     with pytest.raises(KeyboardInterrupt):
         module.export(tmp_path / "student")

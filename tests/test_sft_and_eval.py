@@ -16,8 +16,10 @@ from lightning_gkd.held_out_eval import HeldOutEvaluation
 
 
 def test_toy_rows_are_reversed_sums_with_disjoint_fixed_splits():
-    assert addition_row(347, 85)["messages"] == [{"role": "user", "content": "743+58="},
-                                                 {"role": "assistant", "content": "234"}]
+    assert addition_row(347, 85)["messages"] == [
+        {"role": "user", "content": "743+58="},
+        {"role": "assistant", "content": "234"},
+    ]
     splits = {name: addition_rows(name) for name in ("train", "val", "test")}
     assert {k: len(v) for k, v in splits.items()} == {"train": 20000, "val": 256, "test": 512}
     prompts = {k: {r["messages"][0]["content"] for r in v} for k, v in splits.items()}
@@ -37,12 +39,15 @@ def test_exact_match_and_decoding(tokenizer):
     assert reference_texts(tokenizer, batch, tokenizer.eos_token_id) == ["234", "3"]
 
 
-
 def test_evaluate_generations_applies_every_metric(student, tokenizer):
     rows = addition_rows("test", 8)
-    scores = evaluate_generations(student, tokenizer, rows, max_new_tokens=6,
-                                  metrics={"accuracy": exact_match,
-                                           "count": lambda predictions, references: float(len(predictions))})
+    scores = evaluate_generations(
+        student,
+        tokenizer,
+        rows,
+        max_new_tokens=6,
+        metrics={"accuracy": exact_match, "count": lambda predictions, references: float(len(predictions))},
+    )
     assert scores["count"] == 8.0 and 0.0 <= scores["accuracy"] <= 1.0
 
 
@@ -61,13 +66,27 @@ def test_sft_loss_is_cross_entropy_on_completion_tokens(student, tokenizer):
 
 def test_sft_learns_the_toy_task_and_logs_val_accuracy(student, tokenizer, tmp_path):
     rows = [addition_row(a, 1) for a in range(1, 5)]  # a tiny, memorisable task
-    module = SFTModule(student, tokenizer, optimizer=partial(torch.optim.AdamW, lr=3e-3),
-                       metrics={"accuracy": exact_match}, eval_max_new_tokens=6)
+    module = SFTModule(
+        student,
+        tokenizer,
+        optimizer=partial(torch.optim.AdamW, lr=3e-3),
+        metrics={"accuracy": exact_match},
+        eval_max_new_tokens=6,
+    )
     data = ChatDataModule(tokenizer, rows, rows, test_data=rows, batch_size=4, max_length=64)
     held_out = HeldOutEvaluation(max_new_tokens=6)
-    trainer = L.Trainer(accelerator="cpu", max_steps=60, val_check_interval=60, check_val_every_n_epoch=None,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[held_out], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=60,
+        val_check_interval=60,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[held_out],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, datamodule=data)
     assert trainer.callback_metrics["val/accuracy"] == pytest.approx(held_out.results["after"]["accuracy"])
     assert held_out.results["before"]["accuracy"] == 0.0
@@ -82,9 +101,17 @@ def test_held_out_evaluation_scores_the_teacher_once(student, teacher, tokenizer
     module = GKDModule(student, teacher, tokenizer, lmbda=0.0, max_new_tokens=4)
     held_out = HeldOutEvaluation(max_new_tokens=4)
     data = ChatDataModule(tokenizer, rows, test_data=rows, batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[held_out],
-                        default_root_dir=tmp_path, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[held_out],
+        default_root_dir=tmp_path,
+        limit_val_batches=0,
+    )
     trainer.fit(module, datamodule=data)
     expected = evaluate_generations(teacher, tokenizer, rows, max_new_tokens=4)
     assert held_out.results["teacher"] == expected

@@ -31,19 +31,30 @@ class SendSignal(L.Callback):
 
 
 def fit(student, teacher, tokenizer, rows, tmp_path, callbacks, max_steps, ckpt_path=None):
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.5, max_new_tokens=4,
-                       optimizer=partial(torch.optim.AdamW, lr=1e-3))
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
-                        plugins=[SafeCheckpointIO()], callbacks=callbacks)
-    trainer.fit(module, datamodule=ChatDataModule(tokenizer, rows["train"], batch_size=4, max_length=64),
-                ckpt_path=ckpt_path)
+    module = GKDModule(
+        student, teacher, tokenizer, lmbda=0.5, max_new_tokens=4, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        plugins=[SafeCheckpointIO()],
+        callbacks=callbacks,
+    )
+    trainer.fit(
+        module, datamodule=ChatDataModule(tokenizer, rows["train"], batch_size=4, max_length=64), ckpt_path=ckpt_path
+    )
     return trainer
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_signal_saves_a_checkpoint_at_a_step_boundary_and_resume_continues(student, teacher, tokenizer, toy_rows,
-                                                                           tmp_path, signum, caplog):
+def test_signal_saves_a_checkpoint_at_a_step_boundary_and_resume_continues(
+    student, teacher, tokenizer, toy_rows, tmp_path, signum, caplog
+):
     saver = SignalCheckpoint(tmp_path / "checkpoints")
     handlers_before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     caplog.set_level("INFO")
@@ -57,8 +68,9 @@ def test_signal_saves_a_checkpoint_at_a_step_boundary_and_resume_continues(stude
     name = signal.Signals(signum).name
     assert f"Received {name}: stopped after step 2 and saved {saver.saved_path}. Resume with ckpt_path=" in caplog.text
 
-    resumed = fit(student, teacher, tokenizer, toy_rows, tmp_path / "resumed", [], max_steps=4,
-                  ckpt_path=saver.saved_path)
+    resumed = fit(
+        student, teacher, tokenizer, toy_rows, tmp_path / "resumed", [], max_steps=4, ckpt_path=saver.saved_path
+    )
     assert resumed.global_step == 4
 
 
@@ -69,9 +81,16 @@ def test_a_signal_before_the_first_step_saves_nothing(student, teacher, tokenize
                 os.kill(os.getpid(), signal.SIGTERM)
 
     saver = SignalCheckpoint(tmp_path / "checkpoints")
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=2, default_root_dir=tmp_path,
-                        callbacks=[saver, DuringSanityCheck()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=2,
+        default_root_dir=tmp_path,
+        callbacks=[saver, DuringSanityCheck()],
+    )
     data = ChatDataModule(tokenizer, toy_rows["train"], toy_rows["val"], batch_size=4, val_batch_size=4)
     with pytest.raises(SIGTERMException):
         trainer.fit(GKDModule(student, teacher, tokenizer, max_new_tokens=4), datamodule=data)
@@ -81,15 +100,34 @@ def test_a_signal_before_the_first_step_saves_nothing(student, teacher, tokenize
 
 def test_sigterm_to_the_command_line_run_saves_exits_0_and_resumes(tmp_path):
     """The real thing: `python -m lightning_gkd.train` in a subprocess, SIGTERM once it has trained a few steps."""
-    common = [sys.executable, "-m", "lightning_gkd.train", "model=tiny", f"paths.cache_dir={tmp_path}/cache",
-              "print_config=false", "trainer.limit_val_batches=0", "callbacks.held_out_eval=null",
-              "callbacks.sample_table=null", "data.batch_size=4", "method.max_new_tokens=4",
-              "trainer.log_every_n_steps=1"]
+    common = [
+        sys.executable,
+        "-m",
+        "lightning_gkd.train",
+        "model=tiny",
+        f"paths.cache_dir={tmp_path}/cache",
+        "print_config=false",
+        "trainer.limit_val_batches=0",
+        "callbacks.held_out_eval=null",
+        "callbacks.sample_table=null",
+        "data.batch_size=4",
+        "method.max_new_tokens=4",
+        "trainer.log_every_n_steps=1",
+    ]
     run_dir, log = tmp_path / "run", tmp_path / "first_run.log"
     with open(log, "w") as sink:  # a file, not a pipe: a full pipe would block the run
-        process = subprocess.Popen([*common, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000",
-                                    "callbacks.model_checkpoint.every_n_train_steps=2"], cwd=tmp_path,
-                                   stdout=sink, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            [
+                *common,
+                f"hydra.run.dir={run_dir}",
+                "trainer.max_steps=100000",
+                "callbacks.model_checkpoint.every_n_train_steps=2",
+            ],
+            cwd=tmp_path,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 180
             while not list((run_dir / "checkpoints").glob("step*.ckpt")):  # it has done at least two steps
@@ -110,8 +148,13 @@ def test_sigterm_to_the_command_line_run_saves_exits_0_and_resumes(tmp_path):
     assert f"resume with: ckpt_path={last}" in output and "not exported" in output
     assert not (run_dir / "student").exists()
 
-    resumed = subprocess.run([*common, f"hydra.run.dir={tmp_path}/resumed", f"trainer.max_steps={step + 3}",
-                              f"ckpt_path={last}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [*common, f"hydra.run.dir={tmp_path}/resumed", f"trainer.max_steps={step + 3}", f"ckpt_path={last}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"steps: {step + 3} " in resumed.stdout
     with open(tmp_path / "resumed" / "logs" / "metrics.csv") as handle:

@@ -18,14 +18,17 @@ def dtypes(model):
     return {p.dtype for p in model.parameters()}
 
 
-@pytest.mark.parametrize("init_kwargs, expected", [
-    ({}, torch.float32),                                # dtype absent: TRL raises KeyError here
-    ({"dtype": "auto"}, torch.float32),                 # the dtype the folder was saved in
-    ({"dtype": "bfloat16"}, torch.bfloat16),
-    ({"dtype": "torch.bfloat16"}, torch.bfloat16),
-    ({"attn_implementation": "eager"}, torch.float32),
-    ({"revision": "main"}, torch.float32),              # ignored for a local folder, as from_pretrained does
-])
+@pytest.mark.parametrize(
+    "init_kwargs, expected",
+    [
+        ({}, torch.float32),  # dtype absent: TRL raises KeyError here
+        ({"dtype": "auto"}, torch.float32),  # the dtype the folder was saved in
+        ({"dtype": "bfloat16"}, torch.bfloat16),
+        ({"dtype": "torch.bfloat16"}, torch.bfloat16),
+        ({"attn_implementation": "eager"}, torch.float32),
+        ({"revision": "main"}, torch.float32),  # ignored for a local folder, as from_pretrained does
+    ],
+)
 def test_local_teacher_folder_with_each_init_kwarg(student, teacher, teacher_dir, tokenizer, init_kwargs, expected):
     module = GKDModule(student, {"name_or_path": str(teacher_dir), "init_kwargs": init_kwargs}, tokenizer)
     assert dtypes(module.teacher) == {expected}
@@ -38,8 +41,7 @@ def test_local_teacher_folder_with_each_init_kwarg(student, teacher, teacher_dir
 
 def test_auto_dtype_keeps_a_bfloat16_folder_in_bfloat16(student, teacher, tmp_path, tokenizer):
     teacher.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    module = GKDModule(student, {"name_or_path": str(tmp_path / "bf16"), "init_kwargs": {"dtype": "auto"}},
-                       tokenizer)
+    module = GKDModule(student, {"name_or_path": str(tmp_path / "bf16"), "init_kwargs": {"dtype": "auto"}}, tokenizer)
     assert dtypes(module.teacher) == {torch.bfloat16}
 
 
@@ -51,8 +53,10 @@ def test_quantization_config_mapping_reaches_from_pretrained(student, teacher, t
         return teacher
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
-    spec = {"name_or_path": "org/teacher", "init_kwargs": {"quantization_config": {"load_in_8bit": True},
-                                                            "revision": "v1", "attn_implementation": "sdpa"}}
+    spec = {
+        "name_or_path": "org/teacher",
+        "init_kwargs": {"quantization_config": {"load_in_8bit": True}, "revision": "v1", "attn_implementation": "sdpa"},
+    }
     GKDModule(student, spec, tokenizer)
     ((name, kwargs),) = calls
     assert name == "org/teacher" and "dtype" not in kwargs

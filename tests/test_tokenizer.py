@@ -29,7 +29,9 @@ def test_ids_survive_save_and_load_next_to_a_model_config(tmp_path):
         assert loaded.chat_template == CHATML_TEMPLATE
         assert (loaded.pad_token_id, loaded.eos_token_id) == (0, 2)
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] in (
-        "TokenizersBackend", "PreTrainedTokenizerFast")
+        "TokenizersBackend",
+        "PreTrainedTokenizerFast",
+    )
 
 
 def test_offsets_are_monotonic():

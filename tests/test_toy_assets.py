@@ -27,7 +27,6 @@ def test_teacher_solves_held_out_prompts_and_the_student_does_not_yet():
     rows = addition_rows("test")[:128]
     tokenizer = load_tokenizer(asset_path("toy/teacher"))
     teacher = evaluate_generations(load_causal_lm(asset_path("toy/teacher")), tokenizer, rows, max_new_tokens=8)
-    student = evaluate_generations(load_causal_lm(asset_path("toy/student_init")), tokenizer, rows,
-                                   max_new_tokens=8)
+    student = evaluate_generations(load_causal_lm(asset_path("toy/student_init")), tokenizer, rows, max_new_tokens=8)
     assert teacher["accuracy"] >= 0.95
     assert student["accuracy"] < 0.7

@@ -13,14 +13,20 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.train import run
 
-FAST = ["trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-        "trainer.log_every_n_steps=1", "data.batch_size=4", "method.max_new_tokens=6", "print_config=false"]
+FAST = [
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "method.max_new_tokens=6",
+    "print_config=false",
+]
 
 
 def test_every_config_group_option_composes(tmp_path):
     conf = Path(__file__).parents[1] / "conf"
-    for group in ["model", "data", "method", "optimizer", "scheduler", "trainer", "callbacks", "logger",
-                  "experiment"]:
+    for group in ["model", "data", "method", "optimizer", "scheduler", "trainer", "callbacks", "logger", "experiment"]:
         for option in sorted(p.stem for p in (conf / group).glob("*.yaml")):
             cfg = compose_train(tmp_path, [f"{group}={option}"])
             assert group in cfg or group == "experiment", (group, option)
@@ -31,8 +37,17 @@ def test_every_config_group_option_composes(tmp_path):
 
 
 def test_composed_run_with_overrides(tmp_path):
-    cfg = compose_train(tmp_path, [*FAST, "method.lmbda=1.0", "method.beta=0.9", "optimizer=sgd",
-                                   "scheduler=linear", "scheduler.num_warmup_steps=1"])
+    cfg = compose_train(
+        tmp_path,
+        [
+            *FAST,
+            "method.lmbda=1.0",
+            "method.beta=0.9",
+            "optimizer=sgd",
+            "scheduler=linear",
+            "scheduler.num_warmup_steps=1",
+        ],
+    )
     assert cfg.method.lmbda == 1.0 and cfg.method.beta == 0.9 and cfg.data.batch_size == 4
     result = run(cfg)
     assert result["global_step"] == 3
@@ -49,10 +64,13 @@ def test_composed_run_with_overrides(tmp_path):
 
 def test_chat_files_data_from_the_command_line(tmp_path, toy_rows):
     import json
+
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in toy_rows["train"][:12]))
-    cfg = compose_train(tmp_path, [*FAST, "data=chat_files", f"data.train_data={data}", "method.lmbda=0.0",
-                                   "callbacks=none", "export=false"])
+    cfg = compose_train(
+        tmp_path,
+        [*FAST, "data=chat_files", f"data.train_data={data}", "method.lmbda=0.0", "callbacks=none", "export=false"],
+    )
     result = run(cfg)
     assert result["global_step"] == 3 and result["student_dir"] is None
     assert "val/loss" not in result["metrics"]
@@ -66,9 +84,19 @@ def test_command_line_entry_points(tmp_path, launcher):
         (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "lightning-gkd"]
         assert script.value == "lightning_gkd.train:main"
         command = [str(Path(sys.executable).parent / "lightning-gkd")]
-    result = subprocess.run([*command, "experiment=debug", "method.lmbda=1.0", f"paths.cache_dir={tmp_path}/c",
-                             f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            *command,
+            "experiment=debug",
+            "method.lmbda=1.0",
+            f"paths.cache_dir={tmp_path}/c",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "== lightning_gkd summary ==" in result.stdout and "train/on_policy: 1.0000" in result.stdout
     assert "seed: 42" in result.stdout and "lmbda: 1.0" in result.stdout  # the composed config is printed

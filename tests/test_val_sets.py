@@ -9,8 +9,13 @@ from lightning_gkd.evaluation import exact_match
 
 
 def trainer() -> L.Trainer:
-    return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     enable_checkpointing=False)
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
 
 
 def direct_loss(module: GKDModule, data: ChatDataModule, rows) -> float:
@@ -21,10 +26,10 @@ def direct_loss(module: GKDModule, data: ChatDataModule, rows) -> float:
 
 def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, teacher, tokenizer, toy_rows):
     sets = {"easy": toy_rows["val"][:5], "hard": toy_rows["val"][5:16]}
-    data = ChatDataModule(tokenizer, toy_rows["train"][:8], val_data=sets, batch_size=4, val_batch_size=16,
-                          max_length=64)
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, metrics={"accuracy": exact_match},
-                       eval_max_new_tokens=4)
+    data = ChatDataModule(
+        tokenizer, toy_rows["train"][:8], val_data=sets, batch_size=4, val_batch_size=16, max_length=64
+    )
+    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, metrics={"accuracy": exact_match}, eval_max_new_tokens=4)
     assert data.val_names == ["easy", "hard"]
     results = trainer().validate(module, datamodule=data, verbose=False)
     logged = {key: float(value) for result in results for key, value in result.items()}
@@ -36,21 +41,34 @@ def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, tea
 
 
 def test_named_sets_in_a_fit(student, teacher, tokenizer, toy_rows):
-    data = ChatDataModule(tokenizer, toy_rows["train"][:8], batch_size=4, max_length=64,
-                          val_data={"a": toy_rows["val"][:4], "b": toy_rows["val"][4:8]})
+    data = ChatDataModule(
+        tokenizer,
+        toy_rows["train"][:8],
+        batch_size=4,
+        max_length=64,
+        val_data={"a": toy_rows["val"][:4], "b": toy_rows["val"][4:8]},
+    )
     module = GKDModule(student, teacher, tokenizer, lmbda=0.0)
-    fit = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                    enable_checkpointing=False, max_steps=2, val_check_interval=2, num_sanity_val_steps=0)
+    fit = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_steps=2,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+    )
     fit.fit(module, datamodule=data)
     keys = {key for key in fit.callback_metrics if key.startswith("val/")}
     assert keys == {"val/a/loss", "val/b/loss"}
 
 
 def test_a_single_set_still_logs_val_loss(student, teacher, tokenizer, toy_rows):
-    data = ChatDataModule(tokenizer, toy_rows["train"][:8], val_data=toy_rows["val"][:6], val_batch_size=16,
-                          max_length=64)
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, metrics={"accuracy": exact_match},
-                       eval_max_new_tokens=4)
+    data = ChatDataModule(
+        tokenizer, toy_rows["train"][:8], val_data=toy_rows["val"][:6], val_batch_size=16, max_length=64
+    )
+    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, metrics={"accuracy": exact_match}, eval_max_new_tokens=4)
     assert data.val_names is None
     (result,) = trainer().validate(module, datamodule=data, verbose=False)
     assert set(result) == {"val/loss", "val/accuracy"}
@@ -83,8 +101,14 @@ def test_named_sets_from_the_command_line(tmp_path, tokenizer, toy_rows):
         paths[name].write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["data=chat_files", f"data.train_data={paths['train']}",
-                                          f"data.val_data={{easy:{paths['easy']},hard:{paths['hard']}}}"])
+        cfg = compose(
+            "train",
+            overrides=[
+                "data=chat_files",
+                f"data.train_data={paths['train']}",
+                f"data.val_data={{easy:{paths['easy']},hard:{paths['hard']}}}",
+            ],
+        )
     data = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
     assert data.val_names == ["easy", "hard"]
     loaders = data.val_dataloader()

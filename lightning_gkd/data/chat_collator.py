@@ -22,8 +22,9 @@ class TokenizedChat:
     num_prompt_tokens: int
 
 
-def tokenize_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]],
-                  max_length: int) -> TokenizedChat:
+def tokenize_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], max_length: int
+) -> TokenizedChat:
     """Tokenize a conversation, splitting prompt from completion.
 
     If the last message is the assistant's, it is the completion (its end-of-turn tokens included) and the prompt
@@ -37,18 +38,22 @@ def tokenize_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping
     prompt_text = tokenizer.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
     full_text = tokenizer.apply_chat_template(list(messages), tokenize=False) if has_completion else prompt_text
     if not full_text.startswith(prompt_text):
-        raise ValueError("The chat template renders the prompt (with the generation prompt) differently from the "
-                         "start of the full conversation, so the completion cannot be located. Use a chat "
-                         f"template whose prompt is a prefix of the conversation. Prompt ends {prompt_text[-60:]!r}, "
-                         f"conversation has {full_text[len(prompt_text) - 60:len(prompt_text)]!r} there.")
+        raise ValueError(
+            "The chat template renders the prompt (with the generation prompt) differently from the "
+            "start of the full conversation, so the completion cannot be located. Use a chat "
+            f"template whose prompt is a prefix of the conversation. Prompt ends {prompt_text[-60:]!r}, "
+            f"conversation has {full_text[len(prompt_text) - 60 : len(prompt_text)]!r} there."
+        )
     ids, num_prompt = _split_at_text_boundary(tokenizer, full_text, len(prompt_text))
     if len(ids) > max_length:
         num_completion = len(ids) - num_prompt
         if num_completion >= max_length:
-            raise ValueError(f"max_length={max_length} truncates away the whole prompt: the completion alone has "
-                             f"{num_completion} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
-                             "completion. "
-                             f"Prompt starts {prompt_text[:60]!r}.")
+            raise ValueError(
+                f"max_length={max_length} truncates away the whole prompt: the completion alone has "
+                f"{num_completion} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
+                "completion. "
+                f"Prompt starts {prompt_text[:60]!r}."
+            )
         ids, num_prompt = ids[-max_length:], max_length - num_completion
     return TokenizedChat(ids=ids, num_prompt_tokens=num_prompt)
 
@@ -63,8 +68,10 @@ def _split_at_text_boundary(tokenizer: PreTrainedTokenizerBase, text: str, bound
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     prompt_ids = tokenizer(text[:boundary], add_special_tokens=False)["input_ids"]
     if ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError("The tokenizer merges tokens across the prompt/completion boundary and has no offsets to "
-                         "split them; use a fast tokenizer (use_fast=True).")
+        raise ValueError(
+            "The tokenizer merges tokens across the prompt/completion boundary and has no offsets to "
+            "split them; use a fast tokenizer (use_fast=True)."
+        )
     return ids, len(prompt_ids)
 
 
@@ -74,7 +81,7 @@ def left_pad(sequences: Sequence[Sequence[int]], value: int) -> torch.Tensor:
     out = torch.full((len(sequences), width), value, dtype=torch.long)
     for row, seq in enumerate(sequences):
         if len(seq):
-            out[row, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+            out[row, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
     return out
 
 
@@ -98,7 +105,7 @@ class ChatMLCollator:
         chats = [self._tokenize(row) for row in rows]
         pad_id = self.tokenizer.pad_token_id
         full = [chat.ids for chat in chats]
-        labels = [[IGNORE_INDEX] * chat.num_prompt_tokens + chat.ids[chat.num_prompt_tokens:] for chat in chats]
+        labels = [[IGNORE_INDEX] * chat.num_prompt_tokens + chat.ids[chat.num_prompt_tokens :] for chat in chats]
         prompts = [chat.ids[: chat.num_prompt_tokens] for chat in chats]
         return {
             "input_ids": left_pad(full, pad_id),

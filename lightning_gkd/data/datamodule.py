@@ -23,8 +23,9 @@ from lightning_gkd.data.validation import check_prompts_fit, validate_chat_rows
 log = logging.getLogger(__name__)
 
 
-def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None, *,
-                      require_chat_template: bool = True) -> PreTrainedTokenizerBase:
+def prepare_tokenizer(
+    tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None, *, require_chat_template: bool = True
+) -> PreTrainedTokenizerBase:
     """Load the tokenizer if given by name, set ``chat_template`` if given, and fall back to EOS for padding.
     ``require_chat_template=False`` (preference data, whose rows may be plain text) skips the template check."""
     if isinstance(tokenizer, str):
@@ -32,15 +33,19 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase | str, chat_template: s
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     if require_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"The tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has "
-                         "no chat template. Pass one with ChatDataModule(chat_template=...) "
-                         "(Hydra: data.chat_template=...), e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE.")
+        raise ValueError(
+            f"The tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has "
+            "no chat template. Pass one with ChatDataModule(chat_template=...) "
+            "(Hydra: data.chat_template=...), e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE."
+        )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
         tokenizer.pad_token = tokenizer.eos_token
-        rank_zero_warn(f"The tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}. Padding is "
-                       "found by attention masks, never by id, so this is safe.")
+        rank_zero_warn(
+            f"The tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}. Padding is "
+            "found by attention masks, never by id, so this is safe."
+        )
     return tokenizer
 
 
@@ -77,18 +82,33 @@ class ChatDataModule(L.LightningDataModule):
             raise the same error, with their index, when their batch is collated.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | str, train_data: DataSource,
-                 val_data: DataSource | None = None, *, batch_size: int = 8, val_batch_size: int | None = None,
-                 max_length: int = 1024, chat_template: str | None = None, train_split: str = "train",
-                 val_split: str = "validation", test_data: DataSource | None = None, test_split: str = "test",
-                 num_workers: int = 0, shuffle: bool = True, seed: int = 0,
-                 length_check_rows: int | None = 1000,
-                 formatting_func: FormattingFuncSpec | None = None, steps_per_generation: int | None = None,
-                 generation_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | str,
+        train_data: DataSource,
+        val_data: DataSource | None = None,
+        *,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        max_length: int = 1024,
+        chat_template: str | None = None,
+        train_split: str = "train",
+        val_split: str = "validation",
+        test_data: DataSource | None = None,
+        test_split: str = "test",
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        length_check_rows: int | None = 1000,
+        formatting_func: FormattingFuncSpec | None = None,
+        steps_per_generation: int | None = None,
+        generation_batch_size: int | None = None,
+    ) -> None:
         super().__init__()
         check_loader_settings(batch_size, max_length)
-        self.steps_per_generation = resolve_steps_per_generation(batch_size, steps_per_generation,
-                                                                 generation_batch_size)
+        self.steps_per_generation = resolve_steps_per_generation(
+            batch_size, steps_per_generation, generation_batch_size
+        )
         self.tokenizer = prepare_tokenizer(tokenizer, chat_template)
         self.train_source, self.val_source, self.test_source = train_data, val_data, test_data
         self.batch_size = batch_size
@@ -114,29 +134,40 @@ class ChatDataModule(L.LightningDataModule):
             if self.val_names is None:
                 self.val_rows = self._load(self.val_source, self.val_split, "val_data")
             else:
-                self.val_sets = {name: self._load(self.val_source[name], self.val_split, f"val_data[{name!r}]")
-                                 for name in self.val_names}
+                self.val_sets = {
+                    name: self._load(self.val_source[name], self.val_split, f"val_data[{name!r}]")
+                    for name in self.val_names
+                }
                 self.val_rows = self.val_sets[self.val_names[0]]
         if self.test_rows is None and self.test_source is not None:
             # held-out rows are generated from with the evaluator's own max_length, not collated with ours
             self.test_rows = self._load(self.test_source, self.test_split, "test_data", check_lengths=False)
 
-    def _load(self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
-              ) -> Sequence[Mapping[str, Any]]:
+    def _load(
+        self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
+    ) -> Sequence[Mapping[str, Any]]:
         rows = load_rows(source, split=split, name=name)
         if self.formatting_func is not None:
             rows = FormattedRows(rows, self.formatting_func, name=name)
         validate_chat_rows(rows, name=name)
         if check_lengths:
-            check_prompts_fit(self.tokenizer, rows, max_length=self.max_length, name=name,
-                              max_rows=self.length_check_rows)
+            check_prompts_fit(
+                self.tokenizer, rows, max_length=self.max_length, name=name, max_rows=self.length_check_rows
+            )
         return rows
 
     def train_dataloader(self) -> GroupedBatches:
         self.setup("fit")
-        return trainer_loader(RowDataset(self.train_rows), self.collator, self.trainer, batch_size=self.batch_size,
-                              steps_per_generation=self.steps_per_generation, shuffle=self.shuffle, seed=self.seed,
-                              num_workers=self.num_workers)
+        return trainer_loader(
+            RowDataset(self.train_rows),
+            self.collator,
+            self.trainer,
+            batch_size=self.batch_size,
+            steps_per_generation=self.steps_per_generation,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets."""
@@ -145,13 +176,21 @@ class ChatDataModule(L.LightningDataModule):
             return []
         if self.val_sets is None:
             return self._val_loader(self.val_rows, self.val_collator)
-        return [self._val_loader(rows, ChatMLCollator(self.tokenizer, max_length=self.max_length,
-                                                      name=f"val_data[{name!r}]"))
-                for name, rows in self.val_sets.items()]
+        return [
+            self._val_loader(
+                rows, ChatMLCollator(self.tokenizer, max_length=self.max_length, name=f"val_data[{name!r}]")
+            )
+            for name, rows in self.val_sets.items()
+        ]
 
     def _val_loader(self, rows: Sequence[Mapping[str, Any]], collator: ChatMLCollator) -> DataLoader:
-        return DataLoader(RowDataset(rows), batch_size=self.val_batch_size, shuffle=False, collate_fn=collator,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            RowDataset(rows),
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=collator,
+            num_workers=self.num_workers,
+        )
 
 
 def _val_names(val_data: Any) -> list[str] | None:
@@ -162,6 +201,8 @@ def _val_names(val_data: Any) -> list[str] | None:
         raise ValueError("val_data is an empty dict; give {name: source, ...} with at least one set, or None.")
     bad = [name for name in val_data if not isinstance(name, str) or not name or "/" in name]
     if bad:
-        raise ValueError(f"val_data names must be non-empty strings without '/' (they become metric names "
-                         f"val/<name>/loss), got {bad!r}.")
+        raise ValueError(
+            f"val_data names must be non-empty strings without '/' (they become metric names "
+            f"val/<name>/loss), got {bad!r}."
+        )
     return list(val_data)

@@ -21,9 +21,11 @@ def resolve_formatting_func(spec: FormattingFuncSpec | None) -> FormattingFunc |
         try:
             return get_method(spec)
         except Exception as error:  # hydra raises ImportError/ValueError variants
-            raise ValueError(f"formatting_func={spec!r} cannot be imported ({error}). Give the dotted path of a "
-                             "function importable from where you run, e.g. 'my_package.data.to_messages' "
-                             "(Hydra: data.formatting_func=my_package.data.to_messages).") from None
+            raise ValueError(
+                f"formatting_func={spec!r} cannot be imported ({error}). Give the dotted path of a "
+                "function importable from where you run, e.g. 'my_package.data.to_messages' "
+                "(Hydra: data.formatting_func=my_package.data.to_messages)."
+            ) from None
     raise TypeError(f"formatting_func must be a callable or a dotted path string, got {type(spec).__name__}.")
 
 
@@ -36,9 +38,11 @@ def to_chat_row(value: Any, *, index: int, name: str) -> dict[str, Any]:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return {"messages": list(value)}
     if not isinstance(value, Mapping):
-        raise TypeError(f"{name} row {index}: formatting_func returned {type(value).__name__}; it must return a "
-                        "dict with 'messages' (a list of {'role', 'content'} dicts), a dict with 'prompt' and "
-                        "'completion', or a list of messages.")
+        raise TypeError(
+            f"{name} row {index}: formatting_func returned {type(value).__name__}; it must return a "
+            "dict with 'messages' (a list of {'role', 'content'} dicts), a dict with 'prompt' and "
+            "'completion', or a list of messages."
+        )
     if "messages" in value:
         return dict(value)
     if "prompt" in value:
@@ -47,8 +51,10 @@ def to_chat_row(value: Any, *, index: int, name: str) -> dict[str, Any]:
             messages += _turns(value["completion"], "assistant")
         rest = {k: v for k, v in value.items() if k not in ("prompt", "completion")}
         return {**rest, "messages": messages}
-    raise ValueError(f"{name} row {index}: formatting_func returned a dict with keys {sorted(value)}; it needs "
-                     "'messages', or 'prompt' (and 'completion').")
+    raise ValueError(
+        f"{name} row {index}: formatting_func returned a dict with keys {sorted(value)}; it needs "
+        "'messages', or 'prompt' (and 'completion')."
+    )
 
 
 def _turns(part: Any, role: str) -> list[Any]:
@@ -61,8 +67,9 @@ class FormattedRows(Sequence):
     """A read-only view of ``rows`` with ``formatting_func`` applied to each row when it is read: nothing is
     copied or precomputed, so a large ``datasets.Dataset`` stays memory-mapped."""
 
-    def __init__(self, rows: Sequence[Mapping[str, Any]], formatting_func: FormattingFunc, *,
-                 name: str = "train_data") -> None:
+    def __init__(
+        self, rows: Sequence[Mapping[str, Any]], formatting_func: FormattingFunc, *, name: str = "train_data"
+    ) -> None:
         self.rows, self.formatting_func, self.name = rows, formatting_func, name
 
     def __len__(self) -> int:

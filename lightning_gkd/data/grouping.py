@@ -26,23 +26,33 @@ MICRO_BATCH_SIZE = "micro_batch_size"
 GROUP_ID = "group_id"
 
 # Batch keys padded on the left (or trimmed on both sides) with their attention mask, by the mask that governs them.
-_MASK_OF = {"input_ids": "attention_mask", "attention_mask": "attention_mask", "labels": "attention_mask",
-            "prompts": "prompt_attention_mask", "prompt_attention_mask": "prompt_attention_mask"}
+_MASK_OF = {
+    "input_ids": "attention_mask",
+    "attention_mask": "attention_mask",
+    "labels": "attention_mask",
+    "prompts": "prompt_attention_mask",
+    "prompt_attention_mask": "prompt_attention_mask",
+}
 
 
-def resolve_steps_per_generation(batch_size: int, steps_per_generation: int | None,
-                                 generation_batch_size: int | None) -> int:
+def resolve_steps_per_generation(
+    batch_size: int, steps_per_generation: int | None, generation_batch_size: int | None
+) -> int:
     """``k`` from either ``steps_per_generation`` or ``generation_batch_size`` (= ``k * batch_size``)."""
     if steps_per_generation is not None and generation_batch_size is not None:
-        raise ValueError(f"Set steps_per_generation ({steps_per_generation}) or generation_batch_size "
-                         f"({generation_batch_size}), not both: generation_batch_size = steps_per_generation * "
-                         "batch_size.")
+        raise ValueError(
+            f"Set steps_per_generation ({steps_per_generation}) or generation_batch_size "
+            f"({generation_batch_size}), not both: generation_batch_size = steps_per_generation * "
+            "batch_size."
+        )
     if generation_batch_size is not None:
         if generation_batch_size < 1 or generation_batch_size % batch_size:
             suggested = batch_size * max(1, round(generation_batch_size / batch_size))
-            raise ValueError(f"generation_batch_size ({generation_batch_size}) must be a positive multiple of "
-                             f"batch_size ({batch_size}): each group is split into micro-batches of batch_size "
-                             f"rows. Use e.g. generation_batch_size={suggested}.")
+            raise ValueError(
+                f"generation_batch_size ({generation_batch_size}) must be a positive multiple of "
+                f"batch_size ({batch_size}): each group is split into micro-batches of batch_size "
+                f"rows. Use e.g. generation_batch_size={suggested}."
+            )
         return generation_batch_size // batch_size
     k = 1 if steps_per_generation is None else steps_per_generation
     if not isinstance(k, int) or k < 1:
@@ -50,8 +60,9 @@ def resolve_steps_per_generation(batch_size: int, steps_per_generation: int | No
     return k
 
 
-def rank_groups(num_rows: int, *, group_size: int, epoch: int, seed: int, shuffle: bool, rank: int = 0,
-                world_size: int = 1) -> list[list[int]]:
+def rank_groups(
+    num_rows: int, *, group_size: int, epoch: int, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1
+) -> list[list[int]]:
     """Row indices of the groups ``rank`` trains on in ``epoch``.
 
     The rows are permuted with a generator seeded by ``(seed, epoch)`` (identity when ``shuffle`` is False) and cut
@@ -65,11 +76,11 @@ def rank_groups(num_rows: int, *, group_size: int, epoch: int, seed: int, shuffl
         order = list(range(num_rows))
     span = world_size * group_size
     full = num_rows // span
-    groups = [order[g * span + rank * group_size: g * span + (rank + 1) * group_size] for g in range(full)]
-    tail = order[full * span:]
+    groups = [order[g * span + rank * group_size : g * span + (rank + 1) * group_size] for g in range(full)]
+    tail = order[full * span :]
     per_rank = len(tail) // world_size
     if per_rank:
-        groups.append(tail[rank * per_rank: (rank + 1) * per_rank])
+        groups.append(tail[rank * per_rank : (rank + 1) * per_rank])
     return groups
 
 
@@ -116,7 +127,7 @@ class _GroupIndexSampler(Sampler[list[int]]):
         self.groups, self.start_group = groups, start_group
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self.groups[self.start_group:]
+        yield from self.groups[self.start_group :]
 
     def __len__(self) -> int:
         return len(self.groups) - self.start_group
@@ -145,10 +156,21 @@ class GroupedBatches:
             ``state_dict`` (the trainer's progress; a loader's own count runs ahead by what is prefetched).
     """
 
-    def __init__(self, dataset: Dataset, collate_fn: Callable[[list[Any]], dict[str, Any]], *, batch_size: int,
-                 steps_per_generation: int = 1, shuffle: bool = True, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, epoch_fn: Callable[[], int] | None = None,
-                 consumed_fn: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate_fn: Callable[[list[Any]], dict[str, Any]],
+        *,
+        batch_size: int,
+        steps_per_generation: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        epoch_fn: Callable[[], int] | None = None,
+        consumed_fn: Callable[[], int] | None = None,
+    ) -> None:
         self.dataset, self.collate_fn = dataset, collate_fn
         self.batch_size, self.steps_per_generation = batch_size, steps_per_generation
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
@@ -164,8 +186,15 @@ class GroupedBatches:
 
     def groups(self, epoch: int) -> list[list[int]]:
         """This rank's groups (row indices) in ``epoch``."""
-        return rank_groups(len(self.dataset), group_size=self.group_size, epoch=epoch, seed=self.seed,  # type: ignore[arg-type]
-                           shuffle=self.shuffle, rank=self.rank, world_size=self.world_size)
+        return rank_groups(
+            len(self.dataset),
+            group_size=self.group_size,
+            epoch=epoch,
+            seed=self.seed,  # type: ignore[arg-type]
+            shuffle=self.shuffle,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank (the same in every epoch)."""
@@ -189,9 +218,12 @@ class GroupedBatches:
                 break
             consumed_in_group -= steps
             start_group += 1
-        loader = DataLoader(self.dataset, batch_sampler=_GroupIndexSampler(groups, start_group),
-                            collate_fn=self.collate_fn,
-                            num_workers=self.num_workers)
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=_GroupIndexSampler(groups, start_group),
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+        )
         for group_index, group in enumerate(loader, start=start_group):
             micro = micro_batch_rows(len(groups[group_index]), self.batch_size)
             for step, rows in enumerate(micro):
@@ -201,14 +233,20 @@ class GroupedBatches:
                 if self.steps_per_generation == 1:
                     yield group
                     continue
-                yield {**select_rows(group, list(rows)), GENERATION_GROUP: group, GROUP_STEP: step,
-                       MICRO_BATCH_SIZE: self.batch_size, GROUP_ID: torch.tensor([epoch, group_index])}
+                yield {
+                    **select_rows(group, list(rows)),
+                    GENERATION_GROUP: group,
+                    GROUP_STEP: step,
+                    MICRO_BATCH_SIZE: self.batch_size,
+                    GROUP_ID: torch.tensor([epoch, group_index]),
+                }
 
     def every_row(self) -> GroupedBatches:
         """A plain loader over every row once, in order, on any rank (for passes over the whole dataset, such as
         precomputing reference log-probs), with no training state."""
-        return GroupedBatches(self.dataset, self.collate_fn, batch_size=self.batch_size, shuffle=False,
-                              num_workers=self.num_workers)
+        return GroupedBatches(
+            self.dataset, self.collate_fn, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
+        )
 
     # Lightning stores these in its checkpoints (fit loop "combined_loader" state) and restores them on resume.
     def state_dict(self) -> dict[str, int]:
@@ -219,19 +257,41 @@ class GroupedBatches:
         self._resume = {"epoch": int(state["epoch"]), "consumed": int(state["consumed"])}
 
 
-def trainer_loader(dataset: Dataset, collate_fn: Callable[[list[Any]], dict[str, Any]], trainer: Any, *,
-                   batch_size: int, steps_per_generation: int = 1, shuffle: bool = True, seed: int = 0,
-                   num_workers: int = 0) -> GroupedBatches:
+def trainer_loader(
+    dataset: Dataset,
+    collate_fn: Callable[[list[Any]], dict[str, Any]],
+    trainer: Any,
+    *,
+    batch_size: int,
+    steps_per_generation: int = 1,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int = 0,
+) -> GroupedBatches:
     """A ``GroupedBatches`` training loader tied to ``trainer`` (``None`` outside one): this process's rank and
     the world size, the trainer's epoch, and the batches its fit loop has consumed (for resumable state)."""
     if trainer is None:
-        return GroupedBatches(dataset, collate_fn, batch_size=batch_size, steps_per_generation=steps_per_generation,
-                              shuffle=shuffle, seed=seed, num_workers=num_workers)
+        return GroupedBatches(
+            dataset,
+            collate_fn,
+            batch_size=batch_size,
+            steps_per_generation=steps_per_generation,
+            shuffle=shuffle,
+            seed=seed,
+            num_workers=num_workers,
+        )
     return GroupedBatches(
-        dataset, collate_fn, batch_size=batch_size, steps_per_generation=steps_per_generation, shuffle=shuffle,
-        seed=seed, rank=trainer.global_rank, world_size=trainer.world_size, num_workers=num_workers,
+        dataset,
+        collate_fn,
+        batch_size=batch_size,
+        steps_per_generation=steps_per_generation,
+        shuffle=shuffle,
+        seed=seed,
+        rank=trainer.global_rank,
+        world_size=trainer.world_size,
+        num_workers=num_workers,
         epoch_fn=lambda: trainer.current_epoch,
         # batches whose step has run: a checkpoint taken now resumes after them (the loader itself runs ahead by
         # what the fit loop has prefetched)
-        consumed_fn=lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-
+        consumed_fn=lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+    )

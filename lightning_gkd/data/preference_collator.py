@@ -33,23 +33,29 @@ def tokenize_pair(tokenizer: PreTrainedTokenizerBase, row: Mapping[str, Any]) ->
     """
     kind = pair_format(row)
     if kind == "tokenized":
-        return TokenizedPair(list(row["prompt_input_ids"]), list(row["chosen_input_ids"]),
-                             list(row["rejected_input_ids"]))
+        return TokenizedPair(
+            list(row["prompt_input_ids"]), list(row["chosen_input_ids"]), list(row["rejected_input_ids"])
+        )
     if kind == "conversational":
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("Conversational preference rows need a tokenizer with a chat template. Pass one with "
-                             "PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...).")
+            raise ValueError(
+                "Conversational preference rows need a tokenizer with a chat template. Pass one with "
+                "PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...)."
+            )
         chosen = tokenize_chat(tokenizer, [*row["prompt"], *row["chosen"]], max_length=sys.maxsize)
         rejected = tokenize_chat(tokenizer, [*row["prompt"], *row["rejected"]], max_length=sys.maxsize)
         prompt = chosen.ids[: chosen.num_prompt_tokens]
-        return TokenizedPair(prompt, chosen.ids[chosen.num_prompt_tokens:],
-                             rejected.ids[rejected.num_prompt_tokens:])
+        return TokenizedPair(prompt, chosen.ids[chosen.num_prompt_tokens :], rejected.ids[rejected.num_prompt_tokens :])
     if tokenizer.eos_token_id is None:
-        raise ValueError("Plain-text preference rows end each completion with EOS, but the tokenizer has none; "
-                         "set tokenizer.eos_token.")
+        raise ValueError(
+            "Plain-text preference rows end each completion with EOS, but the tokenizer has none; "
+            "set tokenizer.eos_token."
+        )
     prompt = tokenizer(row["prompt"])["input_ids"]
-    completions = [tokenizer(row[field], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                   for field in ("chosen", "rejected")]
+    completions = [
+        tokenizer(row[field], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for field in ("chosen", "rejected")
+    ]
     return TokenizedPair(list(prompt), *completions)
 
 
@@ -59,22 +65,31 @@ def truncate(prompt: list[int], completion: list[int], max_length: int) -> tuple
     if overflow <= 0:
         return prompt, completion
     if overflow >= len(prompt):
-        raise ValueError(f"max_length={max_length} truncates away the whole prompt: the completion alone has "
-                         f"{len(completion)} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
-                         "completion.")
+        raise ValueError(
+            f"max_length={max_length} truncates away the whole prompt: the completion alone has "
+            f"{len(completion)} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
+            "completion."
+        )
     return prompt[overflow:], completion
 
 
-def truncated_pair(tokenizer: PreTrainedTokenizerBase, row: Mapping[str, Any], max_length: int
-                   ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+def truncated_pair(
+    tokenizer: PreTrainedTokenizerBase, row: Mapping[str, Any], max_length: int
+) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
     """``((prompt, chosen), (prompt, rejected))`` token ids of a validated row, each side truncated to
     ``max_length`` (``ValueError`` when a prompt would be truncated away)."""
     pair = tokenize_pair(tokenizer, row)
     return truncate(pair.prompt, pair.chosen, max_length), truncate(pair.prompt, pair.rejected, max_length)
 
 
-def check_pairs_fit(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Mapping[str, Any]], *, max_length: int,
-                    name: str, max_rows: int | None = 1000) -> None:
+def check_pairs_fit(
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    max_length: int,
+    name: str,
+    max_rows: int | None = 1000,
+) -> None:
     """Tokenize up to ``max_rows`` validated rows spread evenly over ``rows`` (all when None) as the collator
     will, raising ``ValueError`` naming the first row whose prompt ``max_length`` would truncate away."""
     for index in evenly_spaced(len(rows), max_rows):
@@ -96,8 +111,9 @@ class PreferenceCollator:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024) -> None:
         if tokenizer.pad_token_id is None:
-            raise ValueError("The tokenizer has no pad token; PreferenceDataModule sets it to EOS, or set one "
-                             "yourself.")
+            raise ValueError(
+                "The tokenizer has no pad token; PreferenceDataModule sets it to EOS, or set one yourself."
+            )
         self.tokenizer = tokenizer
         self.max_length = max_length
 
@@ -129,8 +145,10 @@ class PreferenceCollator:
         has_ref = [all(row.get(field) is not None for field in REF_FIELDS) for row in rows]
         if any(has_ref):
             if not all(has_ref):
-                raise ValueError("Some rows of this batch carry precomputed reference log-probs "
-                                 f"({', '.join(REF_FIELDS)}) and some do not; give them for every row or none.")
+                raise ValueError(
+                    "Some rows of this batch carry precomputed reference log-probs "
+                    f"({', '.join(REF_FIELDS)}) and some do not; give them for every row or none."
+                )
             for field in REF_FIELDS:
                 batch[field] = torch.tensor([float(row[field]) for row in rows], dtype=torch.float32)
         return batch

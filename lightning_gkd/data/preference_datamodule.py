@@ -44,11 +44,24 @@ class PreferenceDataModule(L.LightningDataModule):
             raise the same error, with their index, when their batch is collated.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | str, train_data: DataSource,
-                 val_data: DataSource | None = None, *, batch_size: int = 8, val_batch_size: int | None = None,
-                 max_length: int = 1024, chat_template: str | None = None, collator: Collator | None = None,
-                 train_split: str = "train", val_split: str = "validation", num_workers: int = 0,
-                 shuffle: bool = True, seed: int = 0, length_check_rows: int | None = 1000) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | str,
+        train_data: DataSource,
+        val_data: DataSource | None = None,
+        *,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        max_length: int = 1024,
+        chat_template: str | None = None,
+        collator: Collator | None = None,
+        train_split: str = "train",
+        val_split: str = "validation",
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        length_check_rows: int | None = 1000,
+    ) -> None:
         super().__init__()
         check_loader_settings(batch_size, max_length)
         self.tokenizer = prepare_tokenizer(tokenizer, chat_template, require_chat_template=False)
@@ -75,21 +88,36 @@ class PreferenceDataModule(L.LightningDataModule):
         if not self.custom_collator:
             formats = validate_preference_rows(rows, name=name)
             if "conversational" in formats and not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(f"{name} has conversational rows, but the tokenizer has no chat template. Pass one "
-                                 "with PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...), "
-                                 "e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE.")
-            check_pairs_fit(self.tokenizer, rows, max_length=self.max_length, name=name,
-                            max_rows=self.length_check_rows)
+                raise ValueError(
+                    f"{name} has conversational rows, but the tokenizer has no chat template. Pass one "
+                    "with PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...), "
+                    "e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE."
+                )
+            check_pairs_fit(
+                self.tokenizer, rows, max_length=self.max_length, name=name, max_rows=self.length_check_rows
+            )
         return rows
 
     def train_dataloader(self) -> GroupedBatches:
         self.setup("fit")
-        return trainer_loader(RowDataset(self.train_rows), self.collator, self.trainer, batch_size=self.batch_size,
-                              shuffle=self.shuffle, seed=self.seed, num_workers=self.num_workers)
+        return trainer_loader(
+            RowDataset(self.train_rows),
+            self.collator,
+            self.trainer,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         self.setup("validate")
         if self.val_rows is None:
             return []
-        return DataLoader(RowDataset(self.val_rows), batch_size=self.val_batch_size, shuffle=False,
-                          collate_fn=self.collator, num_workers=self.num_workers)
+        return DataLoader(
+            RowDataset(self.val_rows),
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=self.collator,
+            num_workers=self.num_workers,
+        )

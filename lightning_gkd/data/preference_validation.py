@@ -14,17 +14,22 @@ TEXT_FIELDS = ("prompt", "chosen", "rejected")
 TOKEN_FIELDS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 REF_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
 
-_ROW_HELP = ("Each row needs 'prompt', 'chosen' and 'rejected', either all plain strings or lists of "
-             "{'role', 'content'} messages (chosen/rejected: one assistant message), or pre-tokenized "
-             "'prompt_input_ids', 'chosen_input_ids' and 'rejected_input_ids'.")
+_ROW_HELP = (
+    "Each row needs 'prompt', 'chosen' and 'rejected', either all plain strings or lists of "
+    "{'role', 'content'} messages (chosen/rejected: one assistant message), or pre-tokenized "
+    "'prompt_input_ids', 'chosen_input_ids' and 'rejected_input_ids'."
+)
 
 
 def pair_format(row: Mapping[str, Any]) -> PairFormat:
     """Which of the three accepted row formats ``row`` uses (pre-tokenized ids win over text fields)."""
     if all(field in row for field in TOKEN_FIELDS):
         return "tokenized"
-    return "conversational" if isinstance(row.get("prompt"), Sequence) and not isinstance(
-        row.get("prompt"), str) else "text"
+    return (
+        "conversational"
+        if isinstance(row.get("prompt"), Sequence) and not isinstance(row.get("prompt"), str)
+        else "text"
+    )
 
 
 def validate_preference_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "train_data") -> set[PairFormat]:
@@ -47,9 +52,11 @@ def validate_preference_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "
             identical.append(index)
     if identical:
         shown = ", ".join(str(i) for i in identical[:5]) + (", ..." if len(identical) > 5 else "")
-        rank_zero_warn(f"{name}: {len(identical)} of {len(rows)} rows have chosen == rejected (rows {shown}). "
-                       "Such a pair has zero preference margin and gives no learning signal; drop those rows or "
-                       "fix their rejected completion.")
+        rank_zero_warn(
+            f"{name}: {len(identical)} of {len(rows)} rows have chosen == rejected (rows {shown}). "
+            "Such a pair has zero preference margin and gives no learning signal; drop those rows or "
+            "fix their rejected completion."
+        )
     return formats
 
 
@@ -64,12 +71,16 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
     if kind == "tokenized":
         for field in TOKEN_FIELDS:
             ids = row[field]
-            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            if (
+                isinstance(ids, (str, bytes))
+                or not isinstance(ids, Sequence)
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            ):
                 raise ValueError(f"{where}: {field!r} must be a list of token ids (ints), got {ids!r:.80}.")
             if len(ids) == 0:
-                raise ValueError(f"{where}: {field!r} is empty; every pair needs a non-empty prompt, chosen and "
-                                 "rejected.")
+                raise ValueError(
+                    f"{where}: {field!r} is empty; every pair needs a non-empty prompt, chosen and rejected."
+                )
         return kind
     missing = [field for field in TEXT_FIELDS if row.get(field) is None]
     if missing:
@@ -78,25 +89,34 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
         for field in TEXT_FIELDS:
             value = row[field]
             if not isinstance(value, str):
-                raise ValueError(f"{where}: 'prompt' is a string, so {field!r} must be one too, got "
-                                 f"{type(value).__name__}. {_ROW_HELP}")
+                raise ValueError(
+                    f"{where}: 'prompt' is a string, so {field!r} must be one too, got "
+                    f"{type(value).__name__}. {_ROW_HELP}"
+                )
             if value == "" and field != "prompt":
-                raise ValueError(f"{where}: {field!r} is an empty completion; every pair needs a non-empty chosen "
-                                 "and rejected completion. Drop or fix this row.")
+                raise ValueError(
+                    f"{where}: {field!r} is an empty completion; every pair needs a non-empty chosen "
+                    "and rejected completion. Drop or fix this row."
+                )
         return kind
     _check_messages(row["prompt"], f"{where}: 'prompt'")
     for field in ("chosen", "rejected"):
         value = row[field]
         if isinstance(value, str):
-            raise ValueError(f"{where}: 'prompt' is a list of messages, so {field!r} must be one too "
-                             f"([{{'role': 'assistant', 'content': ...}}]), got a string. {_ROW_HELP}")
+            raise ValueError(
+                f"{where}: 'prompt' is a list of messages, so {field!r} must be one too "
+                f"([{{'role': 'assistant', 'content': ...}}]), got a string. {_ROW_HELP}"
+            )
         _check_messages(value, f"{where}: {field!r}")
         if len(value) != 1 or value[0]["role"] != "assistant":
-            raise ValueError(f"{where}: {field!r} must be exactly one assistant message, got roles "
-                             f"{[m['role'] for m in value]}.")
+            raise ValueError(
+                f"{where}: {field!r} must be exactly one assistant message, got roles {[m['role'] for m in value]}."
+            )
         if value[0]["content"] == "":
-            raise ValueError(f"{where}: {field!r} is an empty completion (the assistant content is ''); every pair "
-                             "needs a non-empty chosen and rejected completion. Drop or fix this row.")
+            raise ValueError(
+                f"{where}: {field!r} is an empty completion (the assistant content is ''); every pair "
+                "needs a non-empty chosen and rejected completion. Drop or fix this row."
+            )
     return kind
 
 
@@ -111,8 +131,7 @@ def _check_messages(messages: Any, where: str) -> None:
         raise ValueError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}.")
     for turn, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"{where}[{turn}] must be a dict with 'role' and 'content', got "
-                             f"{type(message).__name__}.")
+            raise ValueError(f"{where}[{turn}] must be a dict with 'role' and 'content', got {type(message).__name__}.")
         role = message.get("role")
         if role not in CHAT_ROLES:
             detail = "is missing 'role'" if role is None else f"has unknown role {role!r}"

@@ -23,8 +23,10 @@ def load_rows(source: DataSource, *, split: str = "train", name: str = "train_da
     """
     if isinstance(source, datasets.DatasetDict):
         if split not in source:
-            raise ValueError(f"{name}: the DatasetDict has no split {split!r} (it has {sorted(source)}). "
-                             f"Set the split option to one of those.")
+            raise ValueError(
+                f"{name}: the DatasetDict has no split {split!r} (it has {sorted(source)}). "
+                f"Set the split option to one of those."
+            )
         return source[split]
     if isinstance(source, datasets.Dataset):
         return source
@@ -32,8 +34,10 @@ def load_rows(source: DataSource, *, split: str = "train", name: str = "train_da
         return _load_path_or_hub(str(source), split=split, name=name)
     if isinstance(source, Sequence):
         return list(source)
-    raise TypeError(f"{name}: expected a datasets.Dataset, a list of dicts, a file path or a hub dataset id, "
-                    f"got {type(source).__name__}.")
+    raise TypeError(
+        f"{name}: expected a datasets.Dataset, a list of dicts, a file path or a hub dataset id, "
+        f"got {type(source).__name__}."
+    )
 
 
 def _load_path_or_hub(source: str, *, split: str, name: str) -> datasets.Dataset:
@@ -49,6 +53,8 @@ def _load_path_or_hub(source: str, *, split: str, name: str) -> datasets.Dataset
             return load_rows(loaded, split=split, name=name)
         return datasets.load_dataset(str(path), split=split)
     if source.startswith((".", "/", "~")) or suffix:
-        raise FileNotFoundError(f"{name}: {source!r} is neither an existing file/folder nor a hub dataset id. "
-                                f"Supported files: {', '.join(sorted(_FILE_BUILDERS))}.")
+        raise FileNotFoundError(
+            f"{name}: {source!r} is neither an existing file/folder nor a hub dataset id. "
+            f"Supported files: {', '.join(sorted(_FILE_BUILDERS))}."
+        )
     return datasets.load_dataset(source, split=split)

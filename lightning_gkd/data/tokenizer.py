@@ -43,8 +43,9 @@ def build_chatml_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | Path, *, revision: str | None = None,
-                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    name_or_path: str | Path, *, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local folder or a hub id.
 
     A folder whose ``tokenizer_config.json`` names a generic fast tokenizer (what ``build_chatml_tokenizer`` saves)
@@ -58,6 +59,8 @@ def load_tokenizer(name_or_path: str | Path, *, revision: str | None = None,
             if tokenizer_class in _GENERIC_TOKENIZER_CLASSES:
                 return PreTrainedTokenizerFast.from_pretrained(str(folder))
     elif str(name_or_path).startswith((".", "/", "~")):
-        raise FileNotFoundError(f"Tokenizer folder {str(name_or_path)!r} does not exist. "
-                                "Pass an existing folder written by save_pretrained, or a hub id.")
+        raise FileNotFoundError(
+            f"Tokenizer folder {str(name_or_path)!r} does not exist. "
+            "Pass an existing folder written by save_pretrained, or a hub id."
+        )
     return AutoTokenizer.from_pretrained(str(name_or_path), revision=revision, trust_remote_code=trust_remote_code)

@@ -25,13 +25,18 @@ def reversed_digits(number: int) -> str:
 
 def addition_row(a: int, b: int) -> dict:
     answer = reversed_digits(a + b)
-    return {"messages": [{"role": "user", "content": f"{reversed_digits(a)}+{reversed_digits(b)}="},
-                         {"role": "assistant", "content": answer}],
-            "answer": answer}
+    return {
+        "messages": [
+            {"role": "user", "content": f"{reversed_digits(a)}+{reversed_digits(b)}="},
+            {"role": "assistant", "content": answer},
+        ],
+        "answer": answer,
+    }
 
 
-def addition_rows(split: str = "train", num_rows: int | None = None, *, digits: int = 3,
-                  seed: int = 1234) -> list[dict]:
+def addition_rows(
+    split: str = "train", num_rows: int | None = None, *, digits: int = 3, seed: int = 1234
+) -> list[dict]:
     """Rows of ``split`` ("train", "val" or "test"), operands with up to ``digits`` digits.
 
     ``num_rows`` shortens (or lengthens) the requested split; the splits drawn before it keep their default
@@ -42,17 +47,19 @@ def addition_rows(split: str = "train", num_rows: int | None = None, *, digits: 
     sizes = dict(SPLIT_SIZES)
     if num_rows is not None:
         sizes[split] = num_rows
-    space = (10 ** digits) ** 2
+    space = (10**digits) ** 2
     needed = sum(sizes[name] for name in _SPLIT_ORDER[: _SPLIT_ORDER.index(split) + 1])
     if needed > space // 2:
-        raise ValueError(f"{needed} rows need more than half of the {space} operand pairs with digits={digits}; "
-                         "raise digits or ask for fewer rows.")
+        raise ValueError(
+            f"{needed} rows need more than half of the {space} operand pairs with digits={digits}; "
+            "raise digits or ask for fewer rows."
+        )
     rng = random.Random(seed)
     seen: set[tuple[int, int]] = set()
     for name in _SPLIT_ORDER:
         rows: list[dict] = []
         while len(rows) < sizes[name]:
-            a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
+            a, b = rng.randrange(10**digits), rng.randrange(10**digits)
             if (a, b) not in seen:
                 seen.add((a, b))
                 rows.append(addition_row(a, b))

@@ -30,8 +30,10 @@ def addition_preference_rows(split: str = "train", num_rows: int | None = None, 
         *prompt, reply = row["messages"]
         answer = str(row["answer"])
         if reply.get("role") != "assistant" or answer not in reply["content"]:
-            raise ValueError(f"toy {split} row {index}: expected the last message to be the assistant's and to "
-                             f"contain the answer {answer!r}, got {reply!r}.")
+            raise ValueError(
+                f"toy {split} row {index}: expected the last message to be the assistant's and to "
+                f"contain the answer {answer!r}, got {reply!r}."
+            )
         wrong = wrong_answer(answer, random.Random(f"{seed}:{split}:{index}"))
         # Replace the last occurrence: the answer comes at the end of the reply.
         head, _, tail = reply["content"].rpartition(answer)

@@ -27,11 +27,14 @@ def validate_chat_row(row: Any, *, index: int, name: str = "train_data") -> None
         raise ValueError(f"{where}: expected a dict with a 'messages' field, got {type(row).__name__}.")
     messages = row.get("messages")
     if messages is None:
-        raise ValueError(f"{where}: missing field 'messages' (fields present: {sorted(row)}). Each row needs "
-                         f"'messages': a list of {{'role', 'content'}} dicts.")
+        raise ValueError(
+            f"{where}: missing field 'messages' (fields present: {sorted(row)}). Each row needs "
+            f"'messages': a list of {{'role', 'content'}} dicts."
+        )
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts, "
-                         f"got {messages!r:.80}.")
+        raise ValueError(
+            f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}."
+        )
     for turn, message in enumerate(messages):
         field = f"{where}: messages[{turn}]"
         if not isinstance(message, Mapping):
@@ -42,8 +45,11 @@ def validate_chat_row(row: Any, *, index: int, name: str = "train_data") -> None
             raise ValueError(f"{field} {detail}; use one of {', '.join(CHAT_ROLES)}.")
         content = message.get("content")
         if not isinstance(content, str):
-            detail = "is missing 'content'" if content is None else (
-                f"has non-string content of type {type(content).__name__}")
+            detail = (
+                "is missing 'content'"
+                if content is None
+                else (f"has non-string content of type {type(content).__name__}")
+            )
             raise ValueError(f"{field} {detail}; content must be a string.")
 
 
@@ -61,8 +67,10 @@ def check_completions(rows: Sequence[Mapping[str, Any]], *, name: str, reason: s
     first = missing[0]
     role = rows[first]["messages"][-1]["role"]
     shown = ", ".join(str(i) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
-    raise ValueError(f"{name} row {first}: the last message is from {role!r}, not 'assistant', so the row has no "
-                     f"completion to train on ({len(missing)} of {len(rows)} rows have none: {shown}). {reason}")
+    raise ValueError(
+        f"{name} row {first}: the last message is from {role!r}, not 'assistant', so the row has no "
+        f"completion to train on ({len(missing)} of {len(rows)} rows have none: {shown}). {reason}"
+    )
 
 
 def evenly_spaced(count: int, limit: int | None) -> range:
@@ -72,8 +80,14 @@ def evenly_spaced(count: int, limit: int | None) -> range:
     return range(0, count, -(-count // limit))
 
 
-def check_prompts_fit(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Mapping[str, Any]], *, max_length: int,
-                      name: str, max_rows: int | None = 1000) -> None:
+def check_prompts_fit(
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    max_length: int,
+    name: str,
+    max_rows: int | None = 1000,
+) -> None:
     """Tokenize up to ``max_rows`` validated rows spread evenly over ``rows`` (all when None) as the collator
     will, raising ``ValueError`` naming the first row it cannot use: its prompt would be truncated away by
     ``max_length``, or the chat template cannot be split into prompt and completion."""

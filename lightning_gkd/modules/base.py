@@ -37,8 +37,14 @@ MAX_CONSECUTIVE_SKIPS = 16
 
 
 #: The dtype a frozen model (teacher, reference) takes under each trainer precision, unless its dtype was chosen.
-PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-                    "16-true": torch.float16, "32-true": torch.float32, "64-true": torch.float64}
+PRECISION_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "32-true": torch.float32,
+    "64-true": torch.float64,
+}
 
 
 def _dtype_chosen(source: ModelSource) -> bool:
@@ -77,12 +83,21 @@ class CausalLMModule(L.LightningModule):
     frozen_names: tuple[str, ...] = ()
     model_role = "model"  # what errors call the trainable model ("student", "policy")
 
-    def __init__(self, model: ModelSource, tokenizer: PreTrainedTokenizerBase | str, *,
-                 optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
-                 disable_dropout: bool = True, gradient_checkpointing: bool = False,
-                 trust_remote_code: bool = False, seed: int = 0,
-                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32,
-                 nonfinite: NonFinitePolicy = "raise") -> None:
+    def __init__(
+        self,
+        model: ModelSource,
+        tokenizer: PreTrainedTokenizerBase | str,
+        *,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        metrics: Mapping[str, GenerationMetric] | None = None,
+        eval_max_new_tokens: int = 32,
+        nonfinite: NonFinitePolicy = "raise",
+    ) -> None:
         super().__init__()
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}.")
@@ -142,8 +157,10 @@ class CausalLMModule(L.LightningModule):
         optimizer = self.optimizer_factory(params)
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+        }
 
     # -- forward ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -151,8 +168,12 @@ class CausalLMModule(L.LightningModule):
         """Logits (B, L, V) of ``model`` on a left-padded batch, with positions counted from each row's first
         real token (the same positions the sampler uses)."""
         mask = batch["attention_mask"]
-        return model(input_ids=batch["input_ids"], attention_mask=mask,
-                     position_ids=position_ids_from_mask(mask), use_cache=False).logits
+        return model(
+            input_ids=batch["input_ids"],
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=False,
+        ).logits
 
     def step_seed(self, batch_idx: int, *salt: int) -> int:
         """Seed for this training batch: a function of (seed, global step, batch index, salt) only."""
@@ -168,8 +189,10 @@ class CausalLMModule(L.LightningModule):
         if stage != "fit":
             return
         if self.nonfinite == "skip" and self.trainer.world_size > 1:
-            raise ValueError("nonfinite='skip' works in a single process only (a batch skipped on one rank would "
-                             f"leave the other {self.trainer.world_size - 1} waiting); use nonfinite='raise'.")
+            raise ValueError(
+                "nonfinite='skip' works in a single process only (a batch skipped on one rank would "
+                f"leave the other {self.trainer.world_size - 1} waiting); use nonfinite='raise'."
+            )
         if self.trainer.datamodule is not None:
             self.check_datamodule(self.trainer.datamodule)
         dtype = PRECISION_DTYPES.get(str(self.trainer.precision))
@@ -192,9 +215,11 @@ class CausalLMModule(L.LightningModule):
             missing = rows_without_completion(rows)
             if missing:
                 where = f"val_data[{set_name!r}]" if set_name else "val_data"
-                rank_zero_warn(f"{where}: {len(missing)} of {len(rows)} rows (first: row {missing[0]}) end "
-                               "without an assistant turn; the validation loss and the generation metrics score "
-                               "dataset completions, so those rows count for nothing there.")
+                rank_zero_warn(
+                    f"{where}: {len(missing)} of {len(rows)} rows (first: row {missing[0]}) end "
+                    "without an assistant turn; the validation loss and the generation metrics score "
+                    "dataset completions, so those rows count for nothing there."
+                )
         self._checked_datamodule = datamodule
 
     def _watch_logits(self) -> None:
@@ -204,10 +229,12 @@ class CausalLMModule(L.LightningModule):
             return
         models = {self.model_role: self.model, **{name: getattr(self, name) for name in self.frozen_names}}
         for role, model in models.items():
+
             def record(module: nn.Module, args: Any, output: Any, role: str = role) -> None:
                 logits = getattr(output, "logits", None)
                 if isinstance(logits, torch.Tensor):
                     self._logits_finite[role] = torch.isfinite(logits.detach().sum(dtype=torch.float32))
+
             self._watch_handles.append(model.register_forward_hook(record))
 
     def teardown(self, stage: str) -> None:
@@ -228,17 +255,25 @@ class CausalLMModule(L.LightningModule):
         else:
             checked = ", ".join(self._logits_finite) or "no model"
             cause = f"the logits ({checked}) are finite, so the loss computation itself overflowed"
-        message = (f"Non-finite training loss ({loss.detach().float().mean().item()}) at global step "
-                   f"{self.global_step}: {cause}.")
-        hint = (" Usual causes: a learning rate too high for these weights, fp16 overflow (use bf16 or 32-bit "
-                "precision), or broken model weights.")
+        message = (
+            f"Non-finite training loss ({loss.detach().float().mean().item()}) at global step "
+            f"{self.global_step}: {cause}."
+        )
+        hint = (
+            " Usual causes: a learning rate too high for these weights, fp16 overflow (use bf16 or 32-bit "
+            "precision), or broken model weights."
+        )
         if self.nonfinite == "raise":
-            raise RuntimeError(message + " The model was not updated with it." + hint + " To skip such batches "
-                               "instead, set nonfinite='skip' (Hydra: method.nonfinite=skip).")
+            raise RuntimeError(
+                message + " The model was not updated with it." + hint + " To skip such batches "
+                "instead, set nonfinite='skip' (Hydra: method.nonfinite=skip)."
+            )
         self._skipped_in_a_row += 1
         if self._skipped_in_a_row >= MAX_CONSECUTIVE_SKIPS:
-            raise RuntimeError(message + f" That is {self._skipped_in_a_row} skipped batches in a row, so the "
-                               "run is stopped: the model no longer produces usable outputs." + hint)
+            raise RuntimeError(
+                message + f" That is {self._skipped_in_a_row} skipped batches in a row, so the "
+                "run is stopped: the model no longer produces usable outputs." + hint
+            )
         rank_zero_warn(message + " Skipping this batch (nonfinite='skip').")
         return True
 
@@ -261,8 +296,14 @@ class CausalLMModule(L.LightningModule):
         tokens = int(self._step_tokens)
         self.trained_tokens += tokens
         self.train_seconds += seconds
-        self.log("train/tokens_per_sec", tokens / max(seconds, 1e-9), prog_bar=True, sync_dist=True,
-                 reduce_fx="sum", batch_size=1)
+        self.log(
+            "train/tokens_per_sec",
+            tokens / max(seconds, 1e-9),
+            prog_bar=True,
+            sync_dist=True,
+            reduce_fx="sum",
+            batch_size=1,
+        )
 
     def tokens_per_second(self) -> float:
         """Completion tokens trained per second of training step in this process's current fit."""
@@ -284,17 +325,23 @@ class CausalLMModule(L.LightningModule):
         names = getattr(getattr(trainer, "datamodule", None), "val_names", None)
         return list(names) if names else None
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
-                        ) -> torch.Tensor:
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         loss = self.dataset_loss(batch)
         named = self.val_names() is not None
-        self.log(f"{self.val_prefix(dataloader_idx)}loss", loss, prog_bar=True, sync_dist=True,
-                 batch_size=batch["input_ids"].shape[0], add_dataloader_idx=not named)
+        self.log(
+            f"{self.val_prefix(dataloader_idx)}loss",
+            loss,
+            prog_bar=True,
+            sync_dist=True,
+            batch_size=batch["input_ids"].shape[0],
+            add_dataloader_idx=not named,
+        )
         if self.metrics:
             eos = resolve_eos_token_id(self.model, self.tokenizer)
             predictions, references = self._generated.setdefault(dataloader_idx, ([], []))
-            predictions += greedy_texts(self.model, self.tokenizer, batch, eos_token_id=eos,
-                                        max_new_tokens=self.eval_max_new_tokens)
+            predictions += greedy_texts(
+                self.model, self.tokenizer, batch, eos_token_id=eos, max_new_tokens=self.eval_max_new_tokens
+            )
             references += reference_texts(self.tokenizer, batch, eos)
         return loss
 
@@ -347,9 +394,11 @@ class CausalLMModule(L.LightningModule):
             return
         names = mesh.mesh_dim_names or ()
         if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-            raise ValueError(f"{type(self).__name__} shards with FSDP only (no tensor parallelism): set the "
-                             "ModelParallelStrategy's data_parallel_size to the number of processes and "
-                             "tensor_parallel_size=1 (trainer=fsdp does).")
+            raise ValueError(
+                f"{type(self).__name__} shards with FSDP only (no tensor parallelism): set the "
+                "ModelParallelStrategy's data_parallel_size to the number of processes and "
+                "tensor_parallel_size=1 (trainer=fsdp does)."
+            )
         mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
         trainer = getattr(self, "_trainer", None)
         policy = mixed_precision_policy(getattr(trainer, "precision", None))
@@ -396,8 +445,9 @@ class CausalLMModule(L.LightningModule):
             for key, value in getattr(self, name).state_dict().items():
                 state.setdefault(f"{name}.{key}", value)
 
-    def export(self, path: str | Path, card_info: Mapping[str, Any] | None = None, *,
-               merged_path: str | Path | None = None) -> Path:
+    def export(
+        self, path: str | Path, card_info: Mapping[str, Any] | None = None, *, merged_path: str | Path | None = None
+    ) -> Path:
         """Write the trained model and tokenizer with ``save_pretrained`` to ``path``, loadable with
         ``AutoModelForCausalLM.from_pretrained(path)``, and a ``README.md`` model card: base model(s), method and
         its hyperparameters, data, steps and final metrics (read from the attached trainer, if any), plus
@@ -414,16 +464,21 @@ class CausalLMModule(L.LightningModule):
         peft = is_peft_model(self.model)
         info = dict(card_info or {})
         if peft:
-            info.setdefault("format", "LoRA adapter (peft): load with peft.AutoPeftModelForCausalLM.from_pretrained"
-                                      "(<this folder>) or PeftModel.from_pretrained(<base model>, <this folder>)")
+            info.setdefault(
+                "format",
+                "LoRA adapter (peft): load with peft.AutoPeftModelForCausalLM.from_pretrained"
+                "(<this folder>) or PeftModel.from_pretrained(<base model>, <this folder>)",
+            )
         from lightning_gkd.sharding import is_sharded
 
         full_state = None
         if is_sharded(self.model):
             full_state = getattr(self, "_full_state_dict", None)
             if peft or not full_state:
-                raise RuntimeError("export() of a sharded model (trainer=fsdp) writes the full weights gathered "
-                                   "when trainer.fit ended, on global rank 0 only (and not for LoRA models).")
+                raise RuntimeError(
+                    "export() of a sharded model (trainer=fsdp) writes the full weights gathered "
+                    "when trainer.fit ended, on global rank 0 only (and not for LoRA models)."
+                )
         target = self._write_folder(path, self.model, info, state_dict=full_state)
         if merged_path is not None and peft:
             import copy
@@ -435,8 +490,13 @@ class CausalLMModule(L.LightningModule):
             del merged
         return target
 
-    def _write_folder(self, path: str | Path, model: nn.Module, card_info: Mapping[str, Any],
-                      state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    def _write_folder(
+        self,
+        path: str | Path,
+        model: nn.Module,
+        card_info: Mapping[str, Any],
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> Path:
         """``model.save_pretrained`` + tokenizer + model card into a staging folder beside ``path``, renamed into
         place (an existing folder is replaced only once the new one is complete)."""
         target = Path(path).expanduser().resolve()

@@ -46,28 +46,54 @@ class DPOModule(CausalLMModule):
 
     model_role = "policy"
 
-    def __init__(self, model: ModelSource, tokenizer: PreTrainedTokenizerBase | str,
-                 reference: ModelSource | None = None, *, beta: float = 0.1, loss_type: str = "sigmoid",
-                 label_smoothing: float = 0.0, precompute_ref_logps: bool = False,
-                 optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
-                 disable_dropout: bool = True, gradient_checkpointing: bool = False, trust_remote_code: bool = False,
-                 seed: int = 0, metrics: Mapping[str, GenerationMetric] | None = None,
-                 eval_max_new_tokens: int = 32, nonfinite: NonFinitePolicy = "raise") -> None:
+    def __init__(
+        self,
+        model: ModelSource,
+        tokenizer: PreTrainedTokenizerBase | str,
+        reference: ModelSource | None = None,
+        *,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        precompute_ref_logps: bool = False,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        metrics: Mapping[str, GenerationMetric] | None = None,
+        eval_max_new_tokens: int = 32,
+        nonfinite: NonFinitePolicy = "raise",
+    ) -> None:
         if loss_type not in PREFERENCE_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}.")
         if not beta > 0:
             raise ValueError(f"beta must be > 0, got {beta}.")
         if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type != "sigmoid"):
-            raise ValueError(f"label_smoothing must be in [0, 0.5) and is for loss_type='sigmoid' only; got "
-                             f"{label_smoothing} with loss_type={loss_type!r}.")
+            raise ValueError(
+                f"label_smoothing must be in [0, 0.5) and is for loss_type='sigmoid' only; got "
+                f"{label_smoothing} with loss_type={loss_type!r}."
+            )
         if isinstance(model, nn.Module) and reference is model:
-            raise ValueError("reference is the policy object itself, so freezing it would freeze the policy. Pass a "
-                             "copy (copy.deepcopy(model)), or reference=None with precompute_ref_logps=True to use "
-                             "the policy's starting weights without a second model.")
-        super().__init__(model, tokenizer, optimizer=optimizer, scheduler=scheduler,
-                         disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
-                         trust_remote_code=trust_remote_code, seed=seed, metrics=metrics,
-                         eval_max_new_tokens=eval_max_new_tokens, nonfinite=nonfinite)
+            raise ValueError(
+                "reference is the policy object itself, so freezing it would freeze the policy. Pass a "
+                "copy (copy.deepcopy(model)), or reference=None with precompute_ref_logps=True to use "
+                "the policy's starting weights without a second model."
+            )
+        super().__init__(
+            model,
+            tokenizer,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            disable_dropout=disable_dropout,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
+            seed=seed,
+            metrics=metrics,
+            eval_max_new_tokens=eval_max_new_tokens,
+            nonfinite=nonfinite,
+        )
         if reference is not None:
             self.reference = self.load_frozen(reference, role="reference", trust_remote_code=trust_remote_code)
             check_same_vocab(self.model, self.reference, teacher_role="reference")
@@ -78,10 +104,12 @@ class DPOModule(CausalLMModule):
         elif precompute_ref_logps:
             self.reference_source = "initial_policy"
         else:
-            raise ValueError("DPOModule needs a reference: pass reference=<model, folder, hub id or spec> (usually the "
-                             "policy's starting checkpoint), use a PEFT policy (the reference is then the model with "
-                             "adapters disabled), or set precompute_ref_logps=True (the policy's log-probs at the "
-                             "start of training are the reference).")
+            raise ValueError(
+                "DPOModule needs a reference: pass reference=<model, folder, hub id or spec> (usually the "
+                "policy's starting checkpoint), use a PEFT policy (the reference is then the model with "
+                "adapters disabled), or set precompute_ref_logps=True (the policy's log-probs at the "
+                "start of training are the reference)."
+            )
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.precompute_ref_logps = precompute_ref_logps
         self.reference_logps_cache: dict[str, torch.Tensor] = {}  # split -> (num_rows, 2); NaN where not computed
@@ -94,17 +122,32 @@ class DPOModule(CausalLMModule):
         return self.model
 
     # -- the objective: override pair_loss for a new one -------------------------------------------------------
-    def pair_loss(self, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-                  ref_rejected_logps: torch.Tensor, chosen_lengths: torch.Tensor,
-                  rejected_lengths: torch.Tensor) -> torch.Tensor:
+    def pair_loss(
+        self,
+        chosen_logps: torch.Tensor,
+        rejected_logps: torch.Tensor,
+        ref_chosen_logps: torch.Tensor,
+        ref_rejected_logps: torch.Tensor,
+        chosen_lengths: torch.Tensor,
+        rejected_lengths: torch.Tensor,
+    ) -> torch.Tensor:
         """Per-pair losses ``(B,)`` from sequence log-probs ``(B,)`` and completion lengths ``(B,)``."""
-        return preference_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=self.beta,
-                               loss_type=self.loss_type, label_smoothing=self.label_smoothing,
-                               chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+        return preference_loss(
+            chosen_logps,
+            rejected_logps,
+            ref_chosen_logps,
+            ref_rejected_logps,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            chosen_lengths=chosen_lengths,
+            rejected_lengths=rejected_lengths,
+        )
 
     # -- log-probs ----------------------------------------------------------------------------------------------
-    def completion_logps(self, model: nn.Module, batch: Mapping[str, torch.Tensor]
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def completion_logps(
+        self, model: nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence log-probs ``(2B,)`` of the completions (labels != -100) under ``model``, and their lengths."""
         labels, mask = batch["labels"], batch["attention_mask"]
         completion = labels != IGNORE_INDEX
@@ -118,13 +161,19 @@ class DPOModule(CausalLMModule):
             kwargs["logits_to_keep"] = keep
         else:
             keep = width
-        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                       use_cache=False, **kwargs).logits
-        return sequence_logps(logits[:, :-1], labels[:, width - keep + 1:]), completion.sum(dim=1)
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=False,
+            **kwargs,
+        ).logits
+        return sequence_logps(logits[:, :-1], labels[:, width - keep + 1 :]), completion.sum(dim=1)
 
     @torch.no_grad()
-    def reference_logps(self, batch: Mapping[str, torch.Tensor], split: str = "train"
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_logps(
+        self, batch: Mapping[str, torch.Tensor], split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference log-probs ``(B,)`` of the chosen and rejected completions of ``batch``: given in the batch,
         cached for ``split`` (``"train"``/``"val"``), or computed now."""
         if "ref_chosen_logps" in batch and "ref_rejected_logps" in batch:
@@ -142,19 +191,25 @@ class DPOModule(CausalLMModule):
         elif self.reference_source == "initial_policy" and self._precomputing:
             logps, _ = self.completion_logps(self.model, batch)  # at fit start, before any update
         else:
-            raise RuntimeError("No reference log-probs for this batch: precompute_ref_logps=True computes them when "
-                               "trainer.fit starts, for the train and validation data of its datamodule only.")
+            raise RuntimeError(
+                "No reference log-probs for this batch: precompute_ref_logps=True computes them when "
+                "trainer.fit starts, for the train and validation data of its datamodule only."
+            )
         return _halves(logps)
 
     def _cached(self, batch: Mapping[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
         if "index" not in batch:
-            raise ValueError("Cached reference log-probs are looked up by row index, but the batch has no 'index'. "
-                             "Use PreferenceDataModule, or make your collator emit 'index' (B,) from each row's "
-                             "'row_index'.")
+            raise ValueError(
+                "Cached reference log-probs are looked up by row index, but the batch has no 'index'. "
+                "Use PreferenceDataModule, or make your collator emit 'index' (B,) from each row's "
+                "'row_index'."
+            )
         cache, index = self.reference_logps_cache[split], batch["index"].cpu()
         if index.numel() and int(index.max()) >= cache.shape[0]:
-            raise RuntimeError(f"Row {int(index.max())} of the {split} data has no cached reference log-probs "
-                               f"({cache.shape[0]} rows were precomputed); did the dataset change since?")
+            raise RuntimeError(
+                f"Row {int(index.max())} of the {split} data has no cached reference log-probs "
+                f"({cache.shape[0]} rows were precomputed); did the dataset change since?"
+            )
         values = cache[index]
         if torch.isnan(values).any():
             raise RuntimeError(f"Some {split} rows of this batch have no cached reference log-probs.")
@@ -167,8 +222,10 @@ class DPOModule(CausalLMModule):
             return
         datamodule = self.trainer.datamodule
         if datamodule is None:
-            raise ValueError("precompute_ref_logps=True reads the data from the datamodule: call "
-                             "trainer.fit(module, datamodule=PreferenceDataModule(...)).")
+            raise ValueError(
+                "precompute_ref_logps=True reads the data from the datamodule: call "
+                "trainer.fit(module, datamodule=PreferenceDataModule(...))."
+            )
         missing = {}
         for split in ("train", "val"):
             if split in self.reference_logps_cache:
@@ -178,17 +235,20 @@ class DPOModule(CausalLMModule):
                 loader = loader.every_row()
             if isinstance(loader, (list, tuple)):
                 if len(loader) > 1:
-                    raise ValueError("precompute_ref_logps=True supports one validation dataloader, got "
-                                     f"{len(loader)}.")
+                    raise ValueError(
+                        f"precompute_ref_logps=True supports one validation dataloader, got {len(loader)}."
+                    )
                 if not loader:
                     continue  # no validation data: nothing to precompute
                 loader = loader[0]
             missing[split] = loader
         if missing and self.reference_source == "initial_policy" and self.trainer.ckpt_path:
-            raise RuntimeError("Resuming with precompute_ref_logps=True and no reference model, but the checkpoint "
-                               f"holds no reference log-probs for the {' and '.join(missing)} data, and the policy "
-                               "has moved from its starting weights. Pass reference=<the starting checkpoint> to "
-                               "recompute them.")
+            raise RuntimeError(
+                "Resuming with precompute_ref_logps=True and no reference model, but the checkpoint "
+                f"holds no reference log-probs for the {' and '.join(missing)} data, and the policy "
+                "has moved from its starting weights. Pass reference=<the starting checkpoint> to "
+                "recompute them."
+            )
         for split, loader in missing.items():
             self.reference_logps_cache[split] = self.precompute_reference_logps(loader)
         if self.reference_source == "model":
@@ -206,9 +266,11 @@ class DPOModule(CausalLMModule):
         try:
             for batch in dataloader:
                 if "index" not in batch:
-                    raise ValueError("precompute_ref_logps=True keys the cache by row index, but the batch has no "
-                                     "'index'. Use PreferenceDataModule, or make your collator emit 'index' (B,) "
-                                     "from each row's 'row_index'.")
+                    raise ValueError(
+                        "precompute_ref_logps=True keys the cache by row index, but the batch has no "
+                        "'index'. Use PreferenceDataModule, or make your collator emit 'index' (B,) "
+                        "from each row's 'row_index'."
+                    )
                 batch = move_data_to_device(batch, self.device)
                 with self.trainer.precision_plugin.val_step_context():
                     chosen, rejected = self._live_reference_logps(batch)
@@ -270,12 +332,14 @@ class DPOModule(CausalLMModule):
         stats = self.preference_step(batch, "val")
         pairs = batch["input_ids"].shape[0] // 2
         for name, value in stats.items():
-            self.log(f"val/{name}", value, prog_bar=name in ("loss", "rewards/accuracies"), sync_dist=True,
-                     batch_size=pairs)
+            self.log(
+                f"val/{name}", value, prog_bar=name in ("loss", "rewards/accuracies"), sync_dist=True, batch_size=pairs
+            )
         if self.metrics:
             eos = resolve_eos_token_id(self.model, self.tokenizer)
-            self._predictions += greedy_texts(self.model, self.tokenizer, batch, eos_token_id=eos,
-                                              max_new_tokens=self.eval_max_new_tokens)
+            self._predictions += greedy_texts(
+                self.model, self.tokenizer, batch, eos_token_id=eos, max_new_tokens=self.eval_max_new_tokens
+            )
             self._references += reference_texts(self.tokenizer, {"labels": batch["labels"][:pairs]}, eos)
         return stats["loss"]
 
@@ -298,14 +362,20 @@ def _halves(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _check_batch(batch: Mapping[str, Any]) -> None:
     missing = [key for key in _BATCH_KEYS if key not in batch]
     if missing:
-        raise ValueError(f"The preference batch has no {missing} (keys: {sorted(batch)}). DPOModule expects "
-                         "'input_ids', 'attention_mask', 'labels' of shape (2B, L), chosen rows first, as "
-                         "PreferenceCollator builds them; a custom collator must emit these too.")
+        raise ValueError(
+            f"The preference batch has no {missing} (keys: {sorted(batch)}). DPOModule expects "
+            "'input_ids', 'attention_mask', 'labels' of shape (2B, L), chosen rows first, as "
+            "PreferenceCollator builds them; a custom collator must emit these too."
+        )
     rows = batch["input_ids"].shape[0]
     if "prompts" in batch and batch["prompts"].shape[0] == rows:
-        raise ValueError("This looks like a chat batch (one sequence per prompt, as ChatDataModule builds), not "
-                         "preference pairs. DPOModule needs PreferenceDataModule (Hydra: data=toy_preference or "
-                         "data=preference_files).")
+        raise ValueError(
+            "This looks like a chat batch (one sequence per prompt, as ChatDataModule builds), not "
+            "preference pairs. DPOModule needs PreferenceDataModule (Hydra: data=toy_preference or "
+            "data=preference_files)."
+        )
     if rows % 2:
-        raise ValueError(f"The preference batch has {rows} sequences; it must hold 2B: B prompt+chosen rows, then "
-                         "B prompt+rejected rows.")
+        raise ValueError(
+            f"The preference batch has {rows} sequences; it must hold 2B: B prompt+chosen rows, then "
+            "B prompt+rejected rows."
+        )

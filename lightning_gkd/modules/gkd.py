@@ -70,14 +70,32 @@ class GKDModule(CausalLMModule):
     frozen_names = ("teacher",)
     model_role = "student"
 
-    def __init__(self, student: ModelSource, teacher: ModelSource, tokenizer: PreTrainedTokenizerBase | str, *,
-                 lmbda: float = 0.5, beta: float = 0.5, temperature: float = 0.9, loss_temperature: float = 1.0,
-                 seq_kd: bool = False, max_new_tokens: int = 128, top_k: int = 0, top_p: float = 1.0,
-                 disable_dropout: bool = True, gradient_checkpointing: bool = False,
-                 optimizer: OptimizerFactory | None = None, scheduler: SchedulerFactory | None = None,
-                 trust_remote_code: bool = False, seed: int = 0,
-                 metrics: Mapping[str, GenerationMetric] | None = None, eval_max_new_tokens: int = 32,
-                 nonfinite: NonFinitePolicy = "raise", lean_loss: bool = True, loss_chunk_size: int = 64) -> None:
+    def __init__(
+        self,
+        student: ModelSource,
+        teacher: ModelSource,
+        tokenizer: PreTrainedTokenizerBase | str,
+        *,
+        lmbda: float = 0.5,
+        beta: float = 0.5,
+        temperature: float = 0.9,
+        loss_temperature: float = 1.0,
+        seq_kd: bool = False,
+        max_new_tokens: int = 128,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        metrics: Mapping[str, GenerationMetric] | None = None,
+        eval_max_new_tokens: int = 32,
+        nonfinite: NonFinitePolicy = "raise",
+        lean_loss: bool = True,
+        loss_chunk_size: int = 64,
+    ) -> None:
         _check_range("lmbda", lmbda, 0.0, 1.0)
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
@@ -91,10 +109,19 @@ class GKDModule(CausalLMModule):
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}.")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
-        super().__init__(student, tokenizer, optimizer=optimizer, scheduler=scheduler,
-                         disable_dropout=disable_dropout, gradient_checkpointing=gradient_checkpointing,
-                         trust_remote_code=trust_remote_code, seed=seed, metrics=metrics,
-                         eval_max_new_tokens=eval_max_new_tokens, nonfinite=nonfinite)
+        super().__init__(
+            student,
+            tokenizer,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            disable_dropout=disable_dropout,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
+            seed=seed,
+            metrics=metrics,
+            eval_max_new_tokens=eval_max_new_tokens,
+            nonfinite=nonfinite,
+        )
         self.teacher = self.load_frozen(teacher, role="teacher", trust_remote_code=trust_remote_code)
         check_same_vocab(self.student, self.teacher)
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
@@ -114,10 +141,12 @@ class GKDModule(CausalLMModule):
     def completion_requirement(self) -> str | None:
         if self.lmbda >= 1 or self.seq_kd:
             return None
-        return (f"GKDModule(lmbda={self.lmbda}, seq_kd=False) trains on the dataset completions in about "
-                f"{1 - self.lmbda:.0%} of the steps. End every training row with an assistant message, or train "
-                "without dataset completions: lmbda=1.0 (student samples only; Hydra: method.lmbda=1.0) or "
-                "seq_kd=True (teacher samples; method.seq_kd=true).")
+        return (
+            f"GKDModule(lmbda={self.lmbda}, seq_kd=False) trains on the dataset completions in about "
+            f"{1 - self.lmbda:.0%} of the steps. End every training row with an assistant message, or train "
+            "without dataset completions: lmbda=1.0 (student samples only; Hydra: method.lmbda=1.0) or "
+            "seq_kd=True (teacher samples; method.seq_kd=true)."
+        )
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -136,10 +165,18 @@ class GKDModule(CausalLMModule):
         self.sampling_calls += 1
         pad_id = self.tokenizer.pad_token_id
         sampled = generate_completions(
-            model, batch["prompts"], batch["prompt_attention_mask"], max_new_tokens=self.max_new_tokens,
+            model,
+            batch["prompts"],
+            batch["prompt_attention_mask"],
+            max_new_tokens=self.max_new_tokens,
             pad_token_id=pad_id if pad_id is not None else self.tokenizer.eos_token_id,
-            eos_token_id=resolve_eos_token_id(model, self.tokenizer), do_sample=True,
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
+            eos_token_id=resolve_eos_token_id(model, self.tokenizer),
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=seed,
+        )
         return {**batch, **sampled}
 
     def dataset_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -153,8 +190,13 @@ class GKDModule(CausalLMModule):
         student_logits = self.causal_lm_logits(self.student, batch)
         with torch.no_grad():
             teacher_logits = self.causal_lm_logits(self.teacher, batch)
-        return generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1], labels=batch["labels"][:, 1:],
-                                    beta=self.beta, temperature=self.loss_temperature)
+        return generalized_jsd_loss(
+            student_logits[:, :-1],
+            teacher_logits[:, :-1],
+            labels=batch["labels"][:, 1:],
+            beta=self.beta,
+            temperature=self.loss_temperature,
+        )
 
     def _lean_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -166,9 +208,15 @@ class GKDModule(CausalLMModule):
         # the logits watch sees no logits on this path; record whether each model's hidden states are finite
         self._logits_finite[self.model_role] = torch.isfinite(student_hidden.detach().sum(dtype=torch.float32))
         self._logits_finite["teacher"] = torch.isfinite(teacher_hidden.sum(dtype=torch.float32))
-        return projected_jsd_loss(student_hidden, output_weight(self.student), teacher_hidden,
-                                  output_weight(self.teacher), beta=self.beta, temperature=self.loss_temperature,
-                                  chunk_size=self.loss_chunk_size)
+        return projected_jsd_loss(
+            student_hidden,
+            output_weight(self.student),
+            teacher_hidden,
+            output_weight(self.teacher),
+            beta=self.beta,
+            temperature=self.loss_temperature,
+            chunk_size=self.loss_chunk_size,
+        )
 
     # -- grouped generation -------------------------------------------------------------------------------------
     def training_batch(self, batch: dict[str, Any], batch_idx: int) -> tuple[Source, dict[str, torch.Tensor]]:
@@ -181,8 +229,9 @@ class GKDModule(CausalLMModule):
         if group is None:
             source = self.choose_source(batch_idx)
             if source != "dataset":
-                batch = self.sample_batch(self._sampler_model(source), batch,
-                                          seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
+                batch = self.sample_batch(
+                    self._sampler_model(source), batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
+                )
             return source, batch
         group_id = [int(v) for v in batch[GROUP_ID].tolist()]
         if self._group is None or self._group.group_id != group_id:
@@ -192,17 +241,20 @@ class GKDModule(CausalLMModule):
         micro = self._group.micro_batches[int(batch[GROUP_STEP])]
         return self._group.source, {key: value.to(self.device) for key, value in micro.items()}
 
-    def plan_group(self, group: dict[str, torch.Tensor], group_id: list[int], micro_batch_size: int,
-                   batch_idx: int) -> GenerationGroup:
+    def plan_group(
+        self, group: dict[str, torch.Tensor], group_id: list[int], micro_batch_size: int, batch_idx: int
+    ) -> GenerationGroup:
         """Flip the group's coin; if it says sample, sample the whole group at once, shuffle and cut it."""
         source = self.choose_source(batch_idx)
         if source == "dataset":
             return GenerationGroup(group_id, source)
-        sampled = self.sample_batch(self._sampler_model(source), group,
-                                    seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
+        sampled = self.sample_batch(
+            self._sampler_model(source), group, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
+        )
         rows = sampled["input_ids"].shape[0]
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(
-            self.step_seed(batch_idx, _SHUFFLE, self.global_rank)))
+        order = torch.randperm(
+            rows, generator=torch.Generator().manual_seed(self.step_seed(batch_idx, _SHUFFLE, self.global_rank))
+        )
         micro = [select_rows(sampled, order[list(span)]) for span in micro_batch_rows(rows, micro_batch_size)]
         return GenerationGroup(group_id, source, micro)
 
@@ -213,8 +265,10 @@ class GKDModule(CausalLMModule):
         super().on_save_checkpoint(checkpoint)
         if self._group is not None:  # a resumed run continues the group with the same samples
             checkpoint["generation_group"] = {
-                "group_id": list(self._group.group_id), "source": self._group.source,
-                "micro_batches": [{k: v.detach().cpu() for k, v in m.items()} for m in self._group.micro_batches]}
+                "group_id": list(self._group.group_id),
+                "source": self._group.source,
+                "micro_batches": [{k: v.detach().cpu() for k, v in m.items()} for m in self._group.micro_batches],
+            }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -234,8 +288,7 @@ class GKDModule(CausalLMModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/on_policy", float(source == "student"), batch_size=size)
         # the share of on-policy batches so far in this fit (train/on_policy is this batch's 0 or 1)
-        self.log("train/on_policy_fraction", self._on_policy_batches / self._batches, prog_bar=True,
-                 batch_size=size)
+        self.log("train/on_policy_fraction", self._on_policy_batches / self._batches, prog_bar=True, batch_size=size)
         self.log("train/completion_length", completion_tokens.mean(), batch_size=size)
         return loss
 

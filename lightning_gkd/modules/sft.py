@@ -27,8 +27,10 @@ class SFTModule(CausalLMModule):
         return F.cross_entropy(logits[mask].float(), labels[mask])
 
     def completion_requirement(self) -> str | None:
-        return ("SFTModule trains on the dataset completions only. End every training row with an assistant "
-                "message (the completion to learn).")
+        return (
+            "SFTModule trains on the dataset completions only. End every training row with an assistant "
+            "message (the completion to learn)."
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss = self.dataset_loss(batch)
