@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 
@@ -71,7 +71,7 @@ TOY_STUDENT = {
 }
 
 
-def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> torch.nn.Module:
+def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> PreTrainedModel:
     """A randomly initialised causal LM over ``tokenizer``'s vocabulary, EOS/pad taken from the tokenizer."""
     spec = dict(config)
     model_type = spec.pop("model_type")

@@ -26,7 +26,7 @@ class PrintMetricsCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        every = self.every_n_steps or trainer.log_every_n_steps or 1
+        every = self.every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]  # set at Trainer init
         if step == 0 or step == self._last_step or step % every:  # no step yet, accumulating, or off-cadence
             return
         self._last_step = step

@@ -30,12 +30,12 @@ def decode_until_eos(
 ) -> list[str]:
     """Decode each row up to (not including) its first EOS, without special tokens."""
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    texts = []
+    cut_rows = []
     for row in rows:
         ids = list(row)
         cut = next((i for i, token in enumerate(ids) if token in eos), len(ids))
-        texts.append(tokenizer.decode(ids[:cut], skip_special_tokens=True))
-    return texts
+        cut_rows.append(ids[:cut])
+    return tokenizer.batch_decode(cut_rows, skip_special_tokens=True)
 
 
 def reference_texts(

@@ -8,6 +8,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_gkd.modules.base import require_lm_module
+
 
 class HFExportCallback(L.Callback):
     """Export the trained model with ``module.export`` while training, as ``<dirpath>/step<N>-hf/`` (and, for a
@@ -46,7 +48,8 @@ class HFExportCallback(L.Callback):
             return None
         target = self.folder(step)
         merged = target.with_name(f"{target.name}-merged") if self.merged else None
-        self.exported[step] = pl_module.export(target, card_info={"exported at global step": step}, merged_path=merged)
+        module = require_lm_module(pl_module, type(self).__name__)
+        self.exported[step] = module.export(target, card_info={"exported at global step": step}, merged_path=merged)
         rank_zero_info(f"Exported the model at step {step} to {target}")
         return target
 

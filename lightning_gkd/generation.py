@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -98,10 +99,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
         params = inspect.signature(model.forward).parameters
         if "cache" in params or "past_key_values" in params:
             return model
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
+        get_base_model = getattr(model, "get_base_model", None)
+        inner = getattr(model, "module", None)
+        if callable(get_base_model):
+            model = get_base_model()
+        elif isinstance(inner, nn.Module):
+            model = inner
         else:
             break
     return model
@@ -246,7 +249,9 @@ def sample_tokens(
     cache_kw, accepts_logits_to_keep = _forward_keywords(model)
     eos = _eos_tensor(eos_token_id, device)
     synced = is_sharded(model) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    pick = partial(
+        _next_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
 
     # The attention mask for the whole decode, grown by slicing instead of concatenating.
     full_mask = torch.ones(batch, prompt_len + max_new_tokens, dtype=torch.long, device=device)
@@ -267,7 +272,7 @@ def sample_tokens(
 
     num_tokens = max_new_tokens
     for step in range(max_new_tokens):
-        tokens = _next_tokens(outputs.logits[:, -1, :], **pick)
+        tokens = pick(outputs.logits[:, -1, :])
         if eos is not None:
             tokens = tokens.masked_fill(finished, pad_token_id)
             finished |= torch.isin(tokens, eos)

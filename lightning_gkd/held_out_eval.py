@@ -12,6 +12,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gkd.evaluation import GenerationMetric, evaluate_generations, exact_match
+from lightning_gkd.modules.base import require_lm_module
 
 
 class HeldOutEvaluation(L.Callback):
@@ -41,7 +42,7 @@ class HeldOutEvaluation(L.Callback):
     def _evaluate(self, trainer: L.Trainer, model: Any, rows: Any) -> dict[str, float]:
         return evaluate_generations(
             model,
-            trainer.lightning_module.tokenizer,
+            require_lm_module(trainer.lightning_module, type(self).__name__).tokenizer,
             rows,
             metrics=self.metrics,
             batch_size=self.batch_size,

@@ -8,7 +8,7 @@ FSDP2 units (whose hooks gather parameters) and DDP. A forward hook on the decod
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -23,14 +23,22 @@ class LeanForwardUnsupported(RuntimeError):
     ``logits_to_keep``); use full logits instead."""
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
+class _CausalLMCore(Protocol):
+    """What the lean path calls on the unwrapped model (``_causal_lm`` checks each at run time)."""
+
+    def get_decoder(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
+
+def _causal_lm(model: nn.Module) -> _CausalLMCore:
     core = _unwrap(model)
     for attribute in ("get_decoder", "get_output_embeddings"):
         if not callable(getattr(core, attribute, None)):
             raise LeanForwardUnsupported(f"{type(core).__name__} has no {attribute}()")
     if "logits_to_keep" not in inspect.signature(core.forward).parameters:
         raise LeanForwardUnsupported(f"{type(core).__name__}.forward does not take logits_to_keep")
-    return core
+    return cast(_CausalLMCore, core)
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:

@@ -59,9 +59,9 @@ def lora_config(spec: Any) -> Any:
         if short in spec and name in spec and spec[short] is not None and spec[name] is not None:
             raise ValueError(f"lora: both {short!r} and {name!r} are set; keep one.")
     for key, value in spec.items():
-        name = _ALIASES.get(key, key)
-        if value is not None or name not in kwargs:
-            kwargs[name] = value
+        argument = _ALIASES.get(str(key), str(key))
+        if value is not None or argument not in kwargs:
+            kwargs[argument] = value
     rank = kwargs.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"lora.r must be a positive integer (the adapter rank), got {rank!r}.")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-ModelSource = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
+ModelSource: TypeAlias = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
 
 _SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code", "lora"}
 
@@ -117,7 +117,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+            cast(Any, module).attention_dropout = 0.0  # a float on HF attention modules, not a submodule
     return model
 
 

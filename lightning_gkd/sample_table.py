@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_gkd.evaluation import decode_until_eos
 from lightning_gkd.generation import generate_completions, position_ids_from_mask, resolve_eos_token_id
+from lightning_gkd.modules.base import require_lm_module
 
 _COMPARED = ("teacher", "reference")  # the frozen model the table compares against, first one the module has
 
@@ -80,7 +81,8 @@ class SampleTable(L.Callback):
     @torch.no_grad()
     def sample(self, pl_module: L.LightningModule, prompts: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
         """``[{"prompt", "completion", "agreement"}]`` for the prompts (agreement None without a teacher)."""
-        model, tokenizer = pl_module.model, pl_module.tokenizer
+        module = require_lm_module(pl_module, type(self).__name__)
+        model, tokenizer = module.model, module.tokenizer
         eos = resolve_eos_token_id(model, tokenizer)
         ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -115,11 +117,12 @@ class SampleTable(L.Callback):
         for logger in trainer.loggers:
             if agreements:
                 logger.log_metrics({"samples/top1_agreement": sum(agreements) / len(agreements)}, step=step)
-            experiment = getattr(logger, "experiment", None)
-            if callable(getattr(experiment, "add_text", None)):  # TensorBoard
-                experiment.add_text("samples", _markdown(rows, compared), global_step=step)
-            elif callable(getattr(logger, "log_text", None)):  # W&B
-                logger.log_text(
+            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+            log_text = getattr(logger, "log_text", None)
+            if callable(add_text):  # TensorBoard
+                add_text("samples", _markdown(rows, compared), global_step=step)
+            elif callable(log_text):  # W&B
+                log_text(
                     key="samples",
                     columns=["prompt", "completion", "agreement"],
                     data=[[r["prompt"], r["completion"], r["agreement"]] for r in rows],
@@ -152,7 +155,7 @@ def top1_agreement(model: nn.Module, compared: nn.Module, batch: Mapping[str, to
 
 
 def _first_batch(trainer: L.Trainer) -> dict[str, torch.Tensor] | None:
-    datamodule = trainer.datamodule
+    datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
     loaders = []
     if datamodule is not None:
         loaders = [datamodule.val_dataloader(), datamodule.train_dataloader()]

@@ -22,7 +22,7 @@ What to know when decoding with a sharded model (``generation.sample_tokens`` ca
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -104,4 +104,5 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # a model's state dict holds tensors only

@@ -40,7 +40,7 @@ def print_config(cfg: DictConfig) -> None:
         if isinstance(value, DictConfig):
             tree.add(str(key)).add(rich.syntax.Syntax(OmegaConf.to_yaml(value, resolve=True), "yaml"))
         else:
-            tree.add(f"{key}: {value}")
+            tree.add(f"{key!s}: {value}")
     rich.print(tree)
 
 
@@ -90,7 +90,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     except SIGTERMException:  # SIGTERM/SIGUSR1: the step finished and SignalCheckpoint saved it
         stopped_by_signal = True
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-    signal_checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, SignalCheckpoint)), None)
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    signal_checkpoint = next((cb for cb in callbacks if isinstance(cb, SignalCheckpoint)), None)
     result: dict[str, Any] = {
         "metrics": metrics,
         "global_step": trainer.global_step,
@@ -105,7 +106,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "resume_from": str(signal_checkpoint.saved_path)
         if signal_checkpoint and signal_checkpoint.saved_path
         else None,
-        "held_out": next((cb.results for cb in trainer.callbacks if isinstance(cb, HeldOutEvaluation)), {}),
+        "held_out": next((cb.results for cb in callbacks if isinstance(cb, HeldOutEvaluation)), {}),
     }
     if cfg.get("export") and trainer.is_global_zero and not stopped_by_signal:
         # A LoRA student exports its adapter to student/ and, with export_merged, the merged model to
@@ -150,9 +151,9 @@ def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
 def _describe_data_config(node: Any) -> str:
     if isinstance(node, DictConfig):
         if "_target_" in node:
-            args = ", ".join(f"{k}={v}" for k, v in node.items() if k != "_target_")
+            args = ", ".join(f"{k!s}={v}" for k, v in node.items() if k != "_target_")
             return f"{node._target_}({args})"
-        return ", ".join(f"{name}: {_describe_data_config(value)}" for name, value in node.items())
+        return ", ".join(f"{name!s}: {_describe_data_config(value)}" for name, value in node.items())
     return str(node)
 
 

@@ -21,6 +21,7 @@ after warm-up steps, averaged over whole generation groups; the table shows the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -206,7 +207,7 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
             callbacks=[StepEnds()],
         )
         trainer.fit(module, datamodule=datamodule)
-    timed = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=True)]
+    timed = [b - a for a, b in itertools.pairwise(ends[warmup - 1 :])]
     return {
         "seconds_per_step": sum(timed) / len(timed),
         "steps": len(timed),
@@ -244,7 +245,7 @@ def breakdown(batches: int = 4) -> dict:
         optimizer.zero_grad()
         marks.append(time.perf_counter())
         if index:
-            for name, start, end in zip(parts, marks, marks[1:], strict=True):
+            for name, (start, end) in zip(parts, itertools.pairwise(marks), strict=True):
                 parts[name].append(end - start)
     return {name: statistics.median(values) for name, values in parts.items()}
 

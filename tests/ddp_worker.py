@@ -18,6 +18,7 @@ trained on:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -187,7 +188,7 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
     ref2 = make_module(tokenizer, lmbda=0.0)
     opt2 = torch.optim.SGD([p for p in ref2.student.parameters() if p.requires_grad], lr=LR)
     doubled, doubled_prompts, doubled_step0_tokens = [], [], None
-    for step, batch in zip(range(steps), doubled_data.train_dataloader(), strict=True):
+    for step, batch in enumerate(itertools.islice(doubled_data.train_dataloader(), steps)):
         loss = ref2.dataset_loss({k: batch[k] for k in KEYS})
         opt2.zero_grad()
         loss.backward()

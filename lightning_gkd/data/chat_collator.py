@@ -22,6 +22,17 @@ class TokenizedChat:
     num_prompt_tokens: int
 
 
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
+) -> str:
+    text = tokenizer.apply_chat_template(
+        [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not the rendered text.")
+    return text
+
+
 def tokenize_chat(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], max_length: int
 ) -> TokenizedChat:
@@ -35,8 +46,8 @@ def tokenize_chat(
     """
     has_completion = messages[-1]["role"] == "assistant"
     prompt_messages = list(messages[:-1]) if has_completion else list(messages)
-    prompt_text = tokenizer.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(list(messages), tokenize=False) if has_completion else prompt_text
+    prompt_text = _render(tokenizer, prompt_messages, add_generation_prompt=True)
+    full_text = _render(tokenizer, messages) if has_completion else prompt_text
     if not full_text.startswith(prompt_text):
         raise ValueError(
             "The chat template renders the prompt (with the generation prompt) differently from the "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import datasets
 import lightning as L
@@ -86,7 +86,7 @@ class ChatDataModule(L.LightningDataModule):
         self,
         tokenizer: PreTrainedTokenizerBase | str,
         train_data: DataSource,
-        val_data: DataSource | None = None,
+        val_data: DataSource | Mapping[str, DataSource] | None = None,
         *,
         batch_size: int = 8,
         val_batch_size: int | None = None,
@@ -134,9 +134,9 @@ class ChatDataModule(L.LightningDataModule):
             if self.val_names is None:
                 self.val_rows = self._load(self.val_source, self.val_split, "val_data")
             else:
+                named = cast(Mapping[str, DataSource], self.val_source)  # val_names is set only for a mapping
                 self.val_sets = {
-                    name: self._load(self.val_source[name], self.val_split, f"val_data[{name!r}]")
-                    for name in self.val_names
+                    name: self._load(named[name], self.val_split, f"val_data[{name!r}]") for name in self.val_names
                 }
                 self.val_rows = self.val_sets[self.val_names[0]]
         if self.test_rows is None and self.test_source is not None:
@@ -158,6 +158,7 @@ class ChatDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> GroupedBatches:
         self.setup("fit")
+        assert self.train_rows is not None  # setup("fit") loaded them
         return trainer_loader(
             RowDataset(self.train_rows),
             self.collator,

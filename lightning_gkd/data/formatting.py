@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
-FormattingFunc = Callable[[Mapping[str, Any]], Any]
+FormattingFunc: TypeAlias = Callable[[Mapping[str, Any]], Any]
 #: What a user may pass: the function itself, or a dotted path to it ("my_pkg.data.to_messages").
-FormattingFuncSpec = FormattingFunc | str
+FormattingFuncSpec: TypeAlias = FormattingFunc | str
 
 
 def resolve_formatting_func(spec: FormattingFuncSpec | None) -> FormattingFunc | None:
@@ -75,7 +75,7 @@ class FormattedRows(Sequence):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
+    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]  # rows only: slices raise below
         if isinstance(index, slice):
             raise TypeError("FormattedRows is indexed by row number only.")
         if index < 0:

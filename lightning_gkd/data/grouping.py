@@ -159,7 +159,7 @@ class GroupedBatches:
     def __init__(
         self,
         dataset: Dataset,
-        collate_fn: Callable[[list[Any]], dict[str, Any]],
+        collate_fn: Callable[[list[Any]], Mapping[str, Any]],
         *,
         batch_size: int,
         steps_per_generation: int = 1,
@@ -177,8 +177,10 @@ class GroupedBatches:
         self.num_workers = num_workers
         self.epoch_fn, self.consumed_fn = epoch_fn, consumed_fn
         self.group_size = batch_size * steps_per_generation
-        if len(dataset) < world_size:  # type: ignore[arg-type]
-            raise ValueError(f"{len(dataset)} training rows cannot be shared by {world_size} processes.")  # type: ignore[arg-type]
+        # Map-style datasets define __len__; torch's Dataset type does not declare it.
+        self.num_rows: int = len(dataset)  # type: ignore[arg-type]
+        if self.num_rows < world_size:
+            raise ValueError(f"{self.num_rows} training rows cannot be shared by {world_size} processes.")
         self._passes = 0
         self._yielded = 0
         self._epoch: int | None = None
@@ -187,10 +189,10 @@ class GroupedBatches:
     def groups(self, epoch: int) -> list[list[int]]:
         """This rank's groups (row indices) in ``epoch``."""
         return rank_groups(
-            len(self.dataset),
+            self.num_rows,
             group_size=self.group_size,
             epoch=epoch,
-            seed=self.seed,  # type: ignore[arg-type]
+            seed=self.seed,
             shuffle=self.shuffle,
             rank=self.rank,
             world_size=self.world_size,
@@ -259,7 +261,7 @@ class GroupedBatches:
 
 def trainer_loader(
     dataset: Dataset,
-    collate_fn: Callable[[list[Any]], dict[str, Any]],
+    collate_fn: Callable[[list[Any]], Mapping[str, Any]],
     trainer: Any,
     *,
     batch_size: int,

@@ -100,6 +100,7 @@ class PreferenceDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> GroupedBatches:
         self.setup("fit")
+        assert self.train_rows is not None  # setup("fit") loaded them
         return trainer_loader(
             RowDataset(self.train_rows),
             self.collator,

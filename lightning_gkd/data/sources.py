@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import datasets
 
-DataSource = datasets.Dataset | Sequence[Mapping[str, Any]] | str | os.PathLike
+DataSource: TypeAlias = datasets.Dataset | Sequence[Mapping[str, Any]] | str | os.PathLike
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

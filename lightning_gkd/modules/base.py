@@ -63,6 +63,17 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
 
 
+def require_lm_module(pl_module: L.LightningModule, user: str) -> CausalLMModule:
+    """``pl_module`` as a :class:`CausalLMModule`, or a TypeError naming ``user`` (a callback that needs its
+    ``model`` and ``tokenizer``)."""
+    if not isinstance(pl_module, CausalLMModule):
+        raise TypeError(
+            f"{user} works with lightning_gkd's modules (GKDModule, DPOModule, SFTModule or a subclass), "
+            f"got {type(pl_module).__name__}."
+        )
+    return pl_module
+
+
 class CausalLMModule(L.LightningModule):
     """Base LightningModule: a trainable causal LM (``self.model``) plus frozen models named in ``frozen_names``.
 
@@ -101,17 +112,21 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}.")
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         # from_pretrained returns eval-mode models; Lightning keeps module modes as found, so set train mode here.
-        self.model = load_causal_lm(model, trust_remote_code=trust_remote_code, role=self.model_role).train()
+        self.model: nn.Module = load_causal_lm(model, trust_remote_code=trust_remote_code, role=self.model_role).train()
         if disable_dropout:
             disable_dropout_in(self.model)
         if gradient_checkpointing:
             # transformers >= 5.2x renamed gradient_checkpointing_enable (now deprecated) to activation_*.
-            if hasattr(self.model, "activation_checkpointing_enable"):
-                self.model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable({"use_reentrant": False})
+            name = "activation_checkpointing_enable"
+            enable = getattr(self.model, name, None) or getattr(self.model, "gradient_checkpointing_enable", None)
+            if not callable(enable):
+                raise ValueError(
+                    f"gradient_checkpointing=True needs a model with {name}() or gradient_checkpointing_enable() "
+                    f"(a Hugging Face PreTrainedModel); {type(self.model).__name__} has neither."
+                )
+            enable({"use_reentrant": False})
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=5e-5)
         self.scheduler_factory = scheduler
         self.seed = seed
@@ -193,8 +208,9 @@ class CausalLMModule(L.LightningModule):
                 "nonfinite='skip' works in a single process only (a batch skipped on one rank would "
                 f"leave the other {self.trainer.world_size - 1} waiting); use nonfinite='raise'."
             )
-        if self.trainer.datamodule is not None:
-            self.check_datamodule(self.trainer.datamodule)
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+        if datamodule is not None:
+            self.check_datamodule(datamodule)
         dtype = PRECISION_DTYPES.get(str(self.trainer.precision))
         for name in self.frozen_names:
             if dtype is not None and name in self._frozen_follow_precision:
@@ -209,7 +225,7 @@ class CausalLMModule(L.LightningModule):
         datamodule.setup("fit")
         reason = self.completion_requirement()
         if reason is not None:
-            check_completions(datamodule.train_rows, name="train_data", reason=reason)
+            check_completions(datamodule.train_rows or [], name="train_data", reason=reason)
         val_sets = datamodule.val_sets or ({"": datamodule.val_rows} if datamodule.val_rows is not None else {})
         for set_name, rows in val_sets.items():
             missing = rows_without_completion(rows)
@@ -483,7 +499,7 @@ class CausalLMModule(L.LightningModule):
         if merged_path is not None and peft:
             import copy
 
-            merged = copy.deepcopy(self.model).merge_and_unload()  # a copy: self.model keeps its adapters
+            merged = copy.deepcopy(self.model).merge_and_unload()  # type: ignore[operator]  # PEFT's; a copy: self.model keeps its adapters
             merged.requires_grad_(False)
             info["format"] = "full model: the LoRA adapters merged into the base weights"
             self._write_folder(merged_path, merged, info)
@@ -503,7 +519,8 @@ class CausalLMModule(L.LightningModule):
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            model.save_pretrained(staging, **({} if state_dict is None else {"state_dict": state_dict}))
+            extra = {} if state_dict is None else {"state_dict": state_dict}
+            model.save_pretrained(staging, **extra)  # type: ignore[operator]  # an HF or PEFT model's
             self.tokenizer.save_pretrained(staging)
             write_model_card(staging / "README.md", self, card_info)
             if target.exists():

@@ -186,7 +186,7 @@ class DPOModule(CausalLMModule):
         if self.reference_source == "model":
             logps, _ = self.completion_logps(self.reference, batch)
         elif self.reference_source == "peft":
-            with self.model.disable_adapter():
+            with self.model.disable_adapter():  # type: ignore[operator]  # PEFT's, checked by is_peft_model
                 logps, _ = self.completion_logps(self.model, batch)
         elif self.reference_source == "initial_policy" and self._precomputing:
             logps, _ = self.completion_logps(self.model, batch)  # at fit start, before any update
@@ -220,7 +220,7 @@ class DPOModule(CausalLMModule):
     def on_fit_start(self) -> None:
         if not self.precompute_ref_logps:
             return
-        datamodule = self.trainer.datamodule
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
         if datamodule is None:
             raise ValueError(
                 "precompute_ref_logps=True reads the data from the datamodule: call "
@@ -328,7 +328,7 @@ class DPOModule(CausalLMModule):
             self.log(f"train/{name}", value, prog_bar=name in ("loss", "rewards/accuracies"), batch_size=pairs)
         return stats["loss"]
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         stats = self.preference_step(batch, "val")
         pairs = batch["input_ids"].shape[0] // 2
         for name, value in stats.items():
@@ -350,7 +350,8 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
