@@ -1,12 +1,29 @@
-"""lightning_gkd: knowledge distillation for causal language models on PyTorch Lightning and Hydra."""
+"""lightning_gkd: knowledge distillation and preference tuning for causal language models on PyTorch Lightning and
+Hydra.
 
-from lightning_gkd.data.datamodule import ChatDataModule
-from lightning_gkd.data.preference_datamodule import PreferenceDataModule
-from lightning_gkd.losses import generalized_jsd_loss, preference_loss
-from lightning_gkd.modules.dpo import DPOModule
-from lightning_gkd.modules.gkd import GKDModule
-from lightning_gkd.modules.sft import SFTModule
+The public names below are imported on first use (PEP 562), so ``import lightning_gkd.ops.losses`` (the pure
+losses) does not import Lightning, datasets or the training stack.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_gkd import _compat
+
+_compat.install()
+
+#: public name -> the module that defines it
+_PUBLIC = {
+    "ChatDataModule": "lightning_gkd.data.chat",
+    "PreferenceDataModule": "lightning_gkd.data.preference",
+    "GKDModule": "lightning_gkd.methods.gkd",
+    "DPOModule": "lightning_gkd.methods.dpo",
+    "SFTModule": "lightning_gkd.methods.sft",
+    "generalized_jsd_loss": "lightning_gkd.ops.losses",
+    "preference_loss": "lightning_gkd.ops.losses",
+}
 __all__ = [
     "ChatDataModule",
     "DPOModule",
@@ -17,3 +34,24 @@ __all__ = [
     "preference_loss",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from lightning_gkd.data.chat import ChatDataModule
+    from lightning_gkd.data.preference import PreferenceDataModule
+    from lightning_gkd.methods.dpo import DPOModule
+    from lightning_gkd.methods.gkd import GKDModule
+    from lightning_gkd.methods.sft import SFTModule
+    from lightning_gkd.ops.losses import generalized_jsd_loss, preference_loss
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_gkd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -118,7 +118,7 @@ def build_models(tokenizer):
 def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
     import torch
 
-    from lightning_gkd.data.chat_collator import ChatMLCollator
+    from lightning_gkd.data.chat import ChatMLCollator
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 
     torch.manual_seed(0)
@@ -237,7 +237,7 @@ def breakdown(batches: int = 4) -> dict:
         marks = [time.perf_counter()]
         sampled = module.sample_batch(student, batch, seed=index)
         marks.append(time.perf_counter())
-        loss = module.dataset_loss(sampled)
+        loss = module.distillation_loss(sampled)
         marks.append(time.perf_counter())
         loss.backward()
         marks.append(time.perf_counter())

@@ -28,11 +28,11 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
-from lightning_gkd.assets import asset_path
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.evaluation import evaluate_generations, exact_match
-from lightning_gkd.models import load_causal_lm
+from lightning_gkd.models.loading import load_causal_lm
+from lightning_gkd.models.tiny import asset_path
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,11 +25,11 @@ from lightning.pytorch.callbacks import EarlyStopping
 from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, SFTModule
-from lightning_gkd.assets import TOY_STUDENT, TOY_TEACHER, tiny_causal_lm
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.evaluation import evaluate_generations, exact_match
-from lightning_gkd.models import load_causal_lm
+from lightning_gkd.models.loading import load_causal_lm
+from lightning_gkd.models.tiny import TOY_STUDENT, TOY_TEACHER, tiny_causal_lm
 
 ASSET_DIR = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets" / "toy"
 

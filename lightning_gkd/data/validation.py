@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-from transformers import PreTrainedTokenizerBase
-
-from lightning_gkd.data.chat_collator import tokenize_chat
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -80,19 +76,18 @@ def evenly_spaced(count: int, limit: int | None) -> range:
     return range(0, count, -(-count // limit))
 
 
-def check_prompts_fit(
-    tokenizer: PreTrainedTokenizerBase,
+def check_rows_tokenize(
     rows: Sequence[Mapping[str, Any]],
+    tokenize: Callable[[Mapping[str, Any]], object],
     *,
-    max_length: int,
     name: str,
     max_rows: int | None = 1000,
 ) -> None:
-    """Tokenize up to ``max_rows`` validated rows spread evenly over ``rows`` (all when None) as the collator
-    will, raising ``ValueError`` naming the first row it cannot use: its prompt would be truncated away by
-    ``max_length``, or the chat template cannot be split into prompt and completion."""
+    """Run ``tokenize`` (what the collator does with a row) on up to ``max_rows`` validated rows spread evenly
+    over ``rows`` (all when None), raising ``ValueError`` naming the first row it rejects: e.g. its prompt would
+    be truncated away by ``max_length``, or the chat template cannot be split into prompt and completion."""
     for index in evenly_spaced(len(rows), max_rows):
         try:
-            tokenize_chat(tokenizer, rows[index]["messages"], max_length)
+            tokenize(rows[index])
         except ValueError as error:
             raise ValueError(f"{name} row {index}: {error}") from None

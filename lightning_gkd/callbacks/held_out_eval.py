@@ -1,0 +1,92 @@
+"""HeldOutEvaluation: score the model (and its teacher) on held-out prompts by greedy generation, before and
+after training."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generations, exact_match
+from lightning_gkd.methods.base import require_lm_module
+
+
+class HeldOutEvaluation(L.Callback):
+    """Greedy-decode the datamodule's ``test_rows`` and score them with ``metrics`` (default exact-match
+    ``accuracy``): the trained model at fit start ("before") and fit end ("after"), and the module's ``teacher``
+    if it has one. Results go to ``self.results``, the logger (``test/<name>_before|after``,
+    ``test/teacher_<name>``), ``held_out.json`` in the trainer's root dir, and a printed table.
+
+    Every rank evaluates (sharded models need all ranks in each forward); rank zero reports.
+    """
+
+    def __init__(
+        self, metrics: Mapping[str, GenerationMetric] | None = None, max_new_tokens: int = 32, batch_size: int = 64
+    ) -> None:
+        self.metrics = dict(metrics or {"accuracy": exact_match})
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+        self.results: dict[str, dict[str, float]] = {}
+
+    def _rows(self, trainer: L.Trainer) -> Any:
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is None:
+            return None
+        datamodule.setup("test")
+        return getattr(datamodule, "test_rows", None)
+
+    def _evaluate(self, trainer: L.Trainer, model: Any, rows: Any) -> dict[str, float]:
+        return evaluate_generations(
+            model,
+            require_lm_module(trainer.lightning_module, type(self).__name__).tokenizer,
+            rows,
+            metrics=self.metrics,
+            batch_size=self.batch_size,
+            max_new_tokens=self.max_new_tokens,
+        )
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        rows = self._rows(trainer)
+        if rows is None:
+            rank_zero_info("HeldOutEvaluation: the datamodule has no test_data; nothing to evaluate.")
+            return
+        if getattr(pl_module, "teacher", None) is not None:
+            self.results["teacher"] = self._evaluate(trainer, pl_module.teacher, rows)
+        self.results["before"] = self._evaluate(trainer, pl_module.model, rows)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        rows = self._rows(trainer)
+        if rows is None:
+            return
+        self.results["after"] = self._evaluate(trainer, pl_module.model, rows)
+        flat = {
+            f"test/{name}_{when}": value for when in ("before", "after") for name, value in self.results[when].items()
+        }
+        flat.update({f"test/teacher_{name}": v for name, v in self.results.get("teacher", {}).items()})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(flat, step=trainer.global_step)
+                logger.save()
+            out = Path(trainer.default_root_dir) / "held_out.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"num_rows": len(rows), **self.results}, indent=2))
+        rank_zero_info(self.table(len(rows)))
+
+    def table(self, num_rows: int) -> str:
+        lines = [f"Held-out evaluation on {num_rows} test prompts (greedy):"]
+        for name in self.metrics:
+            parts = [
+                f"{who} {self.results[key][name]:.3f}"
+                for who, key in (("teacher", "teacher"), ("model before", "before"), ("model after", "after"))
+                if key in self.results
+            ]
+            lines.append(f"  {name}: " + " | ".join(parts))
+        return "\n".join(lines)
+
+    def run_summary(self) -> dict[str, Any]:
+        """What ``lightning-gkd``'s summary and model card report: the held-out scores."""
+        return {"held_out": self.results}

@@ -1,0 +1,1 @@
+"""Command-line entry points: ``lightning-gkd`` (Hydra: build -> fit -> finish) and the hub push."""

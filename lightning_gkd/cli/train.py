@@ -1,0 +1,212 @@
+"""Hydra entry point: compose -> build (checks, instantiate) -> fit -> finish (export, push, summary).
+
+lightning-gkd [overrides...]      # or: python -m lightning_gkd.cli.train [overrides...]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_gkd.conf  # noqa: E402,F401  (registers the ${asset:...} resolver for configs composed here)
+from lightning_gkd.cli.hub import check_push_settings, push_folder
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.evaluation.model_card import describe_data
+from lightning_gkd.ops.hf import is_peft_model
+from lightning_gkd.training.checkpoint_io import require_checkpoint, use_safe_checkpoint_io
+from lightning_gkd.training.resume import resolve_ckpt_path
+
+
+@rank_zero_only
+def print_config(cfg: DictConfig) -> None:
+    """Print the composed config as a rich tree, one branch per top-level group."""
+    import rich
+    import rich.syntax
+    import rich.tree
+
+    tree = rich.tree.Tree("config", guide_style="dim")
+    for key, value in cfg.items():
+        if isinstance(value, DictConfig):
+            tree.add(str(key)).add(rich.syntax.Syntax(OmegaConf.to_yaml(value, resolve=True), "yaml"))
+        else:
+            tree.add(f"{key!s}: {value}")
+    rich.print(tree)
+
+
+def instantiate_callbacks(cfg: DictConfig | None) -> list[L.Callback]:
+    if not cfg:
+        return []
+    return [instantiate(entry) for entry in cfg.values() if entry is not None and "_target_" in entry]
+
+
+@dataclass
+class Run:
+    """What ``build`` makes from a config: the pieces ``fit`` trains and ``finish`` reports on."""
+
+    datamodule: L.LightningDataModule
+    module: Any  # a CausalLMModule (GKDModule, DPOModule, SFTModule or a user's subclass)
+    trainer: L.Trainer
+    ckpt_path: str | None
+
+
+def build(cfg: DictConfig) -> Run:
+    """Check what can be checked before any model loads, then instantiate data, method, trainer and callbacks."""
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)  # "last": the latest earlier run
+    if ckpt_path:
+        require_checkpoint(ckpt_path)  # before loading any model
+        print(f"resuming from {ckpt_path}", flush=True)
+    if cfg.get("push_to_hub"):
+        if not cfg.get("export"):
+            raise ValueError("push_to_hub=true uploads the exported student: set export=true.")
+        check_push_settings(cfg.get("hub_model_id"))  # before training, not after
+    if cfg.model.get("build"):
+        instantiate(cfg.model.build)
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    datamodule = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
+    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    module = instantiate(
+        cfg.method,
+        tokenizer=datamodule.tokenizer,
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=scheduler,
+        _convert_="all",
+    )
+    # Load and check the data now: an error raised inside fit comes after the loggers have set up their folders
+    # (the CSV logger deletes an old metrics.csv there).
+    datamodule.setup("fit")
+    if hasattr(module, "check_datamodule"):
+        module.check_datamodule(datamodule)
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=logger)
+    use_safe_checkpoint_io(trainer)  # weights-only loading, atomic checkpoint writes, clear errors
+    return Run(datamodule, module, trainer, ckpt_path)
+
+
+def fit(run: Run) -> dict[str, Any]:
+    """``trainer.fit``; a SIGTERM/SIGUSR1 stop (the step finished and SignalCheckpoint saved it) is an outcome,
+    not an error. Returns the run's figures and what its callbacks report (``run_summary()``)."""
+    started = time.perf_counter()
+    try:
+        run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path, weights_only=True)
+        stopped_by_signal = False
+    except SIGTERMException:
+        stopped_by_signal = True
+    result: dict[str, Any] = {
+        "metrics": {key: float(value) for key, value in run.trainer.callback_metrics.items()},
+        "global_step": run.trainer.global_step,
+        "fit_seconds": time.perf_counter() - started,
+        "tokens_per_sec": run.module.tokens_per_second(),
+        "trained_tokens": run.module.trained_tokens,
+        "student_dir": None,
+        "merged_dir": None,
+        "hub_url": None,
+        "stopped_by_signal": stopped_by_signal,
+        "resumed_from": run.ckpt_path,
+        "resume_from": None,
+        "held_out": {},
+    }
+    for callback in run.trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        summary = getattr(callback, "run_summary", None)
+        if callable(summary):
+            result.update(summary())
+    return result
+
+
+def finish(cfg: DictConfig, run: Run, result: dict[str, Any]) -> dict[str, Any]:
+    """Export (and push) the trained model unless the run was stopped early, then print the summary."""
+    if cfg.get("export") and run.trainer.is_global_zero and not result["stopped_by_signal"]:
+        # A LoRA student exports its adapter to student/ and, with export_merged, the merged model to
+        # student_merged/; any other model exports itself to student/.
+        output_dir = Path(cfg.paths.output_dir)
+        merged = output_dir / "student_merged" if cfg.get("export_merged", True) else None
+        result["student_dir"] = str(
+            run.module.export(output_dir / "student", card_info=card_info(cfg, result), merged_path=merged)
+        )
+        if merged is not None and is_peft_model(run.module.model):
+            result["merged_dir"] = str(merged.resolve())
+        if cfg.get("push_to_hub"):
+            result["hub_url"] = push_folder(
+                result["student_dir"], cfg.hub_model_id, private=bool(cfg.get("hub_private_repo"))
+            )
+    print_summary(result)
+    return result
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says (build -> fit -> finish); return the final metrics and where the student went."""
+    if cfg.get("print_config"):
+        print_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    built = build(cfg)
+    return finish(cfg, built, fit(built))
+
+
+def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
+    """What the model card records beyond the module's own view: the run's knobs and results."""
+    info: dict[str, Any] = {
+        "seed": cfg.seed,
+        "fit time (s)": round(result["fit_seconds"], 1),
+        "throughput (completion tokens/s)": round(result["tokens_per_sec"]),
+    }
+    data = cfg.get("data")
+    if data is not None:
+        info["data"] = {
+            split: describe_data(data.get(key))
+            for split, key in (("train", "train_data"), ("val", "val_data"), ("test", "test_data"))
+            if data.get(key) is not None
+        }
+    if result.get("resumed_from"):
+        info["resumed from"] = result["resumed_from"]
+    for who, scores in result["held_out"].items():
+        for name, value in scores.items():
+            info[f"held-out {name} ({who})"] = round(float(value), 4)
+    return info
+
+
+@rank_zero_only
+def print_summary(result: dict[str, Any]) -> None:
+    """Steps, time, throughput, final losses and metrics, held-out scores, and where the student went."""
+    lines = [
+        f"steps: {result['global_step']}  fit time: {result['fit_seconds']:.1f}s  "
+        f"throughput: {result['tokens_per_sec']:.0f} tokens/s ({result['trained_tokens']} completion tokens "
+        "trained)"
+    ]
+    metrics = {
+        name: value
+        for name, value in result["metrics"].items()
+        if not name.startswith("test/") and name != "train/tokens_per_sec"
+    }
+    losses = sorted(name for name in metrics if name.endswith("/loss"))
+    lines += [f"{name}: {metrics[name]:.4f}" for name in losses + sorted(set(metrics) - set(losses))]
+    for who, scores in result["held_out"].items():
+        label = {"teacher": "teacher", "before": "student before", "after": "student after"}.get(who, who)
+        lines += [f"held-out {name} ({label}): {value:.4f}" for name, value in scores.items()]
+    if result["stopped_by_signal"]:
+        lines.append("stopped by a signal before the end: not exported")
+        if result["resume_from"]:
+            lines.append(f"resume with: ckpt_path={result['resume_from']}")
+    if result["student_dir"]:
+        lines.append(f"trained model exported to: {result['student_dir']}")
+    if result.get("merged_dir"):
+        lines.append(f"merged model (adapters folded in) exported to: {result['merged_dir']}")
+    if result.get("hub_url"):
+        lines.append(f"pushed to the hub: {result['hub_url']}")
+    print("\n".join(["== lightning_gkd summary =="] + lines), flush=True)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

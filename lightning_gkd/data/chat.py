@@ -1,0 +1,334 @@
+"""Chat-ML collation: messages -> left-padded ids with the prompt masked out of the labels."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import datasets
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.formatting import FormattedRows, FormattingFuncSpec, resolve_formatting_func
+from lightning_gkd.data.loader import resolve_steps_per_generation
+from lightning_gkd.data.rows import ROW_INDEX, RowsDataModule
+from lightning_gkd.data.sources import DataSource, load_rows
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.data.validation import (
+    check_completions,
+    check_rows_tokenize,
+    rows_without_completion,
+    validate_chat_rows,
+)
+from lightning_gkd.ops.losses import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class TokenizedChat:
+    """One conversation as token ids; ``ids[:num_prompt_tokens]`` is the prompt, the rest the completion."""
+
+    ids: list[int]
+    num_prompt_tokens: int
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
+) -> str:
+    text = tokenizer.apply_chat_template(
+        [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not the rendered text.")
+    return text
+
+
+def tokenize_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], max_length: int
+) -> TokenizedChat:
+    """Tokenize a conversation, splitting prompt from completion.
+
+    If the last message is the assistant's, it is the completion (its end-of-turn tokens included) and the prompt
+    is the template of the earlier messages with the generation prompt added; otherwise the row is prompt-only.
+    The boundary is found on the text (the prompt text must prefix the full text) and mapped to tokens through
+    offsets, so prompt + completion tokens are exactly the tokens of the full conversation. Truncation keeps the
+    last ``max_length`` tokens.
+    """
+    has_completion = messages[-1]["role"] == "assistant"
+    prompt_messages = list(messages[:-1]) if has_completion else list(messages)
+    prompt_text = _render(tokenizer, prompt_messages, add_generation_prompt=True)
+    full_text = _render(tokenizer, messages) if has_completion else prompt_text
+    if not full_text.startswith(prompt_text):
+        raise ValueError(
+            "The chat template renders the prompt (with the generation prompt) differently from the "
+            "start of the full conversation, so the completion cannot be located. Use a chat "
+            f"template whose prompt is a prefix of the conversation. Prompt ends {prompt_text[-60:]!r}, "
+            f"conversation has {full_text[len(prompt_text) - 60 : len(prompt_text)]!r} there."
+        )
+    ids, num_prompt = _split_at_text_boundary(tokenizer, full_text, len(prompt_text))
+    if len(ids) > max_length:
+        num_completion = len(ids) - num_prompt
+        if num_completion >= max_length:
+            raise ValueError(
+                f"max_length={max_length} truncates away the whole prompt: the completion alone has "
+                f"{num_completion} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
+                "completion. "
+                f"Prompt starts {prompt_text[:60]!r}."
+            )
+        ids, num_prompt = ids[-max_length:], max_length - num_completion
+    return TokenizedChat(ids=ids, num_prompt_tokens=num_prompt)
+
+
+def _split_at_text_boundary(tokenizer: PreTrainedTokenizerBase, text: str, boundary: int) -> tuple[list[int], int]:
+    if tokenizer.is_fast:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoding["input_ids"])
+        num_prompt = sum(1 for start, _ in encoding["offset_mapping"] if start < boundary)
+        return ids, num_prompt
+    # Slow tokenizers have no offsets: require that the prompt tokenizes to a prefix of the conversation.
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(text[:boundary], add_special_tokens=False)["input_ids"]
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError(
+            "The tokenizer merges tokens across the prompt/completion boundary and has no offsets to "
+            "split them; use a fast tokenizer (use_fast=True)."
+        )
+    return ids, len(prompt_ids)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    """(B, max_len) long tensor, each sequence right-aligned and padded on the left with ``value``."""
+    width = max((len(s) for s in sequences), default=0)
+    out = torch.full((len(sequences), width), value, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            out[row, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+    return out
+
+
+class ChatMLCollator:
+    """Collate rows with ``messages`` into a left-padded batch.
+
+    Emits ``input_ids``, ``attention_mask``, ``labels`` (prompt and padding = -100) for the whole conversation,
+    and ``prompts``, ``prompt_attention_mask`` for the prompt alone (what on-policy sampling continues).
+    A row that cannot be used raises ``ValueError``, naming ``f"{name} row {row['row_index']}"`` when rows carry
+    their index (ChatDataModule's do).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024, *, name: str = "data") -> None:
+        if tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer has no pad token; ChatDataModule sets it to EOS, or set one yourself.")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.name = name
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        chats = [self._tokenize(row) for row in rows]
+        pad_id = self.tokenizer.pad_token_id
+        full = [chat.ids for chat in chats]
+        labels = [[IGNORE_INDEX] * chat.num_prompt_tokens + chat.ids[chat.num_prompt_tokens :] for chat in chats]
+        prompts = [chat.ids[: chat.num_prompt_tokens] for chat in chats]
+        return {
+            "input_ids": left_pad(full, pad_id),
+            "attention_mask": left_pad([[1] * len(ids) for ids in full], 0),
+            "labels": left_pad(labels, IGNORE_INDEX),
+            "prompts": left_pad(prompts, pad_id),
+            "prompt_attention_mask": left_pad([[1] * len(ids) for ids in prompts], 0),
+        }
+
+    def _tokenize(self, row: Mapping[str, Any]) -> TokenizedChat:
+        try:
+            return tokenize_chat(self.tokenizer, row["messages"], self.max_length)
+        except ValueError as error:
+            if ROW_INDEX in row:  # name the row: this may be hours into a run, on a row setup did not sample
+                raise ValueError(f"{self.name} row {row[ROW_INDEX]}: {error}") from None
+            raise
+
+
+log = logging.getLogger(__name__)
+
+
+def prepare_tokenizer(
+    tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None, *, require_chat_template: bool = True
+) -> PreTrainedTokenizerBase:
+    """Load the tokenizer if given by name, set ``chat_template`` if given, and fall back to EOS for padding.
+    ``require_chat_template=False`` (preference data, whose rows may be plain text) skips the template check."""
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if require_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"The tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has "
+            "no chat template. Pass one with ChatDataModule(chat_template=...) "
+            "(Hydra: data.chat_template=...), e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE."
+        )
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
+        tokenizer.pad_token = tokenizer.eos_token
+        rank_zero_warn(
+            f"The tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r}. Padding is "
+            "found by attention masks, never by id, so this is safe."
+        )
+    return tokenizer
+
+
+class ChatDataModule(RowsDataModule):
+    """Batches of chat conversations for distillation.
+
+    Args:
+        tokenizer: a tokenizer with a chat template (or a folder / hub id to load one from).
+        train_data, val_data, test_data: a ``datasets.Dataset``, a list of ``{"messages": [...]}`` dicts, a local
+            ``.json``/``.jsonl``/``.parquet`` file or dataset folder, or a hub dataset id. ``test_data`` is the
+            held-out set that ``HeldOutEvaluation`` scores by generation before and after training.
+            ``val_data`` may also be a dict ``{name: source}`` of several validation sets: ``val_dataloader``
+            then returns one loader per name (in order, listed in ``val_names``) and the modules log
+            ``val/<name>/loss`` and ``val/<name>/<metric>`` instead of ``val/loss``.
+        formatting_func: turns each raw row into a chat row before it is checked or collated: a function
+            returning ``{"messages": [...]}``, ``{"prompt": ..., "completion": ...}`` (strings or message lists)
+            or a list of messages; or the dotted path of such a function. Applied lazily each time a row is
+            read (the data is not copied), to every split.
+        batch_size: rows per training batch (per device); ``val_batch_size`` defaults to it.
+        steps_per_generation: ``k``, the training micro-batches that share one sampling call (grouped
+            generation, see ``lightning_gkd.data.loader``): the loader reads ``k * batch_size`` prompts at a time,
+            an on-policy module samples completions for all of them at once, shuffles them and trains ``k``
+            micro-batches (one optimizer or accumulation step each). Default 1.
+        generation_batch_size: the same as ``k * batch_size``; set this or ``steps_per_generation``, not both.
+        max_length: conversations longer than this keep their last ``max_length`` tokens.
+        chat_template: overrides the tokenizer's chat template.
+        train_split, val_split, test_split: the split to read when a source is a hub id, a dataset folder or a
+            DatasetDict.
+        seed: seeds the shuffling of training rows (epoch ``e`` is a permutation seeded by ``(seed, e)``).
+            The training loader shards rows by rank itself (whole groups per rank) and is resumable: a run resumed
+            from a mid-epoch checkpoint continues with the next micro-batch.
+        length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
+            to fail early, naming the row, when ``max_length`` would truncate a prompt away. Rows not checked
+            raise the same error, with their index, when their batch is collated.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | str,
+        train_data: DataSource,
+        val_data: DataSource | Mapping[str, DataSource] | None = None,
+        *,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        max_length: int = 1024,
+        chat_template: str | None = None,
+        train_split: str = "train",
+        val_split: str = "validation",
+        test_data: DataSource | None = None,
+        test_split: str = "test",
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        length_check_rows: int | None = 1000,
+        formatting_func: FormattingFuncSpec | None = None,
+        steps_per_generation: int | None = None,
+        generation_batch_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            prepare_tokenizer(tokenizer, chat_template),
+            train_data,
+            val_data,
+            batch_size=batch_size,
+            val_batch_size=val_batch_size,
+            max_length=max_length,
+            train_split=train_split,
+            val_split=val_split,
+            num_workers=num_workers,
+            shuffle=shuffle,
+            seed=seed,
+            length_check_rows=length_check_rows,
+        )
+        self.steps_per_generation = resolve_steps_per_generation(
+            batch_size, steps_per_generation, generation_batch_size
+        )
+        self.test_source, self.test_split = test_data, test_split
+        self.formatting_func = resolve_formatting_func(formatting_func)
+        #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
+        self.val_names: list[str] | None = _val_names(val_data)
+        self.collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="train_data")
+        self.val_collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="val_data")
+        # val_rows: the only (or the first named) validation set
+        self.val_sets: dict[str, Sequence[Mapping[str, Any]]] | None = None  # name -> rows, when named
+        self.test_rows: Sequence[Mapping[str, Any]] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.val_rows is None and self.val_names is not None:
+            named = cast(Mapping[str, DataSource], self.val_source)  # val_names is set only for a mapping
+            self.val_sets = {
+                name: self._load(named[name], self.val_split, f"val_data[{name!r}]") for name in self.val_names
+            }
+            self.val_rows = self.val_sets[self.val_names[0]]
+        super().setup(stage)
+        if self.test_rows is None and self.test_source is not None:
+            # held-out rows are generated from with the evaluator's own max_length, not collated with ours
+            self.test_rows = self._load(self.test_source, self.test_split, "test_data", check_lengths=False)
+
+    def check_completions(self, reason: str | None) -> None:
+        """The checks a method's use of dataset completions needs (after ``setup``): with a ``reason`` (why the
+        method trains on them), every training row must end with an assistant turn; validation rows without one
+        get a warning (the validation loss and generation metrics score dataset completions)."""
+        if reason is not None:
+            check_completions(self.train_rows or [], name="train_data", reason=reason)
+        val_sets = self.val_sets or ({"": self.val_rows} if self.val_rows is not None else {})
+        for set_name, rows in val_sets.items():
+            missing = rows_without_completion(rows)
+            if missing:
+                where = f"val_data[{set_name!r}]" if set_name else "val_data"
+                rank_zero_warn(
+                    f"{where}: {len(missing)} of {len(rows)} rows (first: row {missing[0]}) end "
+                    "without an assistant turn; the validation loss and the generation metrics score "
+                    "dataset completions, so those rows count for nothing there."
+                )
+
+    def _load(
+        self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
+    ) -> Sequence[Mapping[str, Any]]:
+        rows = load_rows(source, split=split, name=name)
+        if self.formatting_func is not None:
+            rows = FormattedRows(rows, self.formatting_func, name=name)
+        validate_chat_rows(rows, name=name)
+        if check_lengths:
+            check_rows_tokenize(
+                rows,
+                lambda row: tokenize_chat(self.tokenizer, row["messages"], self.max_length),
+                name=name,
+                max_rows=self.length_check_rows,
+            )
+        return rows
+
+    def val_dataloader(self) -> DataLoader | list:
+        """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets."""
+        self.setup("validate")
+        if self.val_rows is None:
+            return []
+        if self.val_sets is None:
+            return self.val_loader(self.val_rows, self.val_collator)
+        return [
+            self.val_loader(
+                rows, ChatMLCollator(self.tokenizer, max_length=self.max_length, name=f"val_data[{name!r}]")
+            )
+            for name, rows in self.val_sets.items()
+        ]
+
+
+def _val_names(val_data: Any) -> list[str] | None:
+    """The names of several validation sets (``val_data`` a plain dict of name -> source), else None."""
+    if not isinstance(val_data, Mapping) or isinstance(val_data, (datasets.DatasetDict, datasets.Dataset)):
+        return None
+    if not val_data:
+        raise ValueError("val_data is an empty dict; give {name: source, ...} with at least one set, or None.")
+    bad = [name for name in val_data if not isinstance(name, str) or not name or "/" in name]
+    if bad:
+        raise ValueError(
+            f"val_data names must be non-empty strings without '/' (they become metric names "
+            f"val/<name>/loss), got {bad!r}."
+        )
+    return list(val_data)

@@ -1,0 +1,118 @@
+"""Rows as the DataModules hold them: each row hands its index to the collator (``ROW_INDEX``), and
+``RowsDataModule`` is what the chat and preference DataModules share (sources loaded once, the training loader of
+``lightning_gkd.data.loader``, validation loaders)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.loader import GroupedBatches, trainer_loader
+
+#: Key under which the DataModules' datasets hand each row's index to the collator (for errors and caches).
+ROW_INDEX = "row_index"
+
+
+class RowDataset(Dataset):
+    """Index-access view over rows (a ``datasets.Dataset`` or a list of dicts); collation does the tokenizing.
+
+    Each row comes with its index under ``row_index`` (the row itself is not modified), so errors can name it and
+    per-row caches (DPO's precomputed reference log-probs) can be keyed by it.
+    """
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.rows[index], ROW_INDEX: index}
+
+
+def check_loader_settings(batch_size: int, max_length: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}.")
+
+
+class RowsDataModule(L.LightningDataModule):
+    """What the chat and preference DataModules share: row sources loaded once by ``setup`` (``_load``, defined by
+    each subclass, reads and checks one split), this module's resumable rank-sharded training loader
+    (``GroupedBatches``) over ``collator``, and plain validation loaders."""
+
+    collator: Callable[[list[Any]], Mapping[str, Any]]
+    steps_per_generation: int = 1
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        train_data: Any,
+        val_data: Any,
+        *,
+        batch_size: int,
+        val_batch_size: int | None,
+        max_length: int,
+        train_split: str,
+        val_split: str,
+        num_workers: int,
+        shuffle: bool,
+        seed: int,
+        length_check_rows: int | None,
+    ) -> None:
+        super().__init__()
+        check_loader_settings(batch_size, max_length)
+        self.tokenizer = tokenizer
+        self.train_source, self.val_source = train_data, val_data
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.max_length = max_length
+        self.train_split, self.val_split = train_split, val_split
+        self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
+        self.length_check_rows = length_check_rows
+        self.train_rows: Sequence[Mapping[str, Any]] | None = None
+        self.val_rows: Sequence[Mapping[str, Any]] | None = None
+
+    def _load(self, source: Any, split: str, name: str) -> Sequence[Mapping[str, Any]]:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is None:
+            self.train_rows = self._load(self.train_source, self.train_split, "train_data")
+        if self.val_rows is None and self.val_source is not None:
+            self.val_rows = self._load(self.val_source, self.val_split, "val_data")
+
+    def train_dataloader(self) -> GroupedBatches:
+        self.setup("fit")
+        assert self.train_rows is not None  # setup("fit") loaded them
+        return trainer_loader(
+            RowDataset(self.train_rows),
+            self.collator,
+            self.trainer,
+            batch_size=self.batch_size,
+            steps_per_generation=self.steps_per_generation,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup("validate")
+        if self.val_rows is None:
+            return []
+        return self.val_loader(self.val_rows, self.collator)
+
+    def val_loader(self, rows: Sequence[Mapping[str, Any]], collator: Callable[[list[Any]], Any]) -> DataLoader:
+        """A plain loader over ``rows`` in order, ``val_batch_size`` rows a batch."""
+        return DataLoader(
+            RowDataset(rows),
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=collator,
+            num_workers=self.num_workers,
+        )

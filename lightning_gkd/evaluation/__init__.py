@@ -1,0 +1,19 @@
+"""Evaluation: generation metrics (greedy decoding, exact match) and model cards."""
+
+from lightning_gkd.evaluation.metrics import (
+    GenerationMetric,
+    decode_until_eos,
+    evaluate_generations,
+    exact_match,
+    greedy_texts,
+    reference_texts,
+)
+
+__all__ = [
+    "GenerationMetric",
+    "decode_until_eos",
+    "evaluate_generations",
+    "exact_match",
+    "greedy_texts",
+    "reference_texts",
+]

@@ -1,0 +1,141 @@
+"""Generation-based evaluation: greedy completions of held-out prompts, decoded and scored against references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.chat import ChatMLCollator
+from lightning_gkd.ops.hf import EosTokenId, resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.sampling import generate_completions
+
+# A metric scores a whole evaluation set: predictions and references are decoded completion texts.
+GenerationMetric = Callable[[Sequence[str], Sequence[str]], float]
+
+
+def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
+    """Fraction of predictions equal to their reference (surrounding whitespace ignored)."""
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} references.")
+    if not predictions:
+        return 0.0
+    return sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)) / len(predictions)
+
+
+def decode_until_eos(
+    tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence[int]], eos_token_id: EosTokenId
+) -> list[str]:
+    """Decode each row up to (not including) its first EOS, without special tokens."""
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    cut_rows = []
+    for row in rows:
+        ids = list(row)
+        cut = next((i for i, token in enumerate(ids) if token in eos), len(ids))
+        cut_rows.append(ids[:cut])
+    return tokenizer.batch_decode(cut_rows, skip_special_tokens=True)
+
+
+def reference_texts(
+    tokenizer: PreTrainedTokenizerBase, batch: Mapping[str, torch.Tensor], eos_token_id: EosTokenId
+) -> list[str]:
+    """The dataset completions of a collated batch (its label positions), decoded up to EOS."""
+    labels = batch["labels"]
+    return decode_until_eos(tokenizer, [row[row != IGNORE_INDEX].tolist() for row in labels], eos_token_id)
+
+
+@torch.no_grad()
+def greedy_texts(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    eos_token_id: EosTokenId | None = None,
+) -> list[str]:
+    """Greedy completions of the batch prompts, decoded up to EOS."""
+    eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
+    prompts = batch["prompts"]
+    out = generate_completions(
+        model,
+        prompts,
+        batch["prompt_attention_mask"],
+        max_new_tokens=max_new_tokens,
+        pad_token_id=resolve_pad_token_id(tokenizer),
+        eos_token_id=eos,
+        do_sample=False,
+    )
+    return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
+
+
+def evaluate_generations(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    metrics: Mapping[str, GenerationMetric] | None = None,
+    batch_size: int = 64,
+    max_new_tokens: int = 32,
+    max_length: int = 1024,
+) -> dict[str, float]:
+    """Greedy-decode the prompts of ``rows`` (chat rows whose last turn is the reference answer) and score them.
+
+    Returns ``{name: metric(predictions, references)}``; the default metric is ``{"accuracy": exact_match}``.
+    """
+    metrics = metrics or {"accuracy": exact_match}
+    collator = ChatMLCollator(tokenizer, max_length=max_length)
+    eos = resolve_eos_token_id(model, tokenizer)
+    device = next(model.parameters()).device
+    predictions: list[str] = []
+    references: list[str] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
+        batch = {k: v.to(device) for k, v in collator(chunk).items()}
+        predictions += greedy_texts(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        references += reference_texts(tokenizer, batch, eos)
+    return {name: float(metric(predictions, references)) for name, metric in metrics.items()}
+
+
+class GenerationScores:
+    """Greedy completions and their references, collected per validation loader during an epoch and scored at its
+    end (gathered over every process first)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, tuple[list[str], list[str]]] = {}
+
+    def add(self, dataloader_idx: int, predictions: Sequence[str], references: Sequence[str]) -> None:
+        preds, refs = self._texts.setdefault(dataloader_idx, ([], []))
+        preds.extend(predictions)
+        refs.extend(references)
+
+    def compute(self, metrics: Mapping[str, GenerationMetric], names: Sequence[str] | None = None) -> dict[str, float]:
+        """``{key: value}`` for every metric and loader, then forget the texts. Keys: ``val/<set name>/<metric>``
+        with named sets, ``val/<metric>/dataloader_idx_<i>`` with several unnamed loaders, else ``val/<metric>``.
+        A collective under ``torch.distributed``: every process must call it."""
+        texts, self._texts = self._texts, {}
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, texts)
+            texts = {}
+            for part in gathered:
+                for idx, (preds, refs) in part.items():
+                    into = texts.setdefault(idx, ([], []))
+                    into[0].extend(preds)
+                    into[1].extend(refs)
+        values = {}
+        for idx in sorted(texts):
+            predictions, references = texts[idx]
+            for name, metric in metrics.items():
+                if names:
+                    key = f"val/{names[idx]}/{name}"
+                elif len(texts) > 1:
+                    key = f"val/{name}/dataloader_idx_{idx}"
+                else:
+                    key = f"val/{name}"
+                values[key] = float(metric(predictions, references))
+        return values

@@ -1,0 +1,323 @@
+"""The training-step contract every method builds on: a trainable causal LM (``self.model``), frozen helpers,
+optimizers, and the hooks that wire in the shared plumbing (non-finite guard, throughput, validation metrics, FSDP2,
+checkpoints, export), each of which lives in its own room."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.evaluation.metrics import GenerationMetric, GenerationScores, greedy_texts, reference_texts
+from lightning_gkd.evaluation.model_card import describe_source
+from lightning_gkd.methods.legacy import LegacyLossHook
+from lightning_gkd.models.loading import (
+    PRECISION_DTYPES,
+    ModelSource,
+    dtype_chosen,
+    enable_gradient_checkpointing,
+    load_causal_lm,
+    load_frozen_causal_lm,
+)
+from lightning_gkd.models.loading import disable_dropout as disable_dropout_in
+from lightning_gkd.ops.hf import causal_lm_logits, resolve_eos_token_id
+from lightning_gkd.ops.sampling import derive_seed
+from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
+from lightning_gkd.training.export import export_module
+from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFinitePolicy
+from lightning_gkd.training.throughput import TokenThroughput
+
+__all__ = [
+    "MAX_CONSECUTIVE_SKIPS",
+    "CausalLMModule",
+    "NonFinitePolicy",
+    "OptimizerFactory",
+    "SchedulerFactory",
+    "derive_seed",
+    "require_lm_module",
+]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+def require_lm_module(pl_module: L.LightningModule, user: str) -> CausalLMModule:
+    """``pl_module`` as a :class:`CausalLMModule`, or a TypeError naming ``user`` (a callback that needs its
+    ``model`` and ``tokenizer``)."""
+    if not isinstance(pl_module, CausalLMModule):
+        raise TypeError(
+            f"{user} works with lightning_gkd's modules (GKDModule, DPOModule, SFTModule or a subclass), "
+            f"got {type(pl_module).__name__}."
+        )
+    return pl_module
+
+
+class CausalLMModule(LegacyLossHook, L.LightningModule):
+    """Base LightningModule: a trainable causal LM (``self.model``) plus frozen models named in ``frozen_names``.
+
+    Frozen models stay in eval mode whatever ``train()`` is called with, take no optimizer slot, and are kept out
+    of checkpoints (they are re-inserted from the live module on load, so loading stays strict for the rest).
+
+    The contract for a method: implement ``training_step`` and ``completion_loss(batch)``, the loss on a batch's
+    completions (validation scores it on the dataset completions; GKD names it ``distillation_loss``). In
+    ``training_step``, call ``skip_nonfinite(loss)`` (True: skip this batch) and ``count_trained_tokens(labels)``
+    (for ``train/tokens_per_sec``, completion tokens trained per second of training step). ``metrics``
+    (name -> ``fn(predictions, references) -> float``) score greedy completions of the validation prompts against
+    the dataset completions once per validation epoch, logged as ``val/<name>``.
+
+    Every training loss is checked (``lightning_gkd.training.nonfinite``): a non-finite one raises
+    ``RuntimeError`` naming the global step and which model (``model_role`` or a frozen model) produced
+    non-finite logits, before anything is updated with it; with ``nonfinite="skip"`` the batch is skipped with a
+    warning instead (single process only).
+    """
+
+    frozen_names: tuple[str, ...] = ()
+    model_role = "model"  # what errors call the trainable model ("student", "policy")
+    loss_hook = "completion_loss"  # the name of the method's loss on a batch's completions (GKD: distillation_loss)
+    causal_lm_logits = staticmethod(causal_lm_logits)
+
+    def __init__(
+        self,
+        model: ModelSource,
+        tokenizer: PreTrainedTokenizerBase | str,
+        *,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        metrics: Mapping[str, GenerationMetric] | None = None,
+        eval_max_new_tokens: int = 32,
+        nonfinite: NonFinitePolicy = "raise",
+    ) -> None:
+        super().__init__()
+        self.nonfinite_guard = NonFiniteGuard(nonfinite)  # checks the policy before any model loads
+        self.nonfinite = nonfinite
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        # from_pretrained returns eval-mode models; Lightning keeps module modes as found, so set train mode here.
+        self.model: nn.Module = load_causal_lm(model, trust_remote_code=trust_remote_code, role=self.model_role).train()
+        if disable_dropout:
+            disable_dropout_in(self.model)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=5e-5)
+        self.scheduler_factory = scheduler
+        self.seed = seed
+        self.metrics = dict(metrics or {})
+        self.eval_max_new_tokens = eval_max_new_tokens
+        self.generation_scores = GenerationScores()  # greedy validation texts, scored at the epoch's end
+        #: What each model was loaded from (hub id, folder, config type), for the model card.
+        self.model_sources: dict[str, str | None] = {self.model_role: describe_source(model)}
+        self.throughput = TokenThroughput()
+        self._checked_datamodule: L.LightningDataModule | None = None
+        self._frozen_follow_precision: set[str] = set()  # frozen models whose dtype follows trainer.precision
+        self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
+
+    def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
+        """Load a frozen helper model. Unless its dtype was chosen (an ``nn.Module``, or a spec with
+        ``init_kwargs.dtype`` other than ``auto``), it follows the trainer's precision when fitting starts."""
+        self.model_sources[role] = describe_source(source)
+        if not dtype_chosen(source):
+            self._frozen_follow_precision.add(role)
+        return load_frozen_causal_lm(source, role=role, trust_remote_code=trust_remote_code)
+
+    def frozen_models(self) -> dict[str, nn.Module]:
+        """name -> frozen model, for those present (DPO with cached reference log-probs has none)."""
+        return {name: m for name in self.frozen_names if isinstance(m := getattr(self, name, None), nn.Module)}
+
+    # -- the method's contract ------------------------------------------------------------------------------------
+    def completion_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The method's loss on the completions of ``batch`` (``input_ids``, ``attention_mask``, ``labels``)."""
+        raise NotImplementedError
+
+    def completion_requirement(self) -> str | None:
+        """Why this run trains on the dataset completions (and how to do without), or None if it never does.
+        A reason makes ``setup`` reject training rows that end without an assistant turn."""
+        return None
+
+    def step_seed(self, batch_idx: int, *salt: int) -> int:
+        """Seed for this training batch: a function of (seed, global step, batch index, salt) only."""
+        return derive_seed(self.seed, self.global_step, batch_idx, *salt)
+
+    def skip_nonfinite(self, loss: torch.Tensor) -> bool:
+        """Check a training loss: True when the batch must be skipped (``nonfinite="skip"``), False when it is
+        finite; raises ``RuntimeError`` naming the step and the model with non-finite logits otherwise."""
+        return self.nonfinite_guard.check(loss, step=self.global_step)
+
+    def count_trained_tokens(self, labels: torch.Tensor) -> None:
+        """Record the completion tokens (labels != -100) this training step trains on."""
+        self.throughput.count(labels)
+
+    # -- modes, optimizers ------------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> CausalLMModule:
+        super().train(mode)
+        for model in self.frozen_models().values():
+            model.eval()
+        return self
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = self.optimizer_factory(params)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+        }
+
+    # -- checks before training -----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.nonfinite_guard.check_world_size(self.trainer.world_size)
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+        if datamodule is not None:
+            self.check_datamodule(datamodule)
+        dtype = PRECISION_DTYPES.get(str(self.trainer.precision))
+        for name, model in self.frozen_models().items():
+            if dtype is not None and name in self._frozen_follow_precision:
+                model.to(dtype)
+        self.nonfinite_guard.watch({self.model_role: self.model, **self.frozen_models()})
+
+    def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
+        """The data checks that depend on this module's settings (a datamodule with ``check_completions``, as
+        ``ChatDataModule``); ``setup`` runs them. Call it before ``trainer.fit`` to fail before the trainer creates
+        any output."""
+        check = getattr(datamodule, "check_completions", None)
+        if not callable(check) or datamodule is self._checked_datamodule:
+            return
+        datamodule.setup("fit")
+        check(self.completion_requirement())
+        self._checked_datamodule = datamodule
+
+    def teardown(self, stage: str) -> None:
+        self.nonfinite_guard.unwatch()
+
+    # -- per training batch -----------------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        self.throughput.reset()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.nonfinite_guard.reset()
+        self.throughput.start()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = self.throughput.stop()
+        if step is not None:
+            tokens, seconds = step
+            per_second = tokens / max(seconds, 1e-9)
+            self.log("train/tokens_per_sec", per_second, prog_bar=True, sync_dist=True, reduce_fx="sum", batch_size=1)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Completion tokens trained on in this process's current fit."""
+        return self.throughput.trained_tokens
+
+    def tokens_per_second(self) -> float:
+        """Completion tokens trained per second of training step in this process's current fit."""
+        return self.throughput.tokens_per_second()
+
+    # -- validation: loss on dataset completions + generation metrics -----------------------------------------------
+    def val_names(self) -> list[str] | None:
+        """The attached datamodule's ``val_names`` (None without a trainer, a datamodule or named sets)."""
+        trainer = getattr(self, "_trainer", None)
+        names = getattr(getattr(trainer, "datamodule", None), "val_names", None)
+        return list(names) if names else None
+
+    def val_prefix(self, dataloader_idx: int = 0) -> str:
+        """Where validation values of loader ``dataloader_idx`` are logged: ``val/`` for a single validation set,
+        ``val/<name>/`` when the datamodule has named sets (``ChatDataModule(val_data={name: source})``)."""
+        names = self.val_names()
+        return f"val/{names[dataloader_idx]}/" if names else "val/"
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        loss = self.completion_loss(batch)
+        self.log(
+            f"{self.val_prefix(dataloader_idx)}loss",
+            loss,
+            prog_bar=True,
+            sync_dist=True,
+            batch_size=batch["input_ids"].shape[0],
+            add_dataloader_idx=self.val_names() is None,
+        )
+        self.collect_generations(batch, dataloader_idx)
+        return loss
+
+    def collect_generations(self, batch: Mapping[str, torch.Tensor], dataloader_idx: int = 0) -> None:
+        """With ``metrics``: greedy completions of the batch prompts and the batch's dataset completions
+        (``labels``), scored at the end of the validation epoch."""
+        if not self.metrics:
+            return
+        eos = resolve_eos_token_id(self.model, self.tokenizer)
+        predictions = greedy_texts(
+            self.model, self.tokenizer, batch, eos_token_id=eos, max_new_tokens=self.eval_max_new_tokens
+        )
+        self.generation_scores.add(dataloader_idx, predictions, reference_texts(self.tokenizer, batch, eos))
+
+    def on_validation_epoch_end(self) -> None:
+        if self.metrics:
+            for key, value in self.generation_scores.compute(self.metrics, self.val_names()).items():
+                self.log(key, value, prog_bar=True, add_dataloader_idx=False)
+
+    # -- sharding: FSDP2 under ModelParallelStrategy (trainer=fsdp) -------------------------------------------------
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` (``trainer=fsdp``): shard the trainable model and each frozen
+        model as separate FSDP2 trees (``models.sharding.shard_for_training``); otherwise nothing. Checkpoints then
+        hold the trainable model only (frozen models are filled in from the live module on load, so
+        ``strict_loading`` is off: Lightning's sharded loader checks every parameter of the module)."""
+        if self._device_mesh is None:
+            return
+        from lightning_gkd.models.sharding import shard_for_training
+
+        precision = getattr(getattr(self, "_trainer", None), "precision", None)
+        sharded = shard_for_training(
+            self.model, self.frozen_models(), self._device_mesh, precision, owner=type(self).__name__
+        )
+        if sharded and self.frozen_names:
+            self.register_state_dict_post_hook(
+                lambda module, state, prefix, metadata: drop_frozen_state(state, module.frozen_names, prefix)
+            )
+            self.register_load_state_dict_pre_hook(
+                lambda module, state, prefix, *args: fill_frozen_state(state, module.frozen_models(), prefix)
+            )
+            self.strict_loading = False
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        # A sharded frozen model keeps its root unit (embeddings, LM head) gathered after its forward, for the
+        # memory-lean loss; nothing else frees it (no backward), so free it before the student's backward.
+        if self._device_mesh is not None:
+            from lightning_gkd.models.sharding import reshard
+
+            for model in self.frozen_models().values():
+                reshard(model)
+
+    def on_fit_end(self) -> None:
+        # A sharded model's full weights need every rank (a collective); export() runs on rank 0 only.
+        from lightning_gkd.models.sharding import full_state_dict
+
+        self._full_state_dict = full_state_dict(self.model)
+
+    # -- checkpoints and export -------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        drop_frozen_state(checkpoint["state_dict"], self.frozen_names)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict")
+        if state is not None:  # ModelParallelStrategy loads the weights itself and hands over the rest
+            fill_frozen_state(state, self.frozen_models())
+
+    def export(
+        self, path: str | Path, card_info: Mapping[str, Any] | None = None, *, merged_path: str | Path | None = None
+    ) -> Path:
+        """Write the trained model, tokenizer and a ``README.md`` model card to ``path`` (loadable with
+        ``AutoModelForCausalLM.from_pretrained``), atomically; a LoRA model writes its adapter there and, with
+        ``merged_path``, the merged full model too. See ``lightning_gkd.training.export.export_module``."""
+        return export_module(self, path, card_info, merged_path=merged_path, full_state_dict=self._full_state_dict)

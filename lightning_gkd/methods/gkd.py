@@ -1,0 +1,281 @@
+"""GKDModule: generalized knowledge distillation (on-policy, supervised and sequence-level KD)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.loader import group_slot, shuffled_micro_batches
+from lightning_gkd.evaluation.metrics import GenerationMetric
+from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
+from lightning_gkd.models.loading import ModelSource, check_same_vocab
+from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.hf import LeanForwardUnsupported, final_hidden_states, output_weight
+from lightning_gkd.ops.losses import IGNORE_INDEX, generalized_jsd_loss
+from lightning_gkd.ops.sampling import validate_sampling_args
+from lightning_gkd.samplers import KVCacheSampler, Sampler
+from lightning_gkd.teachers import LocalTeacher, Teacher
+
+Source = Literal["dataset", "student", "teacher"]
+_COIN, _SAMPLE, _SHUFFLE = 0, 1, 2  # salts that keep the coin flip's, sampler's and shuffle's streams apart
+
+
+@dataclass
+class GenerationGroup:
+    """A group's plan under grouped generation: where its completions come from and, when sampled, the shuffled
+    micro-batches cut from the one sampling call."""
+
+    group_id: list[int]
+    source: Source
+    micro_batches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+class GKDModule(CausalLMModule):
+    """Distil a frozen ``teacher`` into a trainable ``student`` with the generalized JSD (Agarwal et al., GKD).
+
+    Each training batch: with probability ``lmbda`` the student samples completions for the batch prompts
+    (on-policy); otherwise, if ``seq_kd``, the teacher samples them; otherwise the dataset completions are used.
+    The loss is ``generalized_jsd_loss(beta)`` between student and teacher next-token distributions at every
+    completion position, at ``loss_temperature``. Sampling uses ``temperature``, ``top_k``, ``top_p`` and at most
+    ``max_new_tokens`` new tokens, always with the KV cache. The coin flip and the sampler's seed are functions of
+    (``seed``, global step, batch index), so every rank flips the same coin and a resumed run repeats them.
+
+    Grouped generation (``ChatDataModule(steps_per_generation=k)``): the coin is flipped once per group of ``k``
+    micro-batches; when it says sample, one sampling call covers the group's ``k * batch_size`` prompts, the result
+    is shuffled (seeded like the sampler) and cut into ``k`` micro-batches, one training step each. The pending
+    micro-batches are saved in checkpoints, so a run resumed in the middle of a group trains on the same samples.
+
+    The loss is computed from final hidden states (``lean_loss``, default on): only the supervised positions are
+    projected to logits, ``loss_chunk_size`` positions at a time (``projected_jsd_loss``), so full B × T × V
+    logits never exist. Models without a bias-free ``lm_head``/``logits_to_keep`` fall back to full logits.
+
+    ``student``/``teacher``: an ``nn.Module``, a local folder or hub id, or a spec mapping (see
+    ``lightning_gkd.models.loading.load_causal_lm``). ``optimizer``/``scheduler``: factories such as
+    ``functools.partial(torch.optim.AdamW, lr=1e-4)`` (Hydra: ``_partial_: true``); the scheduler steps every
+    optimizer step. ``nonfinite``: ``"raise"`` (default) stops on a non-finite loss naming the step and the model
+    with non-finite logits; ``"skip"`` skips such batches with a warning.
+    """
+
+    frozen_names = ("teacher",)
+    model_role = "student"
+    loss_hook = "distillation_loss"
+
+    def __init__(
+        self,
+        student: ModelSource,
+        teacher: ModelSource,
+        tokenizer: PreTrainedTokenizerBase | str,
+        *,
+        lmbda: float = 0.5,
+        beta: float = 0.5,
+        temperature: float = 0.9,
+        loss_temperature: float = 1.0,
+        seq_kd: bool = False,
+        max_new_tokens: int = 128,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        disable_dropout: bool = True,
+        gradient_checkpointing: bool = False,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        metrics: Mapping[str, GenerationMetric] | None = None,
+        eval_max_new_tokens: int = 32,
+        nonfinite: NonFinitePolicy = "raise",
+        lean_loss: bool = True,
+        loss_chunk_size: int = 64,
+        sampler: Sampler | None = None,
+    ) -> None:
+        _check_range("lmbda", lmbda, 0.0, 1.0)
+        if loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
+        _check_range("beta", beta, 0.0, 1.0)
+        if not loss_temperature > 0:
+            raise ValueError(f"loss_temperature must be > 0, got {loss_temperature}.")
+        validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
+        super().__init__(
+            student,
+            tokenizer,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            disable_dropout=disable_dropout,
+            gradient_checkpointing=gradient_checkpointing,
+            trust_remote_code=trust_remote_code,
+            seed=seed,
+            metrics=metrics,
+            eval_max_new_tokens=eval_max_new_tokens,
+            nonfinite=nonfinite,
+        )
+        self.teacher = self.load_frozen(teacher, role="teacher", trust_remote_code=trust_remote_code)
+        check_same_vocab(self.student, self.teacher)
+        #: Where the loss reads the teacher's signal (``lightning_gkd.teachers``): the frozen model above.
+        self.teacher_source: Teacher = LocalTeacher(self.teacher)
+        #: How completions are sampled (``lightning_gkd.samplers``): our KV-cache decoder unless one is given.
+        self.sampler: Sampler = sampler or KVCacheSampler(
+            self.tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p
+        )
+        self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
+        self.temperature, self.loss_temperature = temperature, loss_temperature
+        self.max_new_tokens, self.top_k, self.top_p = max_new_tokens, top_k, top_p
+        self.lean_loss, self.loss_chunk_size = lean_loss, loss_chunk_size
+        self._batches = self._on_policy_batches = 0
+        self._group: GenerationGroup | None = None
+        self.sampling_calls = 0  # sampling calls in this process's current fit
+        self.save_hyperparameters(
+            ignore=["student", "teacher", "tokenizer", "optimizer", "scheduler", "metrics", "sampler"]
+        )
+
+    @property
+    def student(self) -> torch.nn.Module:
+        """The trainable model (``self.model``)."""
+        return self.model
+
+    def completion_requirement(self) -> str | None:
+        if self.lmbda >= 1 or self.seq_kd:
+            return None
+        return (
+            f"GKDModule(lmbda={self.lmbda}, seq_kd=False) trains on the dataset completions in about "
+            f"{1 - self.lmbda:.0%} of the steps. End every training row with an assistant message, or train "
+            "without dataset completions: lmbda=1.0 (student samples only; Hydra: method.lmbda=1.0) or "
+            "seq_kd=True (teacher samples; method.seq_kd=true)."
+        )
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._batches = self._on_policy_batches = self.sampling_calls = 0
+
+    # -- the GKD step -------------------------------------------------------------------------------------------
+    def choose_source(self, batch_idx: int) -> Source:
+        """The λ coin flip: "student" (on-policy) with probability lmbda, else "teacher" if seq_kd, else "dataset"."""
+        coin = torch.Generator().manual_seed(self.step_seed(batch_idx, _COIN))
+        if torch.rand((), generator=coin).item() < self.lmbda:
+            return "student"
+        return "teacher" if self.seq_kd else "dataset"
+
+    def sample_batch(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], seed: int) -> dict[str, Any]:
+        """Replace the batch completions by ``model``'s samples for its prompts (through ``self.sampler``)."""
+        self.sampling_calls += 1
+        sampled = self.sampler.sample(model, batch["prompts"], batch["prompt_attention_mask"], seed=seed)
+        return {**batch, **sampled}
+
+    def completion_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.distillation_loss(batch)
+
+    def distillation_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """GKD's loss hook: the generalized JSD (``beta``, ``loss_temperature``) between student and teacher at
+        every completion position of ``batch`` (``input_ids``, ``attention_mask``, ``labels``: dataset completions
+        or samples). Override it for another objective (docs/customization.md); ``training_step`` and validation
+        both call it."""
+        if self.lean_loss:
+            try:
+                return self._lean_loss(batch)
+            except LeanForwardUnsupported as reason:
+                rank_zero_warn(f"lean_loss: {reason}; computing the loss from full logits instead.")
+                self.lean_loss = False
+        student_logits = self.causal_lm_logits(self.student, batch)
+        teacher_logits = self.teacher_source.logits(batch)
+        return generalized_jsd_loss(
+            student_logits[:, :-1],
+            teacher_logits[:, :-1],
+            labels=batch["labels"][:, 1:],
+            beta=self.beta,
+            temperature=self.loss_temperature,
+        )
+
+    def _lean_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # hidden state i predicts token i + 1: keep i where label i + 1 is supervised
+        positions = torch.nn.functional.pad(batch["labels"][:, 1:] != IGNORE_INDEX, (0, 1), value=False)
+        student_hidden = final_hidden_states(self.student, batch["input_ids"], batch["attention_mask"], positions)
+        teacher_hidden, teacher_head = self.teacher_source.hidden_states(batch, positions)
+        # the logits watch sees no logits on this path; record whether each model's hidden states are finite
+        self.nonfinite_guard.record(self.model_role, student_hidden)
+        self.nonfinite_guard.record("teacher", teacher_hidden)
+        return projected_jsd_loss(
+            student_hidden,
+            output_weight(self.student),
+            teacher_hidden,
+            teacher_head,
+            beta=self.beta,
+            temperature=self.loss_temperature,
+            chunk_size=self.loss_chunk_size,
+        )
+
+    # -- grouped generation -------------------------------------------------------------------------------------
+    def training_batch(self, batch: dict[str, Any], batch_idx: int) -> tuple[Source, dict[str, torch.Tensor]]:
+        """The batch this step trains on and where its completions come from.
+
+        A plain batch is its own group. A grouped micro-batch (``lightning_gkd.data.loader.group_slot``) uses its
+        group's plan, made at the group's first micro-batch: the dataset micro-batch itself, or its share of the
+        group's shuffled samples."""
+        slot = group_slot(batch)
+        if slot is None:
+            source = self.choose_source(batch_idx)
+            if source != "dataset":
+                batch = self.sample_batch(
+                    self._sampler_model(source), batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
+                )
+            return source, batch
+        if self._group is None or self._group.group_id != slot.group_id:
+            self._group = self.plan_group(slot.group, slot.group_id, slot.micro_batch_size, batch_idx)
+        if self._group.source == "dataset":
+            return "dataset", batch
+        micro = self._group.micro_batches[slot.step]
+        return self._group.source, {key: value.to(self.device) for key, value in micro.items()}
+
+    def plan_group(
+        self, group: dict[str, torch.Tensor], group_id: list[int], micro_batch_size: int, batch_idx: int
+    ) -> GenerationGroup:
+        """Flip the group's coin; if it says sample, sample the whole group at once, shuffle and cut it."""
+        source = self.choose_source(batch_idx)
+        if source == "dataset":
+            return GenerationGroup(group_id, source)
+        sampled = self.sample_batch(
+            self._sampler_model(source), group, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
+        )
+        seed = self.step_seed(batch_idx, _SHUFFLE, self.global_rank)
+        return GenerationGroup(group_id, source, shuffled_micro_batches(sampled, micro_batch_size, seed))
+
+    def _sampler_model(self, source: Source) -> torch.nn.Module:
+        return self.student if source == "student" else self.teacher
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._group is not None:  # a resumed run continues the group with the same samples
+            checkpoint["generation_group"] = {
+                "group_id": list(self._group.group_id),
+                "source": self._group.source,
+                "micro_batches": [{k: v.detach().cpu() for k, v in m.items()} for m in self._group.micro_batches],
+            }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        plan = checkpoint.get("generation_group")
+        self._group = GenerationGroup(**plan) if plan is not None else None
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        source, batch = self.training_batch(batch, batch_idx)
+        loss = self.distillation_loss(batch)
+        if self.skip_nonfinite(loss):
+            return None
+        self.count_trained_tokens(batch["labels"])
+        self._batches += 1
+        self._on_policy_batches += source == "student"
+        completion_tokens = (batch["labels"] != IGNORE_INDEX).sum(dim=1).float()
+        size = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log("train/on_policy", float(source == "student"), batch_size=size)
+        # the share of on-policy batches so far in this fit (train/on_policy is this batch's 0 or 1)
+        self.log("train/on_policy_fraction", self._on_policy_batches / self._batches, prog_bar=True, batch_size=size)
+        self.log("train/completion_length", completion_tokens.mean(), batch_size=size)
+        return loss
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}.")

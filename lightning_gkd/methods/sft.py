@@ -1,0 +1,42 @@
+"""SFTModule: supervised fine-tuning, cross-entropy on completion tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_gkd.methods.base import CausalLMModule
+from lightning_gkd.ops.losses import IGNORE_INDEX
+
+
+class SFTModule(CausalLMModule):
+    """Next-token cross-entropy on completion tokens (labels != -100), averaged over those tokens.
+
+    Same constructor as ``CausalLMModule``: ``SFTModule(model, tokenizer, *, optimizer, scheduler, metrics, ...)``.
+    """
+
+    def __init__(self, model, tokenizer, **kwargs) -> None:
+        super().__init__(model, tokenizer, **kwargs)
+        self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "scheduler", "metrics"])
+
+    def completion_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.causal_lm_logits(self.model, batch)[:, :-1]
+        labels = batch["labels"][:, 1:]
+        mask = labels != IGNORE_INDEX
+        if not mask.any():
+            return logits.sum() * 0.0
+        return F.cross_entropy(logits[mask].float(), labels[mask])
+
+    def completion_requirement(self) -> str | None:
+        return (
+            "SFTModule trains on the dataset completions only. End every training row with an assistant "
+            "message (the completion to learn)."
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss = self.completion_loss(batch)
+        if self.skip_nonfinite(loss):
+            return None
+        self.count_trained_tokens(batch["labels"])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss

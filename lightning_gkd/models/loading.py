@@ -1,0 +1,193 @@
+"""Load the student, teacher and reference models: an nn.Module, a local folder, a hub id, or a config."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeAlias, cast
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+ModelSource: TypeAlias = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
+
+_SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code", "lora"}
+
+
+def resolve_dtype(value: Any) -> Any:
+    """``"bfloat16"``/``"torch.float32"``/``"auto"``/``torch.dtype``/None -> what ``from_pretrained(dtype=)`` takes."""
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unknown dtype {value!r}; use e.g. 'float32', 'bfloat16', 'float16' or 'auto'.")
+    return dtype
+
+
+def load_causal_lm(
+    source: ModelSource,
+    *,
+    init_kwargs: Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    role: str = "model",
+) -> nn.Module:
+    """Build or load a causal LM.
+
+    ``source`` may be: an ``nn.Module`` (returned as is); a local folder written by ``save_pretrained`` or a hub
+    id (``AutoModelForCausalLM.from_pretrained`` with ``init_kwargs`` such as ``dtype``, ``attn_implementation``,
+    ``revision``, ``quantization_config``); a ``PretrainedConfig`` (a freshly initialised model); or a mapping
+    ``{"name_or_path": ..., "init_kwargs": {...}, "trust_remote_code": bool}`` or ``{"config": {"model_type":
+    "qwen2", ...}}`` as written in Hydra configs. Remote code runs only when ``trust_remote_code`` is True.
+    A mapping's ``lora`` entry (``{"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear", ...}``,
+    see ``lightning_gkd.models.lora``) wraps the loaded model in LoRA adapters (a ``peft.PeftModel`` whose only
+    trainable weights are the adapters); ``r`` null or 0 means no adapters.
+    """
+    if isinstance(source, nn.Module):
+        return source
+    if isinstance(source, Mapping) and source.get("lora") is not None:
+        from lightning_gkd.models.lora import apply_lora, lora_enabled
+
+        base_spec = {key: value for key, value in source.items() if key != "lora"}
+        model = load_causal_lm(base_spec, init_kwargs=init_kwargs, trust_remote_code=trust_remote_code, role=role)
+        return apply_lora(model, source["lora"], role=role) if lora_enabled(source["lora"]) else model
+    kwargs = dict(init_kwargs or {})
+    if isinstance(source, Mapping):
+        unknown = set(source) - _SPEC_KEYS
+        if unknown:
+            raise ValueError(
+                f"{role}: unknown key(s) {sorted(unknown)} in the model spec; allowed: {sorted(_SPEC_KEYS)}."
+            )
+        kwargs = {**dict(source.get("init_kwargs") or {}), **kwargs}
+        trust_remote_code = bool(source.get("trust_remote_code", trust_remote_code))
+        if source.get("config") is not None:
+            config = source["config"]
+            if isinstance(config, Mapping):
+                config = dict(config)
+                if "model_type" not in config:
+                    raise ValueError(f"{role}: a config spec needs a 'model_type' (e.g. 'qwen2', 'llama').")
+                config = AutoConfig.for_model(config.pop("model_type"), **config)
+            return _from_config(config, kwargs, trust_remote_code)
+        if not source.get("name_or_path"):
+            raise ValueError(f"{role}: the model spec needs 'name_or_path' (a folder or hub id) or 'config'.")
+        source = source["name_or_path"]
+    if isinstance(source, PretrainedConfig):
+        return _from_config(source, kwargs, trust_remote_code)
+    name = str(source)
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        name = str(folder)
+    elif name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(
+            f"{role}: model folder {name!r} does not exist. Pass an existing folder written by "
+            "save_pretrained, or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'."
+        )
+    if "dtype" in kwargs:
+        kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
+    if isinstance(kwargs.get("quantization_config"), Mapping):
+        kwargs["quantization_config"] = quantization_config_from_dict(kwargs["quantization_config"])
+    return AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def quantization_config_from_dict(spec: Mapping[str, Any]) -> Any:
+    """A plain mapping from YAML/JSON -> a transformers quantization config: with a ``quant_method`` key, any kind
+    transformers knows; without one, ``BitsAndBytesConfig(**spec)`` (e.g. ``{"load_in_8bit": True}``)."""
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoQuantizationConfig
+
+    spec = dict(spec)
+    if "quant_method" in spec:
+        return AutoQuantizationConfig.from_dict(spec)
+    return BitsAndBytesConfig(**spec)
+
+
+def _from_config(config: PretrainedConfig, kwargs: dict[str, Any], trust_remote_code: bool) -> nn.Module:
+    dtype = resolve_dtype(kwargs.pop("dtype", None))
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    if isinstance(dtype, torch.dtype):
+        model = model.to(dtype)
+    return model
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability in ``model`` to 0 (``nn.Dropout`` modules and attention-dropout floats)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            cast(Any, module).attention_dropout = 0.0  # a float on HF attention modules, not a submodule
+    return model
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Make ``model`` a fixed function: no gradients, eval mode, dropout off."""
+    model.requires_grad_(False)
+    disable_dropout(model)
+    return model.eval()
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """Rows of the output projection (the logits' last dim), falling back to ``config.vocab_size``."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    config = getattr(model, "config", None)
+    return getattr(config, "vocab_size", None)
+
+
+def check_same_vocab(student: nn.Module, teacher: nn.Module, *, teacher_role: str = "teacher") -> None:
+    """Token-level distillation compares distributions over one vocabulary: sizes must match."""
+    student_size, teacher_size = vocab_size(student), vocab_size(teacher)
+    if student_size is not None and teacher_size is not None and student_size != teacher_size:
+        raise ValueError(
+            f"Student vocabulary size {student_size} differs from the {teacher_role}'s {teacher_size}. "
+            "Token-level distillation needs one shared tokenizer/vocabulary: pick a "
+            f"{teacher_role} from the student's model family, or resize the embeddings to match."
+        )
+
+
+#: The dtype a frozen model (teacher, reference) takes under each trainer precision, unless its dtype was chosen.
+PRECISION_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "32-true": torch.float32,
+    "64-true": torch.float64,
+}
+
+
+def dtype_chosen(source: ModelSource) -> bool:
+    """Whether a model source fixes its own dtype: a built module, or a spec with a dtype other than ``auto``."""
+    if isinstance(source, nn.Module):
+        return True
+    if isinstance(source, Mapping):
+        init_kwargs = source.get("init_kwargs") or {}
+        dtype = init_kwargs.get("dtype", init_kwargs.get("torch_dtype"))
+        return dtype is not None and str(dtype) != "auto"
+    return False
+
+
+def load_frozen_causal_lm(source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
+    """A frozen helper model (teacher, reference): loaded like the trained one, in eval mode, no gradients. A spec
+    shared with the trained model (DPO's ``reference: ${model.student}``) drops its ``lora`` entry: a frozen model
+    gets no adapters, it is the base model."""
+    if isinstance(source, Mapping) and source.get("lora"):
+        source = {key: value for key, value in source.items() if key != "lora"}
+    return freeze(load_causal_lm(source, trust_remote_code=trust_remote_code, role=role))
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Turn on non-reentrant activation checkpointing (transformers >= 5.2x renamed
+    ``gradient_checkpointing_enable``, now deprecated, to ``activation_checkpointing_enable``)."""
+    name = "activation_checkpointing_enable"
+    enable = getattr(model, name, None) or getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise ValueError(
+            f"gradient_checkpointing=True needs a model with {name}() or gradient_checkpointing_enable() "
+            f"(a Hugging Face PreTrainedModel); {type(model).__name__} has neither."
+        )
+    enable({"use_reentrant": False})

@@ -1,0 +1,367 @@
+"""On-policy sampling from causal LMs, as pure functions over a model.
+
+Nothing here depends on Lightning: the functions take a model (anything whose
+``forward`` follows the Hugging Face causal-LM calling convention), prompt tensors
+and sampling options, and return plain tensors.
+
+Shapes used in the docstrings:
+
+* ``B``: batch size.
+* ``P``: prompt length (prompts are **left**-padded; the prompt attention mask marks
+  the real tokens).
+* ``N``: number of generated tokens, ``N <= max_new_tokens``.
+* ``V``: vocabulary size.
+
+Key-value cache keyword: transformers 5.x renamed the cache argument of the
+causal-LM ``forward`` from ``past_key_values`` to ``cache`` (the old name still
+works but warns) and the output attribute likewise. The keyword is detected once
+per call of :func:`sample_tokens` from ``inspect.signature(model.forward)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gkd.ops.hf import (
+    EosTokenId,
+    accepts_logits_to_keep,
+    cache_keyword,
+    eval_mode,
+    is_sharded,
+    position_ids_from_mask,
+    resolve_eos_token_id,
+)
+from lightning_gkd.ops.losses import IGNORE_INDEX
+
+__all__ = [
+    "completion_batch",
+    "derive_seed",
+    "generate_completions",
+    "position_ids_from_mask",
+    "resolve_eos_token_id",
+    "sample_tokens",
+    "validate_sampling_args",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (run seed, step, ...): the same on every rank and after resume."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+def _eos_tensor(eos_token_id: EosTokenId, device: torch.device) -> torch.Tensor | None:
+    """EOS id(s) as a 1-D long tensor on ``device``; ``None`` when there is no EOS."""
+    if eos_token_id is None:
+        return None
+    if isinstance(eos_token_id, int):
+        ids = [eos_token_id]
+    elif isinstance(eos_token_id, torch.Tensor):
+        ids = eos_token_id.reshape(-1).tolist()
+    else:
+        ids = [int(i) for i in eos_token_id]
+    if not ids:
+        return None
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def validate_sampling_args(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """The one check of the sampling options (the sampler, the methods' constructors): ValueError naming the
+    option and its value."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r} (an integer)")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (an integer; 0 disables it), got {top_k!r}")
+
+
+def _returned_cache(outputs: Any) -> Any:
+    """The KV cache of a forward output, read from ``.cache`` or ``.past_key_values``.
+
+    ``.cache`` is checked first: on transformers 5.x reading ``.past_key_values`` works
+    but logs a deprecation warning.
+    """
+    cache = getattr(outputs, "cache", None)
+    if cache is None:
+        cache = getattr(outputs, "past_key_values", None)
+    return cache
+
+
+def _all_finished(finished: torch.Tensor, synced: bool) -> bool:
+    """Whether decoding can stop: every row here has produced an EOS, and with ``synced`` every rank's rows."""
+    done = finished.all()
+    if synced:
+        done = done.to(torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    return bool(done)
+
+
+def _next_tokens(
+    logits: torch.Tensor,
+    *,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Pick one token per row.
+
+    Args:
+        logits: ``(B, V)`` next-token logits.
+
+    Returns:
+        ``(B,)`` long tensor: ``argmax`` when ``do_sample`` is False, otherwise a sample
+        from ``softmax(logits / temperature)`` restricted to the top-k tokens (``top_k=0``
+        disables it) and then to the smallest nucleus whose probability reaches
+        ``top_p`` (``top_p=1`` disables it).
+    """
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the most likely
+        # token is always kept.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return _inverse_cdf_sample(logits.softmax(dim=-1), generator)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` ``(B, V)``: the first index whose cumulative probability exceeds a uniform
+    draw. Exact like ``torch.multinomial``, but draws B random numbers instead of B x V (multinomial's
+    exponential draw over the whole vocabulary was a third of the decode time at V = 32000). The cumulative sum
+    runs in float64 so that tiny probabilities keep their share."""
+    cdf = probs.double().cumsum(dim=-1)
+    draw = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    # zero-probability tokens (cut by top-k / top-p) add no width to the cdf, so they are never picked
+    tokens = torch.searchsorted(cdf, draw * cdf[:, -1:], right=True)
+    return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@torch.no_grad()
+def sample_tokens(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    pad_token_id: int,
+    eos_token_id: EosTokenId,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Decode up to ``max_new_tokens`` tokens per prompt with a KV cache.
+
+    One prefill forward runs over the left-padded prompts (with their attention mask and
+    position ids derived from it), then one forward per new token feeds only that token,
+    with the attention mask extended by ones and position ids continuing per row. Runs
+    under ``torch.no_grad``; the caller chooses train/eval mode (see
+    :func:`generate_completions`).
+
+    Args:
+        model: causal LM following the HF ``forward`` convention (``input_ids``,
+            ``attention_mask``, ``position_ids``, ``cache``/``past_key_values``,
+            ``use_cache``; returns ``.logits`` of shape ``(B, L, V)`` and the cache).
+        prompt_ids: ``(B, P)`` long tensor, left-padded.
+        prompt_attention_mask: ``(B, P)`` tensor, 1 on real prompt tokens.
+        max_new_tokens: maximum number of tokens to generate (>= 1).
+        pad_token_id: token emitted by rows after they produced an EOS.
+        eos_token_id: EOS id or ids; ``None`` (or empty) disables stopping.
+        do_sample: sample when True, greedy argmax when False.
+        temperature: logits are divided by it before sampling (> 0).
+        top_k: keep only the ``top_k`` most likely tokens; 0 disables it.
+        top_p: nucleus sampling threshold in ``(0, 1]``; 1 disables it.
+        generator: RNG for ``torch.multinomial``; ``None`` uses the global RNG.
+
+    Returns:
+        ``(B, N)`` long tensor of generated tokens, ``N <= max_new_tokens``; ``N`` is
+        smaller when every row has produced an EOS before the limit. Positions after a
+        row's first EOS hold ``pad_token_id``. When the model is sharded (FSDP2) across
+        processes, each forward is a collective, so every rank decodes until all ranks'
+        rows are finished (their ``N`` is the same).
+    """
+    validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    batch, prompt_len = prompt_ids.shape
+    device = prompt_ids.device
+    cache_kw, keep_logits = cache_keyword(model), accepts_logits_to_keep(model)
+    eos = _eos_tensor(eos_token_id, device)
+    synced = is_sharded(model) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    pick = partial(
+        _next_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
+
+    # The attention mask for the whole decode, grown by slicing instead of concatenating.
+    full_mask = torch.ones(batch, prompt_len + max_new_tokens, dtype=torch.long, device=device)
+    full_mask[:, :prompt_len] = prompt_attention_mask
+    out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    prefill_kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_logits else {}
+    outputs = model(
+        input_ids=prompt_ids,
+        attention_mask=full_mask[:, :prompt_len],
+        position_ids=position_ids_from_mask(prompt_attention_mask),
+        use_cache=True,
+        **prefill_kwargs,
+    )
+    # Next position of each row = its number of real prompt tokens.
+    next_position = prompt_attention_mask.long().sum(dim=-1, keepdim=True)
+
+    num_tokens = max_new_tokens
+    for step in range(max_new_tokens):
+        tokens = pick(outputs.logits[:, -1, :])
+        if eos is not None:
+            tokens = tokens.masked_fill(finished, pad_token_id)
+            finished |= torch.isin(tokens, eos)
+        out[:, step] = tokens
+        if step + 1 == max_new_tokens:
+            break
+        if eos is not None and _all_finished(finished, synced):
+            num_tokens = step + 1
+            break
+        outputs = model(
+            input_ids=tokens[:, None],
+            attention_mask=full_mask[:, : prompt_len + step + 1],
+            position_ids=next_position + step,
+            use_cache=True,
+            **{cache_kw: _returned_cache(outputs)},
+        )
+    return out[:, :num_tokens]
+
+
+def completion_batch(
+    prompt_ids: torch.Tensor,
+    prompt_attention_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    eos_token_id: EosTokenId,
+) -> dict[str, torch.Tensor]:
+    """Join prompts and completions into a training batch.
+
+    Padding is never found by matching the pad id (it often equals EOS): prompt padding
+    comes from the prompt mask, completion padding is everything after the first EOS.
+
+    Args:
+        prompt_ids: ``(B, P)`` long tensor, left-padded prompts.
+        prompt_attention_mask: ``(B, P)`` tensor, 1 on real prompt tokens.
+        completion_ids: ``(B, N)`` long tensor of generated tokens.
+        eos_token_id: EOS id or ids; ``None`` keeps every completion column.
+
+    Returns:
+        dict with
+
+        * ``input_ids``: ``(B, P + N)``, prompt then completion.
+        * ``attention_mask``: ``(B, P + N)`` long; prompt columns copy the prompt mask,
+          completion columns are 1 up to and including the first EOS and 0 after it
+          (all 1 when the row has no EOS or ``eos_token_id`` is ``None``).
+        * ``labels``: ``(B, P + N)``; ``input_ids`` with ``-100`` on every prompt column
+          and wherever the attention mask is 0.
+    """
+    prompt_len = prompt_ids.shape[1]
+    completion_ids = completion_ids.to(device=prompt_ids.device, dtype=torch.long)
+    input_ids = torch.cat([prompt_ids.long(), completion_ids], dim=1)
+
+    eos = _eos_tensor(eos_token_id, completion_ids.device)
+    if eos is None:
+        completion_mask = torch.ones_like(completion_ids)
+    else:
+        is_eos = torch.isin(completion_ids, eos).long()
+        # EOS tokens strictly before each column; > 0 means the column is past the first EOS.
+        eos_before = is_eos.cumsum(dim=1) - is_eos
+        completion_mask = (eos_before == 0).long()
+    attention_mask = torch.cat([prompt_attention_mask.long(), completion_mask], dim=1)
+
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    labels[:, :prompt_len] = IGNORE_INDEX
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def generate_completions(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    pad_token_id: int,
+    eos_token_id: EosTokenId,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Sample completions for a batch of prompts and return a training batch.
+
+    The model is switched to eval mode while sampling (so dropout is off and HF models
+    keep their KV cache even with gradient checkpointing enabled); every submodule's
+    ``training`` flag is restored afterwards, also when sampling raises. Sampling runs
+    under ``torch.no_grad`` (not ``inference_mode``), so the returned tensors can feed a
+    later training forward and backward.
+
+    Args:
+        model: causal LM (see :func:`sample_tokens`).
+        prompt_ids: ``(B, P)`` long tensor, left-padded prompts.
+        prompt_attention_mask: ``(B, P)`` tensor, 1 on real prompt tokens.
+        max_new_tokens: maximum number of generated tokens (>= 1).
+        pad_token_id: token placed after a row's first EOS.
+        eos_token_id: EOS id or ids, or ``None``.
+        do_sample, temperature, top_k, top_p: see :func:`sample_tokens`.
+        seed: when given, sampling uses a fresh ``torch.Generator`` on the prompts'
+            device seeded with it: results are reproducible and the global RNG is
+            untouched. ``None`` uses the global RNG.
+
+    Returns:
+        The dict of :func:`completion_batch`: ``input_ids``, ``attention_mask`` and
+        ``labels``, each ``(B, P + N)`` with ``N <= max_new_tokens``.
+
+    Raises:
+        ValueError: if ``max_new_tokens < 1``, ``temperature <= 0``, ``top_p`` is not in
+            ``(0, 1]`` or ``top_k < 0``.
+    """
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=prompt_ids.device)
+        generator.manual_seed(seed)
+
+    with eval_mode(model):
+        completion_ids = sample_tokens(
+            model,
+            prompt_ids,
+            prompt_attention_mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+    return completion_batch(prompt_ids, prompt_attention_mask, completion_ids, eos_token_id)

@@ -1,0 +1,46 @@
+"""The default sampler: our KV-cache decoder (``lightning_gkd.ops.sampling.generate_completions``), in process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.sampling import generate_completions, validate_sampling_args
+
+
+@dataclass
+class KVCacheSampler:
+    """Ancestral sampling with ``temperature``, ``top_k`` (0: off) and ``top_p`` (1: off), at most
+    ``max_new_tokens`` new tokens, always with the KV cache (also when training uses gradient checkpointing). EOS
+    comes from the sampling model's generation config (else the tokenizer's); rows are padded with the tokenizer's
+    pad id (else EOS) after their EOS."""
+
+    tokenizer: Any
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        validate_sampling_args(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+
+    def sample(
+        self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
+    ) -> dict[str, torch.Tensor]:
+        return generate_completions(
+            model,
+            prompts,
+            prompt_attention_mask,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=resolve_pad_token_id(self.tokenizer),
+            eos_token_id=resolve_eos_token_id(model, self.tokenizer),
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=seed,
+        )

@@ -1,0 +1,29 @@
+"""The in-process teacher: a frozen causal LM that lives in the LightningModule (``GKDModule.teacher``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from lightning_gkd.ops.hf import causal_lm_logits, final_hidden_states, output_weight
+
+
+class LocalTeacher:
+    """Reads the signal from ``model`` itself (kept by reference: moving, casting or sharding the module in place is
+    seen here)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def logits(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return causal_lm_logits(self.model, batch)
+
+    @torch.no_grad()
+    def hidden_states(
+        self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = final_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], positions)
+        return hidden, output_weight(self.model)

@@ -1,0 +1,1 @@
+"""Training plumbing the methods share: the non-finite guard, Hugging Face export, checkpoint IO and resume."""

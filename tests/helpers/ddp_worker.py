@@ -1,0 +1,279 @@
+"""Two-process DDP runs on CPU (gloo) for tests/test_training_ddp.py; rank 0 writes the measurements to
+<out>/result.json.
+
+    python tests/helpers/ddp_worker.py <out_dir>
+
+Lightning's DDP launcher starts rank 1 by re-running this script; everything below runs on both ranks. Four fits
+of ``GKDModule`` (tiny random Qwen2 student and teacher, toy addition rows), each recording per rank what it
+trained on:
+
+1. ``parity_equal``: lmbda = 0 (dataset completions, no sampling), SGD, 3 steps, 4 rows per rank, on rows whose
+   completions all have the same number of tokens. Rank 0 replays it in one process twice: with the mean of the
+   two ranks' losses on their recorded batches (what DDP's gradient averaging optimizes), and with the real
+   single-process loader at batch_size = 8 (the "doubled batch": the same 8 rows per step, one token-mean loss).
+2. ``parity_uneven``: the same on natural rows, where the ranks' completion token counts differ; only the
+   half-batch-mean replay is expected to match (the doubled batch weights the ranks by their token counts).
+3. ``flips``: lmbda = 0.5, 8 steps: every ``choose_source`` result per rank.
+4. ``grouped``: steps_per_generation = 2, lmbda = 1, 4 steps: sampling calls per rank and the prompts trained on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.data.loader import rank_groups
+from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+
+KEYS = ("input_ids", "attention_mask", "labels")
+LR, MAX_LENGTH, SEED = 1.0, 64, 0
+
+
+def prompt_tokens(ids: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
+    """Per row, the token ids where ``keep`` is true (left padding and completions dropped)."""
+    rows = zip(ids.tolist(), keep.tolist(), strict=True)
+    return [[int(t) for t, k in zip(row, mask, strict=True) if k] for row, mask in rows]
+
+
+def trained_prompts(batch: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Prompt ids of each row of a training batch: attended tokens without a label (completion padding after EOS
+    is not attended, so it is not counted)."""
+    return prompt_tokens(batch["input_ids"], (batch["attention_mask"] == 1) & (batch["labels"] == -100))
+
+
+class Recorded(GKDModule):
+    """GKDModule that records, on its rank, every coin flip, every sampling call's prompts, and every trained batch
+    with its loss."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.flips: list[list] = []
+        self.sampled: list[list[list[int]]] = []
+        self.trained: list[dict] = []
+        self._current: dict | None = None
+
+    def _training(self) -> bool:
+        return self._trainer is not None and self.trainer.training
+
+    def choose_source(self, batch_idx):
+        source = super().choose_source(batch_idx)
+        if self._training():
+            self.flips.append([self.global_step, batch_idx, source])
+        return source
+
+    def sample_batch(self, model, batch, seed):
+        self.sampled.append(prompt_tokens(batch["prompts"], batch["prompt_attention_mask"] == 1))
+        return super().sample_batch(model, batch, seed)
+
+    def training_batch(self, batch, batch_idx):
+        source, batch = super().training_batch(batch, batch_idx)
+        self._current = {"step": self.global_step, "source": source, **{k: batch[k].detach().cpu() for k in KEYS}}
+        return source, batch
+
+    def distillation_loss(self, batch):
+        loss = super().distillation_loss(batch)
+        if self._training() and self._current is not None:
+            self.trained.append({**self._current, "loss": loss.item()})
+            self._current = None
+        return loss
+
+
+SGD = partial(torch.optim.SGD, lr=LR)
+
+
+def make_module(tokenizer, *, lmbda: float, optimizer=SGD, **kwargs) -> Recorded:
+    return Recorded(
+        tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
+        tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
+        tokenizer,
+        lmbda=lmbda,
+        beta=0.5,
+        optimizer=optimizer,
+        seed=SEED,
+        **kwargs,
+    )
+
+
+def fit(out: Path, module: Recorded, data: ChatDataModule, steps: int) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+    trainer.fit(module, datamodule=data)
+    return trainer
+
+
+def gather(obj):
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def flat_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def expected_prompts(
+    rows: list[dict], data: ChatDataModule, *, group_size: int, groups: int, rank: int
+) -> list[list[int]]:
+    """Prompt ids of the rows ``rank_groups`` gives ``rank`` in its first ``groups`` groups of epoch 0."""
+    picked = rank_groups(len(rows), group_size=group_size, epoch=0, seed=SEED, shuffle=True, rank=rank, world_size=2)[
+        :groups
+    ]
+    batch = data.collator([rows[i] for group in picked for i in group])
+    return prompt_tokens(batch["prompts"], batch["prompt_attention_mask"] == 1)
+
+
+def equal_length_rows(count: int) -> list[dict]:
+    """``count`` toy rows whose completions all have the same number of tokens (3-digit answers)."""
+    return [row for row in addition_rows("train", 200) if len(row["answer"]) == 3][:count]
+
+
+# -- 1, 2: loss and weights vs one process --------------------------------------------------------------------
+def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int = 4) -> dict | None:
+    data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
+    module = make_module(tokenizer, lmbda=0.0)
+    fit(out, module, data, steps)
+    rank = dist.get_rank()
+    final = flat_state(module.student)
+    by_rank = gather(module.trained)
+    finals = gather(final)
+    sources = gather([row["source"] for row in module.trained])
+    prompts = gather([p for row in module.trained for p in trained_prompts(row)])  # [rank][row], in step order
+    expected = [expected_prompts(rows, data, group_size=per_rank, groups=steps, rank=r) for r in (0, 1)]
+    if rank != 0:
+        return None
+
+    ddp_losses = [[row["loss"] for row in part] for part in by_rank]
+    tokens = [[int((row["labels"] != -100).sum()) for row in part] for part in by_rank]
+
+    # (a) the mean of the two ranks' losses, in one process, on the batches each rank trained on
+    ref = make_module(tokenizer, lmbda=0.0)
+    opt = torch.optim.SGD([p for p in ref.student.parameters() if p.requires_grad], lr=LR)
+    half_mean = []
+    for step in range(steps):
+        loss = torch.stack([ref.distillation_loss({k: by_rank[r][step][k] for k in KEYS}) for r in (0, 1)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        half_mean.append(loss.item())
+    half_mean_state = flat_state(ref.student)
+
+    # (b) the doubled batch: one process, the real loader at batch_size = 2 * per_rank (same 8 rows per step)
+    doubled_data = ChatDataModule(tokenizer, rows, batch_size=2 * per_rank, max_length=MAX_LENGTH, seed=SEED)
+    doubled_data.setup("fit")
+    ref2 = make_module(tokenizer, lmbda=0.0)
+    opt2 = torch.optim.SGD([p for p in ref2.student.parameters() if p.requires_grad], lr=LR)
+    doubled, doubled_prompts, doubled_step0_tokens = [], [], None
+    for step, batch in enumerate(itertools.islice(doubled_data.train_dataloader(), steps)):
+        loss = ref2.distillation_loss({k: batch[k] for k in KEYS})
+        opt2.zero_grad()
+        loss.backward()
+        opt2.step()
+        doubled.append(loss.item())
+        doubled_prompts.append(prompt_tokens(batch["prompts"], batch["prompt_attention_mask"] == 1))
+        if step == 0:
+            doubled_step0_tokens = int((batch["labels"] != -100).sum())
+    doubled_state = flat_state(ref2.student)
+
+    return {
+        "ddp_losses": ddp_losses,  # [rank][step]
+        "ddp_mean_losses": [(a + b) / 2 for a, b in zip(*ddp_losses, strict=True)],
+        "completion_tokens": tokens,  # [rank][step]
+        "sources": sources,
+        "half_mean_losses": half_mean,
+        "doubled_losses": doubled,
+        "doubled_step0_tokens": doubled_step0_tokens,
+        "weights_rank0_vs_rank1": max_abs_diff(finals[0], finals[1]),
+        "weights_vs_half_mean": max_abs_diff(final, half_mean_state),
+        "weights_vs_doubled": max_abs_diff(final, doubled_state),
+        "weights_changed": max_abs_diff(final, flat_state(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0))),
+        "prompts_match_rank_groups": [prompts[r] == expected[r] for r in (0, 1)],
+        "doubled_rows_are_both_ranks": all(
+            sorted(doubled_prompts[s])
+            == sorted(prompts[0][s * per_rank : (s + 1) * per_rank] + prompts[1][s * per_rank : (s + 1) * per_rank])
+            for s in range(steps)
+        ),
+    }
+
+
+# -- 3: the coin flip ------------------------------------------------------------------------------------------
+def flips(out: Path, tokenizer, steps: int = 8) -> dict | None:
+    rows = addition_rows("train", 32)
+    data = ChatDataModule(tokenizer, rows, batch_size=2, max_length=MAX_LENGTH, seed=SEED)
+    module = make_module(tokenizer, lmbda=0.5, max_new_tokens=4)
+    fit(out, module, data, steps)
+    per_rank = gather(module.flips)
+    trained_sources = gather([row["source"] for row in module.trained])
+    calls = gather(module.sampling_calls)
+    if dist.get_rank() != 0:
+        return None
+    return {"flips": per_rank, "trained_sources": trained_sources, "sampling_calls": calls}
+
+
+# -- 4: grouped generation -------------------------------------------------------------------------------------
+def grouped(out: Path, tokenizer, steps: int = 4, k: int = 2, per_rank: int = 2) -> dict | None:
+    rows = addition_rows("train", 32)
+    data = ChatDataModule(
+        tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED, steps_per_generation=k
+    )
+    module = make_module(tokenizer, lmbda=1.0, max_new_tokens=4)
+    fit(out, module, data, steps)
+    rank = dist.get_rank()
+    report = {
+        "sampling_calls": module.sampling_calls,
+        "sampled": module.sampled,  # [call][row] prompt ids
+        "trained": [trained_prompts(row) for row in module.trained],  # [step][row]
+        "sources": [row["source"] for row in module.trained],
+        "steps": [row["step"] for row in module.trained],
+        "expected": expected_prompts(rows, data, group_size=k * per_rank, groups=steps // k, rank=rank),
+    }
+    parts = gather(report)
+    return {"ranks": parts, "steps": steps, "k": k} if rank == 0 else None
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    tokenizer = build_chatml_tokenizer()
+    L.seed_everything(0)
+    result: dict = {}
+    result["parity_equal"] = parity(out / "parity_equal", tokenizer, equal_length_rows(24))
+    result["parity_uneven"] = parity(out / "parity_uneven", tokenizer, addition_rows("train", 24))
+    result["flips"] = flips(out / "flips", tokenizer)
+    result["grouped"] = grouped(out / "grouped", tokenizer)
+    result["world_size"] = dist.get_world_size()
+    result["backend"] = dist.get_backend()
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

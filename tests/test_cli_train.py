@@ -1,0 +1,106 @@
+"""The Hydra entry point, composed in-process and run as a real command in a temp dir."""
+
+import csv
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.hydra_compose import compose_train
+from transformers import AutoModelForCausalLM
+
+from lightning_gkd.cli.train import run
+
+FAST = [
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "method.max_new_tokens=6",
+    "print_config=false",
+]
+
+
+def test_every_config_group_option_composes(tmp_path):
+    conf = Path(__file__).parents[1] / "conf"
+    for group in ["model", "data", "method", "optimizer", "scheduler", "trainer", "callbacks", "logger", "experiment"]:
+        for option in sorted(p.stem for p in (conf / group).glob("*.yaml")):
+            cfg = compose_train(tmp_path, [f"{group}={option}"])
+            assert group in cfg or group == "experiment", (group, option)
+    assert compose_train(tmp_path, ["experiment=debug"]).trainer.max_steps == 4
+    cfg = compose_train(tmp_path, ["model=hub", "data=hub", "data.train_data=trl-lib/tldr"])
+    assert cfg.method.teacher.name_or_path == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert cfg.method.student.trust_remote_code is False
+
+
+def test_composed_run_with_overrides(tmp_path):
+    cfg = compose_train(
+        tmp_path,
+        [
+            *FAST,
+            "method.lmbda=1.0",
+            "method.beta=0.9",
+            "optimizer=sgd",
+            "scheduler=linear",
+            "scheduler.num_warmup_steps=1",
+        ],
+    )
+    assert cfg.method.lmbda == 1.0 and cfg.method.beta == 0.9 and cfg.data.batch_size == 4
+    result = run(cfg)
+    assert result["global_step"] == 3
+    assert result["metrics"]["train/on_policy"] == 1.0
+    assert torch.isfinite(torch.tensor(result["metrics"]["val/loss"]))
+    run_dir = tmp_path / "run"
+    with open(run_dir / "logs" / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [float(r["train/on_policy"]) for r in rows if r.get("train/on_policy")] == [1.0, 1.0, 1.0]
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    student = AutoModelForCausalLM.from_pretrained(result["student_dir"])
+    assert student.config.hidden_size == 64 and result["student_dir"] == str(run_dir / "student")
+
+
+def test_chat_files_data_from_the_command_line(tmp_path, toy_rows):
+    import json
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in toy_rows["train"][:12]))
+    cfg = compose_train(
+        tmp_path,
+        [*FAST, "data=chat_files", f"data.train_data={data}", "method.lmbda=0.0", "callbacks=none", "export=false"],
+    )
+    result = run(cfg)
+    assert result["global_step"] == 3 and result["student_dir"] is None
+    assert "val/loss" not in result["metrics"]
+
+
+@pytest.mark.parametrize("launcher", ["module", "console_script"])
+def test_command_line_entry_points(tmp_path, launcher):
+    if launcher == "module":
+        command = [sys.executable, "-m", "lightning_gkd.cli.train"]
+    else:
+        (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "lightning-gkd"]
+        assert script.value == "lightning_gkd.cli.train:main"
+        command = [str(Path(sys.executable).parent / "lightning-gkd")]
+    result = subprocess.run(
+        [
+            *command,
+            "experiment=debug",
+            "method.lmbda=1.0",
+            f"paths.cache_dir={tmp_path}/c",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "== lightning_gkd summary ==" in result.stdout and "train/on_policy: 1.0000" in result.stdout
+    assert "seed: 42" in result.stdout and "lmbda: 1.0" in result.stdout  # the composed config is printed
+    assert (tmp_path / "run" / "student" / "model.safetensors").is_file()
+    card = (tmp_path / "run" / "student" / "README.md").read_text()  # the model card of the default run
+    assert "## Method: GKDModule" in card and "- lmbda: `1.0`" in card and "- steps: 4" in card
+    assert (tmp_path / "run" / "logs" / "metrics.csv").is_file()

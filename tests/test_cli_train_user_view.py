@@ -1,0 +1,133 @@
+"""What the user sees: progress-bar metrics, the sample table, the TensorBoard logger, the final summary."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from helpers.hydra_compose import compose_train
+from lightning.pytorch.loggers import CSVLogger
+from test_cli_train import FAST
+
+from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
+from lightning_gkd.callbacks.sample_table import SampleTable, top1_agreement
+from lightning_gkd.cli.train import run
+from lightning_gkd.data.toy.preference import addition_preference_rows
+from lightning_gkd.ops.sampling import completion_batch, position_ids_from_mask
+
+
+def test_top1_agreement_counts_completion_positions_only(student, teacher):
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    batch = completion_batch(
+        prompts, torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.tensor([[10, 11, 2], [12, 2, 0]]), eos_token_id=2
+    )
+    assert top1_agreement(student, copy.deepcopy(student), batch).tolist() == [1.0, 1.0]
+    kwargs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "position_ids": position_ids_from_mask(batch["attention_mask"]),
+    }
+    ours = student(**kwargs).logits[:, :-1].argmax(-1)
+    theirs = teacher(**kwargs).logits[:, :-1].argmax(-1)
+    positions = batch["labels"][:, 1:] != -100  # row 0: 3 completion tokens, row 1: 2 (then padding)
+    assert positions.sum(dim=1).tolist() == [3, 2]
+    expected = [((ours[i] == theirs[i]) & positions[i]).sum().item() / positions[i].sum().item() for i in range(2)]
+    assert top1_agreement(student, teacher, batch).tolist() == pytest.approx(expected)
+    student.train()
+    top1_agreement(student, teacher, batch)  # runs the student in eval mode, then gives its train mode back
+    assert all(m.training for m in student.modules())
+
+
+def test_sample_table_and_progress_bar_metrics_during_a_fit(student, teacher, tokenizer, toy_rows, tmp_path, capsys):
+    table = SampleTable(every_n_steps=2, num_samples=3, max_new_tokens=5)
+    module = GKDModule(
+        student, teacher, tokenizer, lmbda=0.5, max_new_tokens=4, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        val_check_interval=4,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[table],
+    )
+    trainer.fit(module, datamodule=ChatDataModule(tokenizer, toy_rows["train"], toy_rows["val"], batch_size=4))
+
+    assert {"train/loss", "train/on_policy_fraction", "train/tokens_per_sec"} <= set(trainer.progress_bar_metrics)
+    assert trainer.progress_bar_metrics["train/tokens_per_sec"] > 0
+    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 2, 2, 4, 4, 4] and records == table.history
+    first_prompt = toy_rows["val"][0]["messages"][0]["content"]
+    assert first_prompt in records[0]["prompt"] and all(0.0 <= r["agreement"] <= 1.0 for r in records)
+    out = capsys.readouterr().out
+    assert "Samples at step 2 (greedy)" in out and "Samples at step 4 (greedy)" in out
+    assert "top-1 agreement with teacher" in out and first_prompt in out
+    with open(tmp_path / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    logged = {int(r["step"]): float(r["samples/top1_agreement"]) for r in rows if r.get("samples/top1_agreement")}
+    assert logged[2] == pytest.approx(sum(r["agreement"] for r in records[:3]) / 3)
+    assert sum(float(r["train/on_policy"]) for r in rows if r.get("train/on_policy")) / 4 == pytest.approx(
+        [float(r["train/on_policy_fraction"]) for r in rows if r.get("train/on_policy_fraction")][-1]
+    )
+    assert module.trained_tokens > 0 and module.tokens_per_second() > 0
+
+
+def test_sample_table_compares_dpo_against_its_reference(student, tokenizer, tmp_path, capsys):
+    table = SampleTable(every_n_steps=1, num_samples=2, max_new_tokens=3)
+    module = DPOModule(student, tokenizer, reference=copy.deepcopy(student))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        callbacks=[table],
+    )
+    trainer.fit(module, datamodule=PreferenceDataModule(tokenizer, addition_preference_rows("train", 8), batch_size=2))
+    assert len(table.history) == 2 and "top-1 agreement with reference" in capsys.readouterr().out
+
+
+def test_default_run_prints_the_sample_table_and_the_summary(tmp_path, capsys):
+    result = run(compose_train(tmp_path, ["model=tiny", "experiment=debug", "print_config=false"]))
+    out = capsys.readouterr().out
+    assert "Samples at step 2 (greedy)" in out and "Samples at step 4 (greedy)" in out
+    summary = out[out.index("== lightning_gkd summary ==") :]
+    assert (
+        f"steps: 4  fit time: {result['fit_seconds']:.1f}s  throughput: {result['tokens_per_sec']:.0f} tokens/s"
+        f" ({result['trained_tokens']} completion tokens trained)" in summary
+    )
+    assert summary.index("train/loss:") < summary.index("train/on_policy:")  # losses first
+    assert "held-out accuracy (student after)" in summary
+    assert f"trained model exported to: {tmp_path / 'run' / 'student'}" in summary
+    assert result["trained_tokens"] > 0 and (tmp_path / "run" / "samples.jsonl").is_file()
+
+
+def test_tensorboard_logger_from_config(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(compose_train(tmp_path, [*FAST, "model=tiny", "logger=tensorboard", "callbacks.held_out_eval=null"]))
+    folder = tmp_path / "run" / "tensorboard"
+    assert list(folder.glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(folder)).Reload()
+    assert {"train/loss", "train/tokens_per_sec", "val/loss", "samples/top1_agreement"} <= set(events.Tags()["scalars"])
+    assert "samples/text_summary" in events.Tags()["tensors"]
+    text = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| prompt | completion | top-1 agreement with teacher |" in text
+
+
+def test_table_cells_keep_blank_completions_visible_and_prompts_end_first():
+    from lightning_gkd.callbacks.sample_table import _clip, _completion_cell
+
+    assert _completion_cell("\n\n", 10) == "⏎⏎" and _completion_cell("", 10) == "(empty)"
+    assert _completion_cell("abcdefghijkl", 6) == "abcde…"
+    assert _clip("user\n123+456=\nassistant\n", 12, keep_end=True) == "…= assistant"

@@ -1,0 +1,122 @@
+"""formatting_func: raw rows -> chat rows, lazily per row, from Python and from the Hydra config."""
+
+import json
+from functools import partial
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+
+from lightning_gkd import ChatDataModule
+from lightning_gkd.data.formatting import FormattedRows
+
+CALLS: list[int] = []
+
+
+def qa_to_chat(row, *, system=None):
+    """A formatter of (question, answer) rows; imported by dotted path from the config tests."""
+    CALLS.append(1)
+    out = {"prompt": row["question"], "completion": row["answer"]}
+    if system:
+        out["prompt"] = [{"role": "system", "content": system}, {"role": "user", "content": row["question"]}]
+    return out
+
+
+def as_qa(rows):
+    return [{"question": r["messages"][0]["content"], "answer": r["messages"][-1]["content"]} for r in rows]
+
+
+def same_batches(left: ChatDataModule, right: ChatDataModule) -> None:
+    first, second = next(iter(left.train_dataloader())), next(iter(right.train_dataloader()))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_python_formatting_func_gives_the_same_batches_as_messages(tokenizer, toy_rows):
+    chat = toy_rows["train"][:8]
+    assert [m["role"] for m in chat[0]["messages"]] == ["user", "assistant"]
+    raw = as_qa(chat)
+    formatted = ChatDataModule(
+        tokenizer,
+        raw,
+        val_data=as_qa(toy_rows["val"][:4]),
+        formatting_func=qa_to_chat,
+        batch_size=8,
+        shuffle=False,
+        max_length=64,
+    )
+    plain = ChatDataModule(tokenizer, chat, batch_size=8, shuffle=False, max_length=64)
+    formatted.setup("fit")
+    plain.setup("fit")
+    same_batches(formatted, plain)
+    assert formatted.val_rows[0]["messages"] == toy_rows["val"][0]["messages"]
+
+
+def test_it_is_applied_lazily_without_copying(tokenizer, toy_rows):
+    raw = as_qa(toy_rows["train"][:8])
+    data = ChatDataModule(tokenizer, raw, formatting_func=qa_to_chat, length_check_rows=2, max_length=64)
+    CALLS.clear()
+    data.setup("fit")
+    assert isinstance(data.train_rows, FormattedRows) and data.train_rows.rows == raw
+    assert raw[0] == as_qa(toy_rows["train"][:1])[0]  # the raw rows are left as they were
+    called = len(CALLS)
+    data.train_rows[3]
+    assert len(CALLS) == called + 1  # formatted when read, not stored
+
+
+def test_returned_shapes_and_errors(tokenizer):
+    rows = [{"q": "hi"}]
+    ok = ChatDataModule(tokenizer, rows, formatting_func=lambda r: [{"role": "user", "content": r["q"]}])
+    ok.setup("fit")
+    assert ok.train_rows[0] == {"messages": [{"role": "user", "content": "hi"}]}
+    bad = ChatDataModule(tokenizer, rows, formatting_func=lambda r: "hi")
+    with pytest.raises(TypeError, match="train_data row 0: formatting_func returned str"):
+        bad.setup("fit")
+    keys = ChatDataModule(tokenizer, rows, formatting_func=lambda r: {"text": "hi"})
+    with pytest.raises(ValueError, match=r"returned a dict with keys \['text'\]; it needs 'messages'"):
+        keys.setup("fit")
+    with pytest.raises(ValueError, match="formatting_func='no_such_module.fn' cannot be imported"):
+        ChatDataModule(tokenizer, rows, formatting_func="no_such_module.fn")
+
+
+def compose_data(tmp_path, toy_rows, override: str):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in as_qa(toy_rows["train"][:8])))
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_gkd.conf", version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                "data=chat_files",
+                f"data.train_data={path}",
+                "+data.shuffle=false",
+                "data.max_length=64",
+                override,
+            ],
+        )
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.formatting_func=test_data_formatting.qa_to_chat",
+        "data.formatting_func={_target_:test_data_formatting.qa_to_chat,_partial_:true,system:brief}",
+    ],
+)
+def test_formatting_func_from_the_config(tmp_path, tokenizer, toy_rows, override):
+    cfg = compose_data(tmp_path, toy_rows, override)
+    data = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
+    data.setup("fit")
+    first = data.train_rows[0]["messages"]
+    expected = toy_rows["train"][0]["messages"]
+    if "system" in override:
+        assert isinstance(data.formatting_func, partial)
+        assert first == [{"role": "system", "content": "brief"}, *expected]
+    else:
+        assert first == expected
+        plain = ChatDataModule(tokenizer, toy_rows["train"][:8], shuffle=False, max_length=64)
+        plain.setup("fit")
+        same_batches(data, plain)

@@ -1,0 +1,85 @@
+"""Trainer precision: a frozen model whose dtype was not chosen follows it (bf16 under bf16-*); a chosen dtype and
+the trained model's float32 weights stay; every trainer config composes with its precision."""
+
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from helpers.hydra_compose import compose_train
+
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.data.toy import addition_rows
+
+
+@pytest.fixture()
+def teacher_dir(teacher, tmp_path):
+    teacher.save_pretrained(tmp_path / "teacher")
+    return str(tmp_path / "teacher")
+
+
+def fit_one_step(module, tokenizer, tmp_path, precision):
+    datamodule = ChatDataModule(tokenizer, addition_rows("train", 8), batch_size=4, max_length=64)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "teacher_spec, precision, expected",
+    [
+        ("path", "bf16-mixed", torch.bfloat16),
+        ({"init_kwargs": {"dtype": "auto"}}, "bf16-mixed", torch.bfloat16),
+        ({"init_kwargs": {"dtype": "float32"}}, "bf16-mixed", torch.float32),  # chosen: kept
+        ("path", "32-true", torch.float32),
+    ],
+)
+def test_teacher_dtype_follows_precision_unless_chosen(
+    student, tokenizer, teacher_dir, tmp_path, teacher_spec, precision, expected
+):
+    source = teacher_dir if teacher_spec == "path" else {"name_or_path": teacher_dir, **teacher_spec}
+    module = GKDModule(student, source, tokenizer, lmbda=0.0, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    before = {n: p.detach().clone() for n, p in module.student.named_parameters()}
+    fit_one_step(module, tokenizer, tmp_path, precision)
+    assert {p.dtype for p in module.teacher.parameters()} == {expected}
+    # the trained weights stay float32 (mixed precision keeps master weights) and were updated
+    assert {p.dtype for p in module.student.parameters()} == {torch.float32}
+    assert any(not torch.equal(before[n], p) for n, p in module.student.named_parameters())
+
+
+def test_bf16_true_runs_everything_in_bf16(student, tokenizer, teacher_dir, tmp_path):
+    module = GKDModule(
+        student, teacher_dir, tokenizer, lmbda=1.0, max_new_tokens=4, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+    )
+    fit_one_step(module, tokenizer, tmp_path, "bf16-true")
+    assert {p.dtype for p in module.teacher.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in module.student.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    "trainer_group, accelerator, precision, strategy",
+    [
+        ("cpu", "cpu", "32-true", "auto"),
+        ("gpu", "gpu", "bf16-mixed", "auto"),
+        ("ddp", "auto", "32-true", "ddp"),
+        ("fsdp", "gpu", "32-true", "ModelParallelStrategy"),
+    ],
+)
+def test_trainer_groups_compose(tmp_path, trainer_group, accelerator, precision, strategy):
+    cfg = compose_train(tmp_path, [f"trainer={trainer_group}", "trainer.precision=bf16-true"])
+    assert cfg.trainer.precision == "bf16-true"  # overridable everywhere
+    cfg = compose_train(tmp_path, [f"trainer={trainer_group}"])
+    assert cfg.trainer.accelerator == accelerator and cfg.trainer.precision == precision
+    got = cfg.trainer.strategy if isinstance(cfg.trainer.strategy, str) else cfg.trainer.strategy._target_
+    assert got.endswith(strategy)
+    assert cfg.trainer.max_steps == 200 and cfg.trainer.gradient_clip_val == 1.0  # shared values from default

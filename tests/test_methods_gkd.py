@@ -1,0 +1,154 @@
+"""GKDModule trained with a plain Lightning Trainer (no Hydra), as a user's own project would."""
+
+import csv
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from transformers import AutoModelForCausalLM
+
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.models.loading import load_causal_lm
+from lightning_gkd.models.tiny import TINY_STUDENT
+
+
+def make_module(student, teacher, tokenizer, **kwargs):
+    kwargs.setdefault("max_new_tokens", 6)
+    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
+    return GKDModule(student, teacher, tokenizer, **kwargs)
+
+
+def fit(module, tokenizer, rows, tmp_path, max_steps=3, **trainer_kwargs):
+    datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        val_check_interval=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+def logged(tmp_path, key):
+    with open(tmp_path / "metrics.csv") as handle:
+        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "lmbda, seq_kd, expected_source", [(0.0, False, "dataset"), (1.0, False, "student"), (0.0, True, "teacher")]
+)
+def test_fit_trains_student_only(
+    student, teacher, tokenizer, toy_rows, tmp_path, monkeypatch, lmbda, seq_kd, expected_source
+):
+    module = make_module(student, teacher, tokenizer, lmbda=lmbda, seq_kd=seq_kd)
+    sampled_by = []
+    original = GKDModule.sample_batch
+    monkeypatch.setattr(
+        GKDModule,
+        "sample_batch",
+        lambda self, model, batch, seed: (
+            sampled_by.append("student" if model is self.student else "teacher") or original(self, model, batch, seed)
+        ),
+    )
+    student_before, teacher_before = snapshot(module.student), snapshot(module.teacher)
+
+    trainer = fit(module, tokenizer, toy_rows, tmp_path)
+
+    assert trainer.global_step == 3
+    assert sampled_by == ([] if expected_source == "dataset" else [expected_source] * 3)
+    assert any(not torch.equal(v, student_before[k]) for k, v in module.student.state_dict().items())
+    assert all(torch.equal(v, teacher_before[k]) for k, v in module.teacher.state_dict().items())
+    assert not module.teacher.training and module.student.training
+    losses = logged(tmp_path, "train/loss")
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))) and all(x > 0 for x in losses)
+    assert logged(tmp_path, "train/on_policy") == [float(expected_source == "student")] * 3
+    # toy completions are 1-4 digits + "<|im_end|>\n"; samples are capped at max_new_tokens=6
+    assert all(1 <= x <= 6 for x in logged(tmp_path, "train/completion_length"))
+    assert len(logged(tmp_path, "val/loss")) == 1
+
+    (checkpoint_path,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    checkpoint = torch.load(checkpoint_path, weights_only=False)
+    assert checkpoint["state_dict"] and not any(k.startswith("teacher.") for k in checkpoint["state_dict"])
+    assert all(k.startswith("model.") for k in checkpoint["state_dict"])
+
+
+def test_checkpoint_reloads_strictly_without_teacher_keys(student, teacher, tokenizer, toy_rows, tmp_path):
+    module = make_module(student, teacher, tokenizer, lmbda=0.0)
+    trainer = fit(module, tokenizer, toy_rows, tmp_path, max_steps=2)
+    path = tmp_path / "manual.ckpt"
+    trainer.save_checkpoint(path)
+    fresh = make_module(
+        load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": len(tokenizer)}}), module.teacher, tokenizer
+    )
+    loaded = type(fresh).load_from_checkpoint(path, student=fresh.student, teacher=fresh.teacher, tokenizer=tokenizer)
+    for key, value in module.student.state_dict().items():
+        assert torch.equal(loaded.student.state_dict()[key], value)
+    assert loaded.hparams.lmbda == 0.0
+
+
+def test_export_loads_with_auto_model_and_gives_the_same_logits(student, teacher, tokenizer, tmp_path):
+    module = make_module(student, teacher, tokenizer)
+    target = module.export(tmp_path / "student")
+    module.export(tmp_path / "student")  # overwriting an export replaces it whole
+    reloaded = AutoModelForCausalLM.from_pretrained(target).eval()
+    ids = torch.tensor([[1, 87, 85, 71, 84, 201, 19, 13]])
+    module.student.eval()
+    torch.testing.assert_close(reloaded(ids).logits, module.student(ids).logits, rtol=0, atol=0)
+    assert (target / "tokenizer.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]
+
+
+def test_coin_flip_is_a_function_of_seed_step_and_batch(student, teacher, tokenizer):
+    a = make_module(student, teacher, tokenizer, lmbda=0.5, seed=7)
+    b = make_module(student, teacher, tokenizer, lmbda=0.5, seed=7)
+    c = make_module(student, teacher, tokenizer, lmbda=0.5, seed=8)
+    flips_a = [a.choose_source(i) for i in range(400)]
+    torch.manual_seed(123)  # the global RNG plays no part
+    assert flips_a == [b.choose_source(i) for i in range(400)]
+    assert flips_a != [c.choose_source(i) for i in range(400)]
+    on_policy = flips_a.count("student") / 400
+    assert 0.4 < on_policy < 0.6 and set(flips_a) == {"student", "dataset"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lmbda": 1.5}, r"lmbda must be in \[0, 1\], got 1.5"),
+        ({"beta": -0.1}, r"beta must be in \[0, 1\], got -0.1"),
+        ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+        ({"loss_temperature": -1.0}, "loss_temperature must be > 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_invalid_hyperparameters_fail_at_construction(student, teacher, tokenizer, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_module(student, teacher, tokenizer, **kwargs)
+
+
+def test_vocab_mismatch_fails_before_training(student, tokenizer):
+    teacher = load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": 300}})
+    with pytest.raises(ValueError, match="Student vocabulary size 259 differs from the teacher's 300"):
+        make_module(student, teacher, tokenizer)
+
+
+def test_scheduler_steps_every_optimizer_step(student, teacher, tokenizer, toy_rows, tmp_path):
+    scheduler = partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 1.0 / (1 + step))
+    module = make_module(
+        student, teacher, tokenizer, lmbda=0.0, scheduler=scheduler, optimizer=partial(torch.optim.SGD, lr=0.1)
+    )
+    trainer = fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / 4)

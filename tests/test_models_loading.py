@@ -1,0 +1,79 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lightning_gkd import models
+from lightning_gkd.models.loading import check_same_vocab, freeze, load_causal_lm
+from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
+
+
+def test_module_is_returned_as_is(student):
+    assert load_causal_lm(student) is student
+
+
+def test_from_config_spec_builds_the_described_model():
+    spec = {
+        "config": {
+            "model_type": "llama",
+            "vocab_size": 50,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        "init_kwargs": {"dtype": "bfloat16"},
+    }
+    model = load_causal_lm(spec)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.hidden_size == 32 and model.get_output_embeddings().weight.shape == (50, 32)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_local_folder_loads_through_from_pretrained_with_init_kwargs(student, tmp_path):
+    student.save_pretrained(tmp_path / "student")
+    spec = {
+        "name_or_path": str(tmp_path / "student"),
+        "init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager"},
+    }
+    loaded = load_causal_lm(spec)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert loaded.config._attn_implementation == "eager"
+    reference = {k: v.to(torch.bfloat16) for k, v in student.state_dict().items()}
+    assert all(torch.equal(v, reference[k]) for k, v in loaded.state_dict().items())
+
+
+def test_hub_id_passes_init_kwargs_and_never_trusts_remote_code_by_default(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", lambda name, **kw: calls.append((name, kw)) or torch.nn.Linear(1, 1)
+    )
+    load_causal_lm({"name_or_path": "org/model", "init_kwargs": {"dtype": "float16", "revision": "v2"}})
+    load_causal_lm("org/other", trust_remote_code=True)
+    assert calls[0] == ("org/model", {"dtype": torch.float16, "revision": "v2", "trust_remote_code": False})
+    assert calls[1] == ("org/other", {"trust_remote_code": True})
+
+
+def test_missing_folder_and_bad_spec_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"teacher: model folder .*nope' does not exist"):
+        load_causal_lm(str(tmp_path / "nope"), role="teacher")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['path'\]"):
+        load_causal_lm({"path": "x"})
+    with pytest.raises(ValueError, match="Unknown dtype 'float17'"):
+        models.resolve_dtype("float17")
+
+
+def test_freeze_makes_a_fixed_function(tokenizer):
+    model = tiny_causal_lm({**TINY_STUDENT, "attention_dropout": 0.1}, tokenizer, seed=0)
+    model.add_module("extra_dropout", torch.nn.Dropout(0.3))
+    model.train()
+    frozen = freeze(model)
+    assert not frozen.training and not any(m.training for m in frozen.modules())
+    assert not any(p.requires_grad for p in frozen.parameters())
+    assert frozen.extra_dropout.p == 0.0
+    assert all(m.attention_dropout == 0.0 for m in frozen.modules() if hasattr(m, "attention_dropout"))
+
+
+def test_vocab_mismatch_names_both_sizes(student):
+    other = load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": 300}})
+    with pytest.raises(ValueError, match="Student vocabulary size 259 differs from the teacher's 300"):
+        check_same_vocab(student, other)
