@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_gkd.data.validation import CHAT_ROLES
+from lightning_gkd.data.validation import check_messages
 
 PairFormat = Literal["conversational", "text", "tokenized"]
 TEXT_FIELDS = ("prompt", "chosen", "rejected")
@@ -99,7 +99,7 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
                     "and rejected completion. Drop or fix this row."
                 )
         return kind
-    _check_messages(row["prompt"], f"{where}: 'prompt'")
+    check_messages(row["prompt"], f"{where}: 'prompt'")
     for field in ("chosen", "rejected"):
         value = row[field]
         if isinstance(value, str):
@@ -107,7 +107,7 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
                 f"{where}: 'prompt' is a list of messages, so {field!r} must be one too "
                 f"([{{'role': 'assistant', 'content': ...}}]), got a string. {_ROW_HELP}"
             )
-        _check_messages(value, f"{where}: {field!r}")
+        check_messages(value, f"{where}: {field!r}")
         if len(value) != 1 or value[0]["role"] != "assistant":
             raise ValueError(
                 f"{where}: {field!r} must be exactly one assistant message, got roles {[m['role'] for m in value]}."
@@ -124,17 +124,3 @@ def _identical_sides(row: Mapping[str, Any], kind: PairFormat) -> bool:
     if kind == "tokenized":
         return list(row["chosen_input_ids"]) == list(row["rejected_input_ids"])
     return row["chosen"] == row["rejected"]
-
-
-def _check_messages(messages: Any, where: str) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise ValueError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}.")
-    for turn, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(f"{where}[{turn}] must be a dict with 'role' and 'content', got {type(message).__name__}.")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            detail = "is missing 'role'" if role is None else f"has unknown role {role!r}"
-            raise ValueError(f"{where}[{turn}] {detail}; use one of {', '.join(CHAT_ROLES)}.")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"{where}[{turn}] needs string 'content', got {message.get('content')!r:.80}.")

@@ -27,12 +27,18 @@ def validate_chat_row(row: Any, *, index: int, name: str = "train_data") -> None
             f"{where}: missing field 'messages' (fields present: {sorted(row)}). Each row needs "
             f"'messages': a list of {{'role', 'content'}} dicts."
         )
+    check_messages(messages, f"{where}: 'messages'", turns=f"{where}: messages")
+
+
+def check_messages(messages: Any, name: str, *, turns: str | None = None) -> None:
+    """A non-empty list of ``{"role", "content"}`` dicts with known roles and string contents, else ValueError.
+    ``name`` names the whole list in errors (``train_data row 3: 'messages'``), ``turns`` the prefix of one turn
+    (``train_data row 3: messages`` -> ``...messages[0]``; default ``name``)."""
+    turns = name if turns is None else turns
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise ValueError(
-            f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}."
-        )
+        raise ValueError(f"{name} must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}.")
     for turn, message in enumerate(messages):
-        field = f"{where}: messages[{turn}]"
+        field = f"{turns}[{turn}]"
         if not isinstance(message, Mapping):
             raise ValueError(f"{field} must be a dict with 'role' and 'content', got {type(message).__name__}.")
         role = message.get("role")
@@ -44,7 +50,7 @@ def validate_chat_row(row: Any, *, index: int, name: str = "train_data") -> None
             detail = (
                 "is missing 'content'"
                 if content is None
-                else (f"has non-string content of type {type(content).__name__}")
+                else f"has non-string content of type {type(content).__name__}"
             )
             raise ValueError(f"{field} {detail}; content must be a string.")
 
