@@ -77,3 +77,23 @@ def test_vocab_mismatch_names_both_sizes(student):
     other = load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": 300}})
     with pytest.raises(ValueError, match="Student vocabulary size 259 differs from the teacher's 300"):
         check_same_vocab(student, other)
+
+
+def test_disable_dropout_also_zeroes_functional_dropout_rates():
+    """OPT applies dropout and layerdrop with float rates (not nn.Dropout): two train-mode forwards differ until
+    disable_dropout zeroes those too."""
+    from helpers.tiny_registry import build_tiny, tiny_config
+
+    from lightning_gkd.models.loading import disable_dropout
+
+    model = build_tiny(tiny_config("opt", 64, dropout=0.3, layerdrop=0.0), seed=0).train()
+    ids = torch.randint(3, 64, (2, 10))
+
+    def logits():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+    torch.manual_seed(0)
+    assert not torch.equal(logits(), logits())
+    disable_dropout(model)
+    assert model.config.dropout == 0.0 and model.model.decoder.dropout == 0.0
+    assert torch.equal(logits(), logits())

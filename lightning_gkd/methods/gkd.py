@@ -15,7 +15,7 @@ from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
 from lightning_gkd.models.loading import ModelSource, check_same_vocab
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
-from lightning_gkd.ops.hf import LeanForwardUnsupported, final_hidden_states, output_weight
+from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, final_hidden_states
 from lightning_gkd.ops.losses import IGNORE_INDEX, generalized_jsd_loss
 from lightning_gkd.ops.sampling import validate_sampling_args
 from lightning_gkd.samplers import KVCacheSampler, Sampler
@@ -191,14 +191,16 @@ class GKDModule(CausalLMModule):
     def _lean_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # hidden state i predicts token i + 1: keep i where label i + 1 is supervised
         positions = torch.nn.functional.pad(batch["labels"][:, 1:] != IGNORE_INDEX, (0, 1), value=False)
-        student_hidden = final_hidden_states(self.student, batch["input_ids"], batch["attention_mask"], positions)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        student_head = check_output_head(self.student, ids, mask)  # its own logits, proven on first use
+        student_hidden = final_hidden_states(self.student, ids, mask, positions)
         teacher_hidden, teacher_head = self.teacher_source.hidden_states(batch, positions)
         # the logits watch sees no logits on this path; record whether each model's hidden states are finite
         self.nonfinite_guard.record(self.model_role, student_hidden)
         self.nonfinite_guard.record("teacher", teacher_hidden)
         return projected_jsd_loss(
             student_hidden,
-            output_weight(self.student),
+            student_head,
             teacher_hidden,
             teacher_head,
             beta=self.beta,

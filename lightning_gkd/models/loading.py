@@ -111,13 +111,28 @@ def _from_config(config: PretrainedConfig, kwargs: dict[str, Any], trust_remote_
     return model
 
 
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or name == "layerdrop"
+
+
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Set every dropout probability in ``model`` to 0 (``nn.Dropout`` modules and attention-dropout floats)."""
+    """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` modules, and the float rates that modules
+    (``self.dropout``, ``self.attention_dropout``, OPT/BART's ``layerdrop``, ...) and configs hold for functional
+    dropout, which ``nn.Dropout`` alone misses."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            cast(Any, module).attention_dropout = 0.0  # a float on HF attention modules, not a submodule
+        for name, value in list(vars(module).items()):
+            if _is_dropout_name(name) and isinstance(value, float):
+                setattr(cast(Any, module), name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None:
+            get_text_config = getattr(config, "get_text_config", None)
+            configs = {id(c): c for c in (config, get_text_config() if callable(get_text_config) else None) if c}
+            for conf in configs.values():
+                for name, value in list(vars(conf).items()):
+                    if _is_dropout_name(name) and isinstance(value, float):
+                        setattr(conf, name, 0.0)
     return model
 
 

@@ -22,6 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lightning_gkd.ops.hf import LogitHead
+
 __all__ = ["projected_jsd_loss"]
 
 
@@ -48,79 +50,97 @@ def _chunk_loss_and_logit_grad(
     return loss, S * (g - (S * g).sum(dim=-1, keepdim=True)) / temperature
 
 
+def _logits(hidden: torch.Tensor, head: LogitHead) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    projected = (hidden @ head.weight.t()).float()
+    if head.bias is not None:
+        projected = projected + head.bias.float()
+    return head.transform(projected)
+
+
 class _ProjectedJSD(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
         student_hidden: torch.Tensor,
         student_weight: torch.Tensor,
+        student_bias: torch.Tensor | None,
         teacher_hidden: torch.Tensor,
-        teacher_weight: torch.Tensor,
+        student_head: LogitHead,
+        teacher_head: LogitHead,
         beta: float,
         temperature: float,
         chunk_size: int,
         normalizer: float,
-        grad_hidden: bool,
-        grad_weight: bool,
+        grads: tuple[bool, bool, bool],
     ) -> torch.Tensor:
-        need_grad = grad_hidden or grad_weight
+        grad_hidden, grad_weight, grad_bias = grads
+        need_grad = any(grads)
         total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
         hidden_grad = torch.zeros_like(student_hidden, dtype=torch.float32) if grad_hidden else None
         weight_grad = torch.zeros_like(student_weight, dtype=torch.float32) if grad_weight else None
+        bias_grad = (
+            torch.zeros_like(student_bias, dtype=torch.float32) if grad_bias and student_bias is not None else None
+        )
         for start in range(0, student_hidden.shape[0], chunk_size):
             hs = student_hidden[start : start + chunk_size]
-            student_logits = hs @ student_weight.t()
-            teacher_logits = teacher_hidden[start : start + chunk_size] @ teacher_weight.t()
+            student_logits, head_grad = _logits(hs, student_head)
+            teacher_logits, _ = _logits(teacher_hidden[start : start + chunk_size], teacher_head)
             loss, logit_grad = _chunk_loss_and_logit_grad(
                 student_logits, teacher_logits, beta=beta, temperature=temperature, need_grad=need_grad
             )
             total += loss
             if logit_grad is not None:
-                logit_grad = logit_grad.to(student_weight.dtype)
-                if hidden_grad is not None:
-                    hidden_grad[start : start + chunk_size] = logit_grad @ student_weight
+                if head_grad is not None:  # through the head's scale and soft-cap, to h @ Wᵀ + b
+                    logit_grad = logit_grad * head_grad
+                if bias_grad is not None:
+                    bias_grad += logit_grad.sum(dim=0)
                 if weight_grad is not None:
-                    weight_grad.addmm_(logit_grad.t().float(), hs.float())
+                    weight_grad.addmm_(logit_grad.t(), hs.float())
+                if hidden_grad is not None:
+                    hidden_grad[start : start + chunk_size] = logit_grad.to(student_weight.dtype) @ student_weight
         ctx.save_for_backward(
-            *(g / normalizer if g is not None else torch.empty(0) for g in (hidden_grad, weight_grad))
+            *(g / normalizer if g is not None else torch.empty(0) for g in (hidden_grad, weight_grad, bias_grad))
         )
-        ctx.dtypes = (student_hidden.dtype, student_weight.dtype)
-        ctx.has = (grad_hidden, grad_weight)
+        ctx.dtypes = (student_hidden.dtype, student_weight.dtype, None if student_bias is None else student_bias.dtype)
+        ctx.has = (grad_hidden, grad_weight, bias_grad is not None)
         return total / normalizer
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        hidden_grad, weight_grad = ctx.saved_tensors
-        has_hidden, has_weight = ctx.has
-        grad_h = (hidden_grad * grad_output).to(ctx.dtypes[0]) if has_hidden else None
-        grad_w = (weight_grad * grad_output).to(ctx.dtypes[1]) if has_weight else None
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        grads = []
+        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.dtypes, strict=True):
+            grads.append((saved * grad_output).to(dtype) if has else None)
+        grad_h, grad_w, grad_b = grads
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def projected_jsd_loss(
     student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
+    student_head: LogitHead | torch.Tensor,
     teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
+    teacher_head: LogitHead | torch.Tensor,
     *,
     beta: float = 0.5,
     temperature: float = 1.0,
     chunk_size: int = 256,
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    r"""Mean generalized JSD over positions, from final hidden states and output-projection weights.
+    r"""Mean generalized JSD over positions, from final hidden states and each model's head.
 
-    Equals ``generalized_jsd_loss(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, beta=beta,
-    temperature=temperature)`` with ``labels`` keeping every one of the ``N`` rows (``reduction="batchmean"``,
-    i.e. the sum over positions divided by ``N``), in value and in gradients with respect to ``student_hidden``
-    and ``student_weight``, but with O(``chunk_size`` × V) extra memory. Softmaxes run in float32 whatever the
-    input dtype; the teacher inputs get no gradient.
+    Equals ``generalized_jsd_loss(student_head.logits(student_hidden), teacher_head.logits(teacher_hidden),
+    beta=beta, temperature=temperature)`` with ``labels`` keeping every one of the ``N`` rows
+    (``reduction="batchmean"``, i.e. the sum over positions divided by ``N``), in value and in gradients with
+    respect to ``student_hidden`` and the student head's weight and bias, but with O(``chunk_size`` × V) extra
+    memory. Softmaxes run in float32 whatever the input dtype; the teacher inputs get no gradient.
+
+    A head (``lightning_gkd.ops.hf.LogitHead``) is ``logits = softcap(scale · (h @ Wᵀ + b))``; the gradient passes
+    through it in closed form: ``d softcap(z)/dz = 1 − tanh²(z / cap)``, times ``scale``.
 
     Args:
         student_hidden: ``(N, H_s)`` student final hidden states at the supervised positions only.
-        student_weight: ``(V, H_s)`` student output projection (``lm_head.weight``; no bias).
+        student_head: the student's ``LogitHead`` (or just its ``(V, H_s)`` output-projection weight).
         teacher_hidden: ``(N, H_t)`` teacher final hidden states at the same positions.
-        teacher_weight: ``(V, H_t)`` teacher output projection.
+        teacher_head: the teacher's ``LogitHead`` (or its ``(V, H_t)`` weight).
         beta: 0 = forward KL(T‖S), 1 = reverse KL(S‖T), in between the generalized JSD.
         temperature: both distributions are ``softmax(logits / temperature)``.
         chunk_size: positions projected to logits at a time.
@@ -131,14 +151,16 @@ def projected_jsd_loss(
         A 0-dim float32 tensor. Its gradients are computed during the forward pass (when autograd needs them) and
         scaled by the incoming gradient in the backward pass.
     """
+    student_head = student_head if isinstance(student_head, LogitHead) else LogitHead(student_head)
+    teacher_head = teacher_head if isinstance(teacher_head, LogitHead) else LogitHead(teacher_head)
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
         raise ValueError(
             f"student_hidden has {student_hidden.shape[0]} positions but teacher_hidden has "
             f"{teacher_hidden.shape[0]}; pass the same supervised positions of both models."
         )
-    if student_weight.shape[0] != teacher_weight.shape[0]:
+    if student_head.weight.shape[0] != teacher_head.weight.shape[0]:
         raise ValueError(
-            f"Vocabulary sizes differ: student {student_weight.shape[0]}, teacher {teacher_weight.shape[0]}."
+            f"Vocabulary sizes differ: student {student_head.weight.shape[0]}, teacher {teacher_head.weight.shape[0]}."
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
@@ -147,15 +169,27 @@ def projected_jsd_loss(
     else:
         normalizer = float(num_items_in_batch)
     grad_enabled = torch.is_grad_enabled()
+    bias = student_head.bias
+    frozen_teacher = LogitHead(
+        teacher_head.weight.detach(),
+        None if teacher_head.bias is None else teacher_head.bias.detach(),
+        teacher_head.scale,
+        teacher_head.softcap,
+    )
     return _ProjectedJSD.apply(
         student_hidden,
-        student_weight,
+        student_head.weight,
+        bias,
         teacher_hidden.detach(),
-        teacher_weight.detach(),
+        student_head,
+        frozen_teacher,
         float(beta),
         float(temperature),
         int(chunk_size),
         normalizer,
-        grad_enabled and student_hidden.requires_grad,
-        grad_enabled and student_weight.requires_grad,
+        (
+            grad_enabled and student_hidden.requires_grad,
+            grad_enabled and student_head.weight.requires_grad,
+            grad_enabled and bias is not None and bias.requires_grad,
+        ),
     )

@@ -9,8 +9,10 @@ output, and ``logits_to_keep`` (an empty index) tells the language-model head to
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -19,6 +21,8 @@ from torch import nn
 __all__ = [
     "EosTokenId",
     "LeanForwardUnsupported",
+    "LogitHead",
+    "check_output_head",
     "accepts_logits_to_keep",
     "cache_keyword",
     "causal_lm_logits",
@@ -26,6 +30,7 @@ __all__ = [
     "final_hidden_states",
     "is_peft_model",
     "is_sharded",
+    "output_head",
     "output_weight",
     "position_ids_from_mask",
     "resolve_eos_token_id",
@@ -147,8 +152,8 @@ def resolve_pad_token_id(tokenizer: Any) -> int:
 
 
 class LeanForwardUnsupported(RuntimeError):
-    """The model lacks what the hidden-state path needs (a decoder, a bias-free output projection, or
-    ``logits_to_keep``); use full logits instead."""
+    """The model lacks what the hidden-state path needs (a decoder, a linear output projection whose logits the
+    head description reproduces, or ``logits_to_keep``); use full logits instead."""
 
 
 class _CausalLMCore(Protocol):
@@ -157,6 +162,8 @@ class _CausalLMCore(Protocol):
     def get_decoder(self) -> nn.Module: ...
 
     def get_output_embeddings(self) -> nn.Module | None: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
 
 def _causal_lm(model: nn.Module) -> _CausalLMCore:
@@ -169,12 +176,121 @@ def _causal_lm(model: nn.Module) -> _CausalLMCore:
     return cast(_CausalLMCore, core)
 
 
+@dataclass(frozen=True)
+class LogitHead:
+    """What a causal LM's head does to its final hidden states ``h``:
+    ``logits = softcap(scale · (h @ weightᵀ + bias))`` with ``softcap(z) = cap · tanh(z / cap)`` when ``softcap`` is
+    set. Plain heads (Llama, Qwen, Mistral, ...) are ``scale = 1``, no bias, no cap; Gemma 2/3 soft-cap
+    (``final_logit_softcapping``), Cohere multiplies by ``logit_scale``, Granite divides by ``logits_scaling``."""
+
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None = None  # (V,)
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def transform(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+        """``(logits, d logits / d projected)`` from ``projected = h @ weightᵀ + bias`` (float32 in, float32 out);
+        the derivative is elementwise, a constant, or None for the identity."""
+        z = projected * self.scale if self.scale != 1 else projected
+        if self.softcap is None:
+            return z, (self.scale if self.scale != 1 else None)
+        capped = torch.tanh(z / self.softcap)
+        return self.softcap * capped, self.scale * (1 - capped * capped)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        projected = (hidden @ self.weight.t()).float()
+        if self.bias is not None:
+            projected = projected + self.bias.float()
+        return self.transform(projected)[0]
+
+
+#: The head transforms the lean path knows, by config field (read from the text config): softcap after scaling.
+_SOFTCAP_FIELDS = ("final_logit_softcapping",)  # Gemma 2, Gemma 3: logits = cap * tanh(logits / cap)
+_MULTIPLY_FIELDS = ("logit_scale",)  # Cohere, Command-R: logits * logit_scale
+_DIVIDE_FIELDS = ("logits_scaling",)  # Granite: logits / logits_scaling
+
+
+def output_head(model: nn.Module) -> LogitHead:
+    """The model's head as a :class:`LogitHead`: its output projection (an ``nn.Linear``, bias allowed) and the
+    transforms its config names. Call :func:`check_output_head` once to prove they reproduce the model's logits."""
+    core = _causal_lm(model)
+    head = core.get_output_embeddings()
+    extra = {name for name, _ in head.named_parameters()} - {"weight", "bias"} if isinstance(head, nn.Module) else set()
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or extra:
+        raise LeanForwardUnsupported(f"output projection {type(head).__name__} is not a plain nn.Linear")
+    # anything trainable between the decoder and the projection (a head MLP, a learned scale) is not described
+    covered = {id(p) for p in core.get_decoder().parameters()} | {id(p) for p in head.parameters()}
+    outside = [name for name, p in core.named_parameters() if id(p) not in covered]
+    if outside:
+        raise LeanForwardUnsupported(
+            f"{type(core).__name__} has parameters outside its decoder and lm_head ({', '.join(outside[:3])}), so its "
+            "head does more than a projection"
+        )
+    config: Any = getattr(core, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    text = get_text_config() if callable(get_text_config) else config
+    scale, softcap = 1.0, None
+    for name in _MULTIPLY_FIELDS:
+        if (value := getattr(text, name, None)) is not None:
+            scale *= float(value)
+    for name in _DIVIDE_FIELDS:
+        if (value := getattr(text, name, None)) is not None:
+            scale /= float(value)
+    for name in _SOFTCAP_FIELDS:
+        if (value := getattr(text, name, None)) is not None:
+            softcap = float(value)
+    return LogitHead(head.weight, head.bias, scale, softcap)
+
+
 def output_weight(model: nn.Module) -> torch.Tensor:
-    """The ``(V, H)`` weight of the model's output projection (``lm_head``), which must have no bias."""
-    head = _causal_lm(model).get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise LeanForwardUnsupported(f"output projection {type(head).__name__} is not a bias-free nn.Linear")
-    return head.weight
+    """The ``(V, H)`` weight of the model's output projection (``lm_head``)."""
+    return output_head(model).weight
+
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> LogitHead:
+    """:func:`output_head`, proven once per model against the model's own logits: the first row of the batch runs
+    through ``model`` (eval mode, no grad) and its head's description must reproduce the last positions' logits.
+    Raises ``LeanForwardUnsupported`` naming the model class when it does not (a head transform the description does
+    not know: a custom head, remote code, a new config field), so the caller falls back to full logits."""
+    head = output_head(model)
+    if _CHECKED.get(model):
+        return head
+    ids, mask = input_ids[:1], attention_mask[:1]
+    keep = min(4, ids.shape[1])
+    positions = torch.zeros_like(ids, dtype=torch.bool)
+    positions[:, -keep:] = True
+    with torch.no_grad(), eval_mode(model):
+        expected = (
+            model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=False,
+                logits_to_keep=keep,
+            )
+            .logits[0, -keep:]
+            .float()
+        )
+        hidden = final_hidden_states(model, ids, mask, positions)
+        if hidden.shape[-1] != head.weight.shape[1]:
+            raise LeanForwardUnsupported(
+                f"{type(unwrap(model)).__name__}'s final hidden states have {hidden.shape[-1]} features but its "
+                f"lm_head takes {head.weight.shape[1]}: something projects between them"
+            )
+        got = output_head(model).logits(hidden)
+    tolerance = 1e-5 * max(1.0, float(expected.abs().max()))
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-5, atol=tolerance):
+        difference = float((got - expected).abs().max()) if got.shape == expected.shape else float("nan")
+        raise LeanForwardUnsupported(
+            f"{type(unwrap(model)).__name__}'s logits are not softcap(scale * (hidden @ lm_head.weight.T + bias)) "
+            f"with the transforms its config names (scale {head.scale:g}, softcap {head.softcap}): the largest "
+            f"difference on a probe was {difference:.3g}"
+        )
+    _CHECKED[model] = True
+    return head
 
 
 def final_hidden_states(
@@ -210,6 +326,12 @@ def final_hidden_states(
         )
     finally:
         handle.remove()
-    if "hidden" not in captured:
+    hidden = captured.get("hidden")
+    if hidden is None:
         raise LeanForwardUnsupported(f"{type(decoder).__name__} did not run in the model's forward")
-    return captured["hidden"][positions]
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise LeanForwardUnsupported(
+            f"{type(decoder).__name__}'s output {shape} is not the (batch, length, hidden) final hidden states"
+        )
+    return hidden[positions]

@@ -7,6 +7,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from lightning_gkd.ops.hf import LogitHead
+
 
 @runtime_checkable
 class Teacher(Protocol):
@@ -19,8 +21,8 @@ class Teacher(Protocol):
 
     def hidden_states(
         self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(N, H)`` final hidden states at the ``N`` True ``positions`` ``(B, L)`` (row-major), and the ``(V, H)``
-        output projection that turns them into logits. Raises ``LeanForwardUnsupported`` when the source cannot
-        (the loss then falls back to ``logits``)."""
+    ) -> tuple[torch.Tensor, LogitHead]:
+        """``(N, H)`` final hidden states at the ``N`` True ``positions`` ``(B, L)`` (row-major), and the head
+        (``LogitHead``: projection, bias, scale, soft-cap) that turns them into exactly the teacher's logits. Raises
+        ``LeanForwardUnsupported`` when the source cannot (the loss then falls back to ``logits``)."""
         ...

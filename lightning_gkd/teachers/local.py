@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import causal_lm_logits, final_hidden_states, output_weight
+from lightning_gkd.ops.hf import LogitHead, causal_lm_logits, check_output_head, final_hidden_states
 
 
 class LocalTeacher:
@@ -24,6 +24,7 @@ class LocalTeacher:
     @torch.no_grad()
     def hidden_states(
         self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, LogitHead]:
+        head = check_output_head(self.model, batch["input_ids"], batch["attention_mask"])
         hidden = final_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], positions)
-        return hidden, output_weight(self.model)
+        return hidden, head

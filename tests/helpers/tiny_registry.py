@@ -1,0 +1,72 @@
+"""Tiny models of every causal-LM architecture the installed transformers registers, built from its default config
+shrunk to a few hundred thousand parameters (built in well under a second each, offline)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+#: config fields shrunk when a config has them (names differ across families)
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 128,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_inner": 128,
+    "d_model": 64,
+    "ffn_dim": 128,
+    "num_layers": 2,
+    "num_heads": 2,
+    "moe_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "shared_expert_intermediate_size": 64,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 32,
+    "sliding_window": 16,
+}
+MAX_PARAMETERS = 5_000_000
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type with a causal-LM class in the installed transformers' auto registry."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str, vocab_size: int, **overrides) -> PretrainedConfig:
+    """The default config of ``model_type`` shrunk to tiny sizes, with our vocabulary (ids 0-2 for pad/bos/eos)."""
+    config = AutoConfig.for_model(model_type)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = {**SMALL, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    for name, value in values.items():
+        if hasattr(text, name):
+            try:
+                setattr(text, name, value)
+            except Exception:  # a derived or validated field: keep the default
+                pass
+    layer_types = getattr(text, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) > 2:
+        text.layer_types = layer_types[:2]
+    return config
+
+
+def build_tiny(config: PretrainedConfig, seed: int) -> torch.nn.Module:
+    """The model of ``config`` with random weights (seeded); ValueError when it is not tiny."""
+    with torch.device("meta"):
+        sized = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in sized.parameters())
+    if count > MAX_PARAMETERS:
+        raise ValueError(f"{count} parameters after shrinking the config (not tiny)")
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).float()
