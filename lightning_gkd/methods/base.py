@@ -32,6 +32,7 @@ from lightning_gkd.ops.sampling import derive_seed
 from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
 from lightning_gkd.training.export import export_module
 from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFinitePolicy
+from lightning_gkd.training.normalization import LossNormalization, StepTokenNormalizer, supervised_positions
 from lightning_gkd.training.throughput import TokenThroughput
 
 __all__ = [
@@ -97,6 +98,7 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         metrics: Mapping[str, GenerationMetric] | None = None,
         eval_max_new_tokens: int = 32,
         nonfinite: NonFinitePolicy = "raise",
+        loss_normalization: LossNormalization = "step",
     ) -> None:
         super().__init__()
         self.nonfinite_guard = NonFiniteGuard(nonfinite)  # checks the policy before any model loads
@@ -117,6 +119,8 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         #: What each model was loaded from (hub id, folder, config type), for the model card.
         self.model_sources: dict[str, str | None] = {self.model_role: describe_source(model)}
         self.throughput = TokenThroughput()
+        #: Token-mean losses: over the whole optimizer step ("step") or per micro-batch ("micro_batch").
+        self.token_normalizer = StepTokenNormalizer(loss_normalization)
         self._checked_datamodule: L.LightningDataModule | None = None
         self._frozen_follow_precision: set[str] = set()  # frozen models whose dtype follows trainer.precision
         self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
@@ -151,6 +155,23 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         """Check a training loss: True when the batch must be skipped (``nonfinite="skip"``), False when it is
         finite; raises ``RuntimeError`` naming the step and the model with non-finite logits otherwise."""
         return self.nonfinite_guard.check(loss, step=self.global_step)
+
+    def step_loss(self, mean_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What ``training_step`` returns for a token-mean loss over ``labels``' supervised positions: with
+        ``loss_normalization="step"`` (default) the optimizer step's update is the gradient of the token mean over
+        all its micro-batches and ranks (``lightning_gkd.training.normalization``), and ``train/loss`` is logged
+        once per step as that mean."""
+        return self.token_normalizer.micro_batch_loss(mean_loss, supervised_positions(labels))
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        mean = self.token_normalizer.finish_step(
+            self.model.parameters(),
+            accumulate=self.trainer.accumulate_grad_batches,
+            world_size=self.trainer.world_size,
+            reduce_sum=lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"),
+        )
+        if mean is not None:
+            self.log("train/loss", mean, prog_bar=True, batch_size=1)
 
     def count_trained_tokens(self, labels: torch.Tensor) -> None:
         """Record the completion tokens (labels != -100) this training step trains on."""

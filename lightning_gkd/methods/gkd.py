@@ -15,11 +15,12 @@ from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
 from lightning_gkd.models.loading import ModelSource, check_same_vocab
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
-from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, final_hidden_states
+from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, final_hidden_states, output_head
 from lightning_gkd.ops.losses import IGNORE_INDEX, generalized_jsd_loss
 from lightning_gkd.ops.sampling import validate_sampling_args
 from lightning_gkd.samplers import KVCacheSampler, Sampler
 from lightning_gkd.teachers import LocalTeacher, Teacher
+from lightning_gkd.training.normalization import LossNormalization
 
 Source = Literal["dataset", "student", "teacher"]
 _COIN, _SAMPLE, _SHUFFLE = 0, 1, 2  # salts that keep the coin flip's, sampler's and shuffle's streams apart
@@ -88,6 +89,7 @@ class GKDModule(CausalLMModule):
         metrics: Mapping[str, GenerationMetric] | None = None,
         eval_max_new_tokens: int = 32,
         nonfinite: NonFinitePolicy = "raise",
+        loss_normalization: LossNormalization = "step",
         lean_loss: bool = True,
         loss_chunk_size: int = 64,
         sampler: Sampler | None = None,
@@ -111,6 +113,7 @@ class GKDModule(CausalLMModule):
             metrics=metrics,
             eval_max_new_tokens=eval_max_new_tokens,
             nonfinite=nonfinite,
+            loss_normalization=loss_normalization,
         )
         self.teacher = self.load_frozen(teacher, role="teacher", trust_remote_code=trust_remote_code)
         check_same_vocab(self.student, self.teacher)
@@ -192,8 +195,9 @@ class GKDModule(CausalLMModule):
         # hidden state i predicts token i + 1: keep i where label i + 1 is supervised
         positions = torch.nn.functional.pad(batch["labels"][:, 1:] != IGNORE_INDEX, (0, 1), value=False)
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        student_head = check_output_head(self.student, ids, mask)  # its own logits, proven on first use
+        check_output_head(self.student, ids, mask)  # the head description gives its own logits (once per model)
         student_hidden = final_hidden_states(self.student, ids, mask, positions)
+        student_head = output_head(self.student)  # after the forward: FSDP2 has gathered the root unit
         teacher_hidden, teacher_head = self.teacher_source.hidden_states(batch, positions)
         # the logits watch sees no logits on this path; record whether each model's hidden states are finite
         self.nonfinite_guard.record(self.model_role, student_hidden)
@@ -266,16 +270,18 @@ class GKDModule(CausalLMModule):
         if self.skip_nonfinite(loss):
             return None
         self.count_trained_tokens(batch["labels"])
+        step_loss = self.step_loss(loss, batch["labels"])
         self._batches += 1
         self._on_policy_batches += source == "student"
         completion_tokens = (batch["labels"] != IGNORE_INDEX).sum(dim=1).float()
         size = batch["input_ids"].shape[0]
-        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        if not self.token_normalizer.per_step:  # else logged once per optimizer step, as the step's token mean
+            self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/on_policy", float(source == "student"), batch_size=size)
         # the share of on-policy batches so far in this fit (train/on_policy is this batch's 0 or 1)
         self.log("train/on_policy_fraction", self._on_policy_batches / self._batches, prog_bar=True, batch_size=size)
         self.log("train/completion_length", completion_tokens.mean(), batch_size=size)
-        return loss
+        return step_loss
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:

@@ -38,5 +38,6 @@ class SFTModule(CausalLMModule):
         if self.skip_nonfinite(loss):
             return None
         self.count_trained_tokens(batch["labels"])
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        return loss
+        if not self.token_normalizer.per_step:  # else logged once per optimizer step, as the step's token mean
+            self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return self.step_loss(loss, batch["labels"])

@@ -212,7 +212,7 @@ _DIVIDE_FIELDS = ("logits_scaling",)  # Granite: logits / logits_scaling
 
 def output_head(model: nn.Module) -> LogitHead:
     """The model's head as a :class:`LogitHead`: its output projection (an ``nn.Linear``, bias allowed) and the
-    transforms its config names. Call :func:`check_output_head` once to prove they reproduce the model's logits."""
+    transforms its config names. :func:`check_output_head` proves once that they reproduce the model's logits."""
     core = _causal_lm(model)
     head = core.get_output_embeddings()
     extra = {name for name, _ in head.named_parameters()} - {"weight", "bias"} if isinstance(head, nn.Module) else set()
@@ -250,14 +250,15 @@ def output_weight(model: nn.Module) -> torch.Tensor:
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> LogitHead:
-    """:func:`output_head`, proven once per model against the model's own logits: the first row of the batch runs
-    through ``model`` (eval mode, no grad) and its head's description must reproduce the last positions' logits.
+def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Prove, once per model, that :func:`output_head` reproduces the model's own logits: the first row of the batch
+    runs through ``model`` (eval mode, no grad) and the head's description must give its last positions' logits.
     Raises ``LeanForwardUnsupported`` naming the model class when it does not (a head transform the description does
-    not know: a custom head, remote code, a new config field), so the caller falls back to full logits."""
-    head = output_head(model)
+    not know: a custom head, remote code, a new config field), so the caller falls back to full logits. Read the
+    head itself with ``output_head`` after the model's forward (FSDP2 gathers the root unit's weights there)."""
     if _CHECKED.get(model):
-        return head
+        return
+    head = output_head(model)
     ids, mask = input_ids[:1], attention_mask[:1]
     keep = min(4, ids.shape[1])
     positions = torch.zeros_like(ids, dtype=torch.bool)
@@ -290,7 +291,6 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask:
             f"difference on a probe was {difference:.3g}"
         )
     _CHECKED[model] = True
-    return head
 
 
 def final_hidden_states(

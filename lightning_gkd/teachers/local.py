@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import LogitHead, causal_lm_logits, check_output_head, final_hidden_states
+from lightning_gkd.ops.hf import LogitHead, causal_lm_logits, check_output_head, final_hidden_states, output_head
 
 
 class LocalTeacher:
@@ -25,6 +25,6 @@ class LocalTeacher:
     def hidden_states(
         self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor
     ) -> tuple[torch.Tensor, LogitHead]:
-        head = check_output_head(self.model, batch["input_ids"], batch["attention_mask"])
+        check_output_head(self.model, batch["input_ids"], batch["attention_mask"])
         hidden = final_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], positions)
-        return hidden, head
+        return hidden, output_head(self.model)  # after the forward: FSDP2 has gathered the root unit

@@ -9,10 +9,11 @@ trained on:
 
 1. ``parity_equal``: lmbda = 0 (dataset completions, no sampling), SGD, 3 steps, 4 rows per rank, on rows whose
    completions all have the same number of tokens. Rank 0 replays it in one process twice: with the mean of the
-   two ranks' losses on their recorded batches (what DDP's gradient averaging optimizes), and with the real
-   single-process loader at batch_size = 8 (the "doubled batch": the same 8 rows per step, one token-mean loss).
-2. ``parity_uneven``: the same on natural rows, where the ranks' completion token counts differ; only the
-   half-batch-mean replay is expected to match (the doubled batch weights the ranks by their token counts).
+   two ranks' losses on their recorded batches (what plain DDP gradient averaging would optimize), and with the
+   real single-process loader at batch_size = 8 (the "doubled batch": the same 8 rows per step, one token mean).
+2. ``parity_uneven``: the same on natural rows, where the ranks' completion token counts differ; with the default
+   loss_normalization="step" DDP trains on the token mean over both ranks, so the doubled batch matches and the
+   half-batch-mean replay (the mean of per-rank means) does not.
 3. ``flips``: lmbda = 0.5, 8 steps: every ``choose_source`` result per rank.
 4. ``grouped``: steps_per_generation = 2, lmbda = 1, 4 steps: sampling calls per rank and the prompts trained on.
 """
@@ -203,6 +204,10 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
     return {
         "ddp_losses": ddp_losses,  # [rank][step]
         "ddp_mean_losses": [(a + b) / 2 for a, b in zip(*ddp_losses, strict=True)],
+        # the step's token mean over both ranks: what loss_normalization="step" trains on and logs
+        "ddp_token_mean_losses": [
+            (a * ta + b * tb) / (ta + tb) for a, b, ta, tb in zip(*ddp_losses, *tokens, strict=True)
+        ],
         "completion_tokens": tokens,  # [rank][step]
         "sources": sources,
         "half_mean_losses": half_mean,

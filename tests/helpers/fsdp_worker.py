@@ -33,6 +33,7 @@ from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.training.normalization import supervised_positions
 
 STEPS, CLIP, LR, BATCH, NEW_TOKENS = 3, 0.05, 1e-2, 2, 6
 KEYS = ("input_ids", "attention_mask", "labels")
@@ -196,15 +197,21 @@ def lean_head_check(tokenizer) -> dict:
     }
 
 
+def token_mean(losses: list[torch.Tensor], rows: list[dict]) -> torch.Tensor:
+    """The token mean over several batches from their token-mean losses (what one optimizer step trains on)."""
+    counts = [supervised_positions(row["labels"]) for row in rows]
+    return sum(loss * n for loss, n in zip(losses, counts, strict=True)) / sum(counts)
+
+
 def replay(tokenizer, trained: list[dict], steps: int) -> tuple[list[float], torch.nn.Module]:
-    """The unsharded run: per step, the mean of the per-rank losses on the recorded batches, clipped, AdamW."""
+    """The unsharded run: per step, the token mean over both ranks' recorded batches, clipped, AdamW."""
     ref = make_module(tokenizer)
     optimizer = torch.optim.AdamW([p for p in ref.student.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(steps):
         batches = [row for row in trained if row["step"] == step]
         assert len(batches) == 2, (step, len(batches))
-        loss = torch.stack([ref.distillation_loss({k: row[k] for k in KEYS}) for row in batches]).mean()
+        loss = token_mean([ref.distillation_loss({k: row[k] for k in KEYS}) for row in batches], batches)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.student.parameters(), CLIP)
@@ -282,8 +289,11 @@ def main() -> None:
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
-        sharded_losses = [sum(r["loss"] for r in trained if r["step"] == s) / 2 for s in range(STEPS)]
-        sharded_losses += [sum(r["loss"] for r in resumed_rows if r["step"] == STEPS) / 2]
+        def step_loss(rows: list[dict], step: int) -> float:
+            mine = [r for r in rows if r["step"] == step]
+            return float(token_mean([torch.tensor(r["loss"]) for r in mine], mine))
+
+        sharded_losses = [step_loss(trained, s) for s in range(STEPS)] + [step_loss(resumed_rows, STEPS)]
         ref_losses, ref_student = replay(tokenizer, trained + resumed_rows, STEPS + 1)
         result["sharded_losses"], result["reference_losses"] = sharded_losses, ref_losses
         ref3, ref_student3 = replay(tokenizer, trained, STEPS)

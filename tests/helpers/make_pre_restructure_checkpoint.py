@@ -8,23 +8,21 @@ Run from the repository root: python tests/helpers/make_pre_restructure_checkpoi
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
-import lightning as L
 from omegaconf import open_dict
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(TESTS)]
 
 from hydra_compose import compose_train  # noqa: E402
+from test_training_exact_resume import per_step  # noqa: E402  (and its SigtermAt callback, by Hydra target)
 
 OVERRIDES = [
     "model=tiny",
@@ -46,34 +44,25 @@ OVERRIDES = [
 STOP_AFTER = 3
 
 
-class SigtermAt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-def per_step(run_dir: Path, key: str) -> dict[int, float]:
-    with open(run_dir / "logs" / "metrics.csv") as handle:
-        return {int(row["step"]): float(row[key]) for row in csv.DictReader(handle) if row.get(key)}
-
-
-def main() -> None:
+def main(out: Path) -> None:
     try:
         from lightning_gkd.cli.train import run
     except ImportError:  # the layout before the restructure
         from lightning_gkd.train import run
 
-    out = TESTS / "fixtures" / "pre_restructure"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         os.chdir(work)
         runs = {}
         for name, extra in [
             ("full", []),
-            ("stopped", ["+callbacks.sigterm._target_=__main__.SigtermAt", f"+callbacks.sigterm.step={STOP_AFTER}"]),
+            (
+                "stopped",
+                [
+                    "+callbacks.sigterm._target_=test_training_exact_resume.SigtermAt",
+                    f"+callbacks.sigterm.step={STOP_AFTER}",
+                ],
+            ),
         ]:
             cfg = compose_train(work, [*OVERRIDES, *extra])
             with open_dict(cfg):
@@ -92,4 +81,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # an argument writes elsewhere (to try the script without replacing the fixture written by the old layout)
+    main(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else TESTS / "fixtures" / "pre_restructure")
