@@ -179,3 +179,13 @@ def test_sharded_sampling_with_uneven_eos_does_not_hang(tmp_path):
         assert len(unsharded[0]) == max(steps[rank])  # alone, a rank stops at its own last EOS
         for got, want in zip(r["sharded"], unsharded, strict=True):
             assert got[: len(want)] == want and all(t == r["pad"] for t in got[len(want) :])
+
+
+def test_ddp_with_accumulation_on_top_equals_one_process_with_the_whole_step(ddp):
+    """2 ranks x 2 accumulated micro-batches of 2 natural rows (uneven token counts): the update is the gradient of
+    the token mean over all 8 rows of the step, as one process training on them."""
+    r = ddp["accumulated"]
+    assert r["micro_batches_per_step"] == [4, 4]  # 2 ranks x 2 micro-batches each
+    assert any(len(set(tokens)) > 1 for tokens in r["micro_batch_tokens"])
+    assert r["token_mean_losses"] == pytest.approx(r["doubled_losses"], rel=1e-5)
+    assert r["weights_changed"] > 1e-3 and r["weights_vs_doubled"] < 1e-6

@@ -16,6 +16,8 @@ trained on:
    half-batch-mean replay (the mean of per-rank means) does not.
 3. ``flips``: lmbda = 0.5, 8 steps: every ``choose_source`` result per rank.
 4. ``grouped``: steps_per_generation = 2, lmbda = 1, 4 steps: sampling calls per rank and the prompts trained on.
+5. ``accumulated``: natural rows, 2 accumulated micro-batches of 2 rows per rank and step, against one process on
+   8 rows per step.
 """
 
 from __future__ import annotations
@@ -106,12 +108,13 @@ def make_module(tokenizer, *, lmbda: float, optimizer=SGD, **kwargs) -> Recorded
     )
 
 
-def fit(out: Path, module: Recorded, data: ChatDataModule, steps: int) -> L.Trainer:
+def fit(out: Path, module: Recorded, data: ChatDataModule, steps: int, accumulate: int = 1) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_steps=steps,
+        accumulate_grad_batches=accumulate,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -154,6 +157,26 @@ def equal_length_rows(count: int) -> list[dict]:
     return [row for row in addition_rows("train", 200) if len(row["answer"]) == 3][:count]
 
 
+def doubled_reference(tokenizer, rows: list[dict], batch_size: int, steps: int):
+    """One process, the real loader at ``batch_size`` rows per step, SGD on the token-mean loss: per-step losses
+    and prompts, the first step's token count, and the final weights."""
+    data = ChatDataModule(tokenizer, rows, batch_size=batch_size, max_length=MAX_LENGTH, seed=SEED)
+    data.setup("fit")
+    ref = make_module(tokenizer, lmbda=0.0)
+    opt = torch.optim.SGD([p for p in ref.student.parameters() if p.requires_grad], lr=LR)
+    losses, prompts, step0_tokens = [], [], None
+    for step, batch in enumerate(itertools.islice(data.train_dataloader(), steps)):
+        loss = ref.distillation_loss({k: batch[k] for k in KEYS})
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        prompts.append(prompt_tokens(batch["prompts"], batch["prompt_attention_mask"] == 1))
+        if step == 0:
+            step0_tokens = int((batch["labels"] != -100).sum())
+    return losses, prompts, step0_tokens, flat_state(ref.student)
+
+
 # -- 1, 2: loss and weights vs one process --------------------------------------------------------------------
 def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int = 4) -> dict | None:
     data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
@@ -185,21 +208,9 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
     half_mean_state = flat_state(ref.student)
 
     # (b) the doubled batch: one process, the real loader at batch_size = 2 * per_rank (same 8 rows per step)
-    doubled_data = ChatDataModule(tokenizer, rows, batch_size=2 * per_rank, max_length=MAX_LENGTH, seed=SEED)
-    doubled_data.setup("fit")
-    ref2 = make_module(tokenizer, lmbda=0.0)
-    opt2 = torch.optim.SGD([p for p in ref2.student.parameters() if p.requires_grad], lr=LR)
-    doubled, doubled_prompts, doubled_step0_tokens = [], [], None
-    for step, batch in enumerate(itertools.islice(doubled_data.train_dataloader(), steps)):
-        loss = ref2.distillation_loss({k: batch[k] for k in KEYS})
-        opt2.zero_grad()
-        loss.backward()
-        opt2.step()
-        doubled.append(loss.item())
-        doubled_prompts.append(prompt_tokens(batch["prompts"], batch["prompt_attention_mask"] == 1))
-        if step == 0:
-            doubled_step0_tokens = int((batch["labels"] != -100).sum())
-    doubled_state = flat_state(ref2.student)
+    doubled, doubled_prompts, doubled_step0_tokens, doubled_state = doubled_reference(
+        tokenizer, rows, 2 * per_rank, steps
+    )
 
     return {
         "ddp_losses": ddp_losses,  # [rank][step]
@@ -240,6 +251,31 @@ def flips(out: Path, tokenizer, steps: int = 8) -> dict | None:
     return {"flips": per_rank, "trained_sources": trained_sources, "sampling_calls": calls}
 
 
+# -- 5: DDP with gradient accumulation on top ----------------------------------------------------------------------
+def accumulated(out: Path, tokenizer, rows: list[dict], steps: int = 2, per_rank: int = 2, k: int = 2) -> dict | None:
+    """2 ranks x ``k`` accumulated micro-batches of ``per_rank`` rows per optimizer step, natural (uneven) rows,
+    against one process on ``2 * k * per_rank`` rows per step."""
+    data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
+    module = make_module(tokenizer, lmbda=0.0)
+    fit(out, module, data, steps, accumulate=k)
+    final = flat_state(module.student)
+    trained = gather([(row["step"], row["loss"], int((row["labels"] != -100).sum())) for row in module.trained])
+    if dist.get_rank() != 0:
+        return None
+    doubled, _, _, doubled_state = doubled_reference(tokenizer, rows, 2 * k * per_rank, steps)
+    rows_by_step = [[row for part in trained for row in part if row[0] == step] for step in range(steps)]
+    return {
+        "micro_batches_per_step": [len(step_rows) for step_rows in rows_by_step],
+        "micro_batch_tokens": [[n for _, _, n in step_rows] for step_rows in rows_by_step],
+        "token_mean_losses": [
+            sum(loss * n for _, loss, n in step_rows) / sum(n for *_, n in step_rows) for step_rows in rows_by_step
+        ],
+        "doubled_losses": doubled,
+        "weights_vs_doubled": max_abs_diff(final, doubled_state),
+        "weights_changed": max_abs_diff(final, flat_state(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0))),
+    }
+
+
 # -- 4: grouped generation -------------------------------------------------------------------------------------
 def grouped(out: Path, tokenizer, steps: int = 4, k: int = 2, per_rank: int = 2) -> dict | None:
     rows = addition_rows("train", 32)
@@ -271,6 +307,7 @@ def main() -> None:
     result["parity_uneven"] = parity(out / "parity_uneven", tokenizer, addition_rows("train", 24))
     result["flips"] = flips(out / "flips", tokenizer)
     result["grouped"] = grouped(out / "grouped", tokenizer)
+    result["accumulated"] = accumulated(out / "accumulated", tokenizer, addition_rows("train", 24))
     result["world_size"] = dist.get_world_size()
     result["backend"] = dist.get_backend()
     if dist.get_rank() == 0:
