@@ -69,7 +69,9 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
     The contract for a method: implement ``training_step`` and ``completion_loss(batch)``, the loss on a batch's
     completions (validation scores it on the dataset completions; GKD names it ``distillation_loss``). In
     ``training_step``, call ``skip_nonfinite(loss)`` (True: skip this batch) and ``count_trained_tokens(labels)``
-    (for ``train/tokens_per_sec``, completion tokens trained per second of training step). ``metrics``
+    (for ``train/tokens_per_sec``, completion tokens trained per second of training step), and return
+    ``step_loss(loss, labels)`` for a token-mean loss (the optimizer step then trains on the token mean over all its
+    micro-batches and ranks). ``metrics``
     (name -> ``fn(predictions, references) -> float``) score greedy completions of the validation prompts against
     the dataset completions once per validation epoch, logged as ``val/<name>``.
 
