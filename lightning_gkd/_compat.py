@@ -67,11 +67,13 @@ class _MovedModuleLoader(importlib.abc.Loader):
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         new_name = MOVED.get(fullname)
         if new_name is None:
-            return None  # type: ignore[return-value]  # MetaPathFinder's contract: None when not ours
-        return importlib.util.spec_from_loader(fullname, _MovedModuleLoader(new_name))  # type: ignore[return-value]
+            return None
+        return importlib.util.spec_from_loader(fullname, _MovedModuleLoader(new_name))
 
 
 def install() -> None:
