@@ -218,14 +218,6 @@ def output_head(model: nn.Module) -> LogitHead:
     extra = {name for name, _ in head.named_parameters()} - {"weight", "bias"} if isinstance(head, nn.Module) else set()
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or extra:
         raise LeanForwardUnsupported(f"output projection {type(head).__name__} is not a plain nn.Linear")
-    # anything trainable between the decoder and the projection (a head MLP, a learned scale) is not described
-    covered = {id(p) for p in core.get_decoder().parameters()} | {id(p) for p in head.parameters()}
-    outside = [name for name, p in core.named_parameters() if id(p) not in covered]
-    if outside:
-        raise LeanForwardUnsupported(
-            f"{type(core).__name__} has parameters outside its decoder and lm_head ({', '.join(outside[:3])}), so its "
-            "head does more than a projection"
-        )
     config: Any = getattr(core, "config", None)
     get_text_config = getattr(config, "get_text_config", None)
     text = get_text_config() if callable(get_text_config) else config
@@ -259,6 +251,17 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     if _CHECKED.get(model):
         return
     head = output_head(model)
+    core = _causal_lm(model)
+    projection = core.get_output_embeddings()
+    assert projection is not None  # output_head checked it is an nn.Linear
+    # anything trainable between the decoder and the projection (a head MLP, a learned scale) is not described
+    covered = {id(p) for p in core.get_decoder().parameters()} | {id(p) for p in projection.parameters()}
+    outside = [name for name, p in core.named_parameters() if id(p) not in covered]
+    if outside:
+        raise LeanForwardUnsupported(
+            f"{type(core).__name__} has parameters outside its decoder and lm_head ({', '.join(outside[:3])}), so its "
+            "head does more than a projection"
+        )
     ids, mask = input_ids[:1], attention_mask[:1]
     keep = min(4, ids.shape[1])
     positions = torch.zeros_like(ids, dtype=torch.bool)
