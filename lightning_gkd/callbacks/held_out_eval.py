@@ -39,7 +39,7 @@ class HeldOutEvaluation(L.Callback):
         datamodule.setup("test")
         return getattr(datamodule, "test_rows", None)
 
-    def _evaluate(self, trainer: L.Trainer, model: Any, rows: Any) -> dict[str, float]:
+    def _evaluate(self, trainer: L.Trainer, model: Any, rows: Any, sampler: Any = None) -> dict[str, float]:
         return evaluate_generations(
             model,
             require_lm_module(trainer.lightning_module, type(self).__name__).tokenizer,
@@ -47,6 +47,7 @@ class HeldOutEvaluation(L.Callback):
             metrics=self.metrics,
             batch_size=self.batch_size,
             max_new_tokens=self.max_new_tokens,
+            sampler=sampler,
         )
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -56,13 +57,15 @@ class HeldOutEvaluation(L.Callback):
             return
         if getattr(pl_module, "teacher", None) is not None:
             self.results["teacher"] = self._evaluate(trainer, pl_module.teacher, rows)
-        self.results["before"] = self._evaluate(trainer, pl_module.model, rows)
+        # the trained model through the method's sampler (a serving engine when sampler=vllm); the teacher through
+        # our KV-cache decoder (no second engine for a model that is only evaluated)
+        self.results["before"] = self._evaluate(trainer, pl_module.model, rows, getattr(pl_module, "sampler", None))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rows = self._rows(trainer)
         if rows is None:
             return
-        self.results["after"] = self._evaluate(trainer, pl_module.model, rows)
+        self.results["after"] = self._evaluate(trainer, pl_module.model, rows, getattr(pl_module, "sampler", None))
         flat = {
             f"test/{name}_{when}": value for when in ("before", "after") for name, value in self.results[when].items()
         }

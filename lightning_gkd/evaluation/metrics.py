@@ -57,19 +57,25 @@ def greedy_texts(
     *,
     max_new_tokens: int,
     eos_token_id: EosTokenId | None = None,
+    sampler: Any = None,
 ) -> list[str]:
-    """Greedy completions of the batch prompts, decoded up to EOS."""
+    """Greedy completions of the batch prompts, decoded up to EOS; through ``sampler.greedy`` when the sampler has
+    one (a serving engine), else our KV-cache decoder."""
     eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
     prompts = batch["prompts"]
-    out = generate_completions(
-        model,
-        prompts,
-        batch["prompt_attention_mask"],
-        max_new_tokens=max_new_tokens,
-        pad_token_id=resolve_pad_token_id(tokenizer),
-        eos_token_id=eos,
-        do_sample=False,
-    )
+    greedy = getattr(sampler, "greedy", None)
+    if callable(greedy):
+        out = greedy(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens)
+    else:
+        out = generate_completions(
+            model,
+            prompts,
+            batch["prompt_attention_mask"],
+            max_new_tokens=max_new_tokens,
+            pad_token_id=resolve_pad_token_id(tokenizer),
+            eos_token_id=eos,
+            do_sample=False,
+        )
     return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
 
 
@@ -82,8 +88,10 @@ def evaluate_generations(
     batch_size: int = 64,
     max_new_tokens: int = 32,
     max_length: int = 1024,
+    sampler: Any = None,
 ) -> dict[str, float]:
-    """Greedy-decode the prompts of ``rows`` (chat rows whose last turn is the reference answer) and score them.
+    """Greedy-decode the prompts of ``rows`` (chat rows whose last turn is the reference answer) and score them;
+    through ``sampler.greedy`` when given one that has it (see ``greedy_texts``).
 
     Returns ``{name: metric(predictions, references)}``; the default metric is ``{"accuracy": exact_match}``.
     """
@@ -96,7 +104,9 @@ def evaluate_generations(
     for start in range(0, len(rows), batch_size):
         chunk = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
         batch = {k: v.to(device) for k, v in collator(chunk).items()}
-        predictions += greedy_texts(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        predictions += greedy_texts(
+            model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, sampler=sampler
+        )
         references += reference_texts(tokenizer, batch, eos)
     return {name: float(metric(predictions, references)) for name, metric in metrics.items()}
 

@@ -281,7 +281,12 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
             return
         eos = resolve_eos_token_id(self.model, self.tokenizer)
         predictions = greedy_texts(
-            self.model, self.tokenizer, batch, eos_token_id=eos, max_new_tokens=self.eval_max_new_tokens
+            self.model,
+            self.tokenizer,
+            batch,
+            eos_token_id=eos,
+            max_new_tokens=self.eval_max_new_tokens,
+            sampler=getattr(self, "sampler", None),
         )
         self.generation_scores.add(dataloader_idx, predictions, reference_texts(self.tokenizer, batch, eos))
 

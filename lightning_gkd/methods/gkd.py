@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.callbacks.sampler_shutdown import SamplerShutdown
 from lightning_gkd.data.loader import group_slot, shuffled_micro_batches
 from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
@@ -18,7 +20,7 @@ from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, final_hidden_states, output_head
 from lightning_gkd.ops.losses import IGNORE_INDEX, generalized_jsd_loss
 from lightning_gkd.ops.sampling import validate_sampling_args
-from lightning_gkd.samplers import KVCacheSampler, Sampler
+from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler_available
 from lightning_gkd.teachers import LocalTeacher, Teacher
 from lightning_gkd.training.normalization import LossNormalization
 
@@ -92,8 +94,9 @@ class GKDModule(CausalLMModule):
         loss_normalization: LossNormalization = "step",
         lean_loss: bool = True,
         loss_chunk_size: int = 64,
-        sampler: Sampler | None = None,
+        sampler: Sampler | SamplerFactory | None = None,
     ) -> None:
+        check_sampler_available(sampler)  # before any model loads
         _check_range("lmbda", lmbda, 0.0, 1.0)
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
@@ -119,9 +122,15 @@ class GKDModule(CausalLMModule):
         check_same_vocab(self.student, self.teacher)
         #: Where the loss reads the teacher's signal (``lightning_gkd.teachers``): the frozen model above.
         self.teacher_source: Teacher = LocalTeacher(self.teacher)
-        #: How completions are sampled (``lightning_gkd.samplers``): our KV-cache decoder unless one is given.
-        self.sampler: Sampler = sampler or KVCacheSampler(
-            self.tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p
+        #: How completions are sampled (``lightning_gkd.samplers``): our KV-cache decoder unless one is given; a
+        #: factory (Hydra ``sampler=hf|vllm``) is called with the tokenizer and the sampling options above.
+        self.sampler: Sampler = build_sampler(
+            sampler or KVCacheSampler,
+            self.tokenizer,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
         )
         self.lmbda, self.beta, self.seq_kd = lmbda, beta, seq_kd
         self.temperature, self.loss_temperature = temperature, loss_temperature
@@ -152,6 +161,39 @@ class GKDModule(CausalLMModule):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._batches = self._on_policy_batches = self.sampling_calls = 0
+
+    # -- the sampling engine's lifecycle (a serving engine such as VLLMSampler; KVCacheSampler has none) ---------
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        start = getattr(self.sampler, "start", None)
+        if callable(start):  # the engines' length, before callbacks (held-out evaluation) first use them
+            max_length = getattr(getattr(self._trainer, "datamodule", None), "max_length", None)
+            start(
+                {},
+                max_model_len=max_length + max(self.max_new_tokens, self.eval_max_new_tokens) if max_length else None,
+            )
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        start = getattr(self.sampler, "start", None)
+        if callable(start):  # engines start from the weights as fitting starts (after a checkpoint restore)
+            start({"student": self.student, **({"teacher": self.teacher} if self.seq_kd else {})})
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        super().on_before_optimizer_step(optimizer)
+        weights_updated = getattr(self.sampler, "weights_updated", None)
+        if callable(weights_updated):  # the step about to run changes the student: its engine re-syncs when due
+            weights_updated()
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # an interrupted fit calls no module hook: this callback stops the engines then (SIGTERM, errors)
+        return [SamplerShutdown()] if callable(getattr(self.sampler, "close", None)) else []
+
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)
+        close = getattr(self.sampler, "close", None)
+        if callable(close):
+            close()
 
     # -- the GKD step -------------------------------------------------------------------------------------------
     def choose_source(self, batch_idx: int) -> Source:

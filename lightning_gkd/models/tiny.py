@@ -47,7 +47,7 @@ TINY_TEACHER = {
     "tie_word_embeddings": True,
 }
 
-# The toy task's models (scripts/train_toy_teacher.py): a 4x128 teacher and a 2x64 student.
+# The toy task's models (scripts/train_toy_teacher.py): a 4x128 teacher and a 2x64 student (head size 32 in both).
 TOY_TEACHER = {
     "model_type": "qwen2",
     "hidden_size": 128,
@@ -63,8 +63,9 @@ TOY_STUDENT = {
     "hidden_size": 64,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
+    # head size 32: vLLM's CPU attention (method.sampler=vllm) supports head sizes >= 32 only
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
     "max_position_embeddings": 64,
     "tie_word_embeddings": True,
 }

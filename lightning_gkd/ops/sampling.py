@@ -1,21 +1,11 @@
-"""On-policy sampling from causal LMs, as pure functions over a model.
+"""On-policy sampling from causal LMs, as pure functions over a model (anything whose ``forward`` follows the
+Hugging Face causal-LM convention): prompt tensors and sampling options in, plain tensors out; no Lightning.
 
-Nothing here depends on Lightning: the functions take a model (anything whose
-``forward`` follows the Hugging Face causal-LM calling convention), prompt tensors
-and sampling options, and return plain tensors.
+Shapes: ``B`` batch size; ``P`` prompt length (prompts are **left**-padded, the prompt attention mask marks the
+real tokens); ``N`` generated tokens, ``N <= max_new_tokens``; ``V`` vocabulary size.
 
-Shapes used in the docstrings:
-
-* ``B``: batch size.
-* ``P``: prompt length (prompts are **left**-padded; the prompt attention mask marks
-  the real tokens).
-* ``N``: number of generated tokens, ``N <= max_new_tokens``.
-* ``V``: vocabulary size.
-
-Key-value cache keyword: transformers 5.x renamed the cache argument of the
-causal-LM ``forward`` from ``past_key_values`` to ``cache`` (the old name still
-works but warns) and the output attribute likewise. The keyword is detected once
-per call of :func:`sample_tokens` from ``inspect.signature(model.forward)``.
+The KV-cache keyword (``cache`` in transformers 5.x, ``past_key_values`` before, which still works but warns) is
+detected once per :func:`sample_tokens` call from ``inspect.signature(model.forward)``.
 """
 
 from __future__ import annotations
@@ -116,19 +106,40 @@ def _next_tokens(
     top_p: float,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Pick one token per row.
+    """The tokens of :func:`_pick_tokens`, without their log-probabilities."""
+    return _pick_tokens(
+        logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )[0]
 
-    Args:
-        logits: ``(B, V)`` next-token logits.
 
-    Returns:
-        ``(B,)`` long tensor: ``argmax`` when ``do_sample`` is False, otherwise a sample
-        from ``softmax(logits / temperature)`` restricted to the top-k tokens (``top_k=0``
-        disables it) and then to the smallest nucleus whose probability reaches
-        ``top_p`` (``top_p=1`` disables it).
+def _pick_tokens(
+    logits: torch.Tensor,
+    *,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` ``(B, V)``.
+
+    Returns ``(B,)`` tokens and their ``(B,)`` float log-probabilities under the distribution they were picked
+    from. Greedy (``do_sample`` False): ``argmax`` and ``log_softmax(logits)``. Sampling: a draw from
+    ``softmax(logits / temperature)`` restricted to the top-k tokens (``top_k=0`` disables it) and then to the
+    smallest nucleus whose probability reaches ``top_p`` (``top_p=1`` disables it), and its log-probability under
+    that restricted, renormalised distribution.
     """
     if not do_sample:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, logits.float().log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    logits = _sampling_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = _inverse_cdf_sample(logits.softmax(dim=-1), generator)
+    return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _sampling_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """``(B, V)`` float logits of the sampling distribution: divided by ``temperature``, ``-inf`` outside the top-k
+    tokens and then outside the smallest nucleus reaching ``top_p``."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -145,7 +156,7 @@ def _next_tokens(
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return _inverse_cdf_sample(logits.softmax(dim=-1), generator)
+    return logits
 
 
 def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -177,6 +188,7 @@ def sample_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    logprobs_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode up to ``max_new_tokens`` tokens per prompt with a KV cache.
 
@@ -200,6 +212,8 @@ def sample_tokens(
         top_k: keep only the ``top_k`` most likely tokens; 0 disables it.
         top_p: nucleus sampling threshold in ``(0, 1]``; 1 disables it.
         generator: RNG for ``torch.multinomial``; ``None`` uses the global RNG.
+        logprobs_out: when a list, a ``(B, N)`` float tensor is appended to it: each generated token's
+            log-probability under the distribution it was picked from (see ``_pick_tokens``; 0 after EOS).
 
     Returns:
         ``(B, N)`` long tensor of generated tokens, ``N <= max_new_tokens``; ``N`` is
@@ -215,13 +229,14 @@ def sample_tokens(
     eos = _eos_tensor(eos_token_id, device)
     synced = is_sharded(model) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     pick = partial(
-        _next_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        _pick_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
     )
 
     # The attention mask for the whole decode, grown by slicing instead of concatenating.
     full_mask = torch.ones(batch, prompt_len + max_new_tokens, dtype=torch.long, device=device)
     full_mask[:, :prompt_len] = prompt_attention_mask
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
     prefill_kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_logits else {}
@@ -237,11 +252,13 @@ def sample_tokens(
 
     num_tokens = max_new_tokens
     for step in range(max_new_tokens):
-        tokens = pick(outputs.logits[:, -1, :])
+        tokens, token_logprobs = pick(outputs.logits[:, -1, :])
         if eos is not None:
             tokens = tokens.masked_fill(finished, pad_token_id)
+            token_logprobs = token_logprobs.masked_fill(finished, 0.0)
             finished |= torch.isin(tokens, eos)
         out[:, step] = tokens
+        logprobs[:, step] = token_logprobs
         if step + 1 == max_new_tokens:
             break
         if eos is not None and _all_finished(finished, synced):
@@ -254,6 +271,8 @@ def sample_tokens(
             use_cache=True,
             **{cache_kw: _returned_cache(outputs)},
         )
+    if logprobs_out is not None:
+        logprobs_out.append(logprobs[:, :num_tokens])
     return out[:, :num_tokens]
 
 
@@ -262,6 +281,7 @@ def completion_batch(
     prompt_attention_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     eos_token_id: EosTokenId,
+    completion_logprobs: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Join prompts and completions into a training batch.
 
@@ -273,6 +293,8 @@ def completion_batch(
         prompt_attention_mask: ``(B, P)`` tensor, 1 on real prompt tokens.
         completion_ids: ``(B, N)`` long tensor of generated tokens.
         eos_token_id: EOS id or ids; ``None`` keeps every completion column.
+        completion_logprobs: optional ``(B, N)`` log-probabilities of the completion tokens
+            under the distribution they were sampled from.
 
     Returns:
         dict with
@@ -283,6 +305,8 @@ def completion_batch(
           (all 1 when the row has no EOS or ``eos_token_id`` is ``None``).
         * ``labels``: ``(B, P + N)``; ``input_ids`` with ``-100`` on every prompt column
           and wherever the attention mask is 0.
+        * with ``completion_logprobs``, ``sampled_logprobs``: ``(B, P + N)`` float32, the
+          log-probabilities at the supervised columns and 0 wherever ``labels`` is ``-100``.
     """
     prompt_len = prompt_ids.shape[1]
     completion_ids = completion_ids.to(device=prompt_ids.device, dtype=torch.long)
@@ -300,7 +324,12 @@ def completion_batch(
 
     labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
     labels[:, :prompt_len] = IGNORE_INDEX
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if completion_logprobs is not None:
+        logprobs = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        logprobs[:, prompt_len:] = completion_logprobs.to(device=input_ids.device, dtype=torch.float32)
+        batch["sampled_logprobs"] = logprobs.masked_fill(labels == IGNORE_INDEX, 0.0)
+    return batch
 
 
 def generate_completions(
@@ -338,8 +367,8 @@ def generate_completions(
             untouched. ``None`` uses the global RNG.
 
     Returns:
-        The dict of :func:`completion_batch`: ``input_ids``, ``attention_mask`` and
-        ``labels``, each ``(B, P + N)`` with ``N <= max_new_tokens``.
+        The dict of :func:`completion_batch`: ``input_ids``, ``attention_mask``,
+        ``labels`` and ``sampled_logprobs``, each ``(B, P + N)`` with ``N <= max_new_tokens``.
 
     Raises:
         ValueError: if ``max_new_tokens < 1``, ``temperature <= 0``, ``top_p`` is not in
@@ -350,6 +379,7 @@ def generate_completions(
         generator = torch.Generator(device=prompt_ids.device)
         generator.manual_seed(seed)
 
+    logprobs: list[torch.Tensor] = []
     with eval_mode(model):
         completion_ids = sample_tokens(
             model,
@@ -363,5 +393,6 @@ def generate_completions(
             top_k=top_k,
             top_p=top_p,
             generator=generator,
+            logprobs_out=logprobs,
         )
-    return completion_batch(prompt_ids, prompt_attention_mask, completion_ids, eos_token_id)
+    return completion_batch(prompt_ids, prompt_attention_mask, completion_ids, eos_token_id, logprobs[0])

@@ -1,8 +1,9 @@
-"""The sampler protocol."""
+"""The sampler protocol, and how a method builds its sampler from a factory (Hydra ``sampler=hf|vllm``)."""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -10,7 +11,13 @@ from torch import nn
 
 @runtime_checkable
 class Sampler(Protocol):
-    """Samples one completion per prompt with ``model``; a method calls it once per generation group."""
+    """Samples one completion per prompt with ``model``; a method calls it once per generation group.
+
+    A sampler backed by an engine with its own copy of the weights may also have (the method calls each one when
+    present): ``start(models, *, max_model_len)`` when fitting starts (role → model), ``weights_updated()`` before
+    every optimizer step, ``close()`` at teardown, and ``greedy(model, prompts, prompt_attention_mask, *,
+    max_new_tokens)`` for validation generations (same output contract as ``sample``).
+    """
 
     def sample(
         self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
@@ -19,6 +26,37 @@ class Sampler(Protocol):
 
         Returns the training batch of ``lightning_gkd.ops.sampling.completion_batch``: ``input_ids``,
         ``attention_mask`` and ``labels``, each ``(B, P + N)``: the prompt columns as given (labels -100), then the
-        completion up to and including its first EOS (attention 0 and labels -100 after it).
+        completion up to and including its first EOS (attention 0 and labels -100 after it); and
+        ``sampled_logprobs`` ``(B, P + N)``: each completion token's log-probability under the distribution it was
+        sampled from (temperature, top-k, top-p applied), 0 where labels are -100.
         """
         ...
+
+
+#: A callable that makes a sampler: ``factory(tokenizer, max_new_tokens=, temperature=, top_k=, top_p=)`` (a class
+#: such as ``KVCacheSampler``, or ``functools.partial(VLLMSampler, sync_every=2)``; Hydra: ``_partial_: true``).
+SamplerFactory = Callable[..., Sampler]
+
+
+def build_sampler(
+    sampler: Sampler | SamplerFactory,
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> Sampler:
+    """``sampler`` itself when it already samples, else the sampler its factory makes with the method's tokenizer
+    and sampling options."""
+    if isinstance(sampler, Sampler) and not isinstance(sampler, type):
+        return sampler
+    return sampler(tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def check_sampler_available(sampler: Any) -> None:
+    """Raise the sampler's own 'not installed' error (``check_available``) before any model loads."""
+    target = getattr(sampler, "func", sampler)  # a functools.partial's class
+    check = getattr(target, "check_available", None)
+    if callable(check):
+        check()

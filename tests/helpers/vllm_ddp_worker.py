@@ -1,0 +1,120 @@
+"""Two-process DDP on CPU (gloo) with sampler=vllm, for tests/test_samplers_vllm.py; rank 0 writes <out>/result.json.
+
+    python tests/helpers/vllm_ddp_worker.py <out_dir>
+
+Lightning's DDP launcher re-runs this script for rank 1. Each rank fits GKDModule with VLLMSampler (its own
+in-process engine, vLLM's external launcher) for 4 steps at lmbda = 0.5 and records its coin flips, the prompts it
+sampled for, every trained batch with its loss, and its engine count and syncs. Rank 0 then replays the steps in
+one process with the same initial weights: each rank's recorded batch's loss computed there (no vLLM), and the
+SGD update on the step's token mean over both ranks (what loss_normalization="step" trains on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from helpers.ddp_worker import KEYS, LR, SGD, Recorded, gather, prompt_tokens  # noqa: E402
+from helpers.vllm_models import vllm_tiny  # noqa: E402
+from lightning_gkd import ChatDataModule  # noqa: E402
+from lightning_gkd.data.tokenizer import build_chatml_tokenizer  # noqa: E402
+from lightning_gkd.data.toy import addition_rows  # noqa: E402
+from lightning_gkd.samplers import VLLMSampler  # noqa: E402
+
+STEPS, PER_RANK, SEED = 4, 4, 3
+
+
+class RecordedVLLM(Recorded):
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.engines, self.syncs = self.sampler.running_engines, self.sampler.syncs
+
+
+def make(tokenizer, sampler=None) -> RecordedVLLM:
+    return RecordedVLLM(
+        vllm_tiny("qwen2", tokenizer, seed=0),
+        vllm_tiny("llama", tokenizer, seed=1),
+        tokenizer,
+        lmbda=0.5,
+        beta=0.5,
+        max_new_tokens=6,
+        optimizer=SGD,
+        seed=SEED,
+        sampler=sampler,
+    )
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    tokenizer = build_chatml_tokenizer()
+    L.seed_everything(0)
+    data = ChatDataModule(tokenizer, addition_rows("train", 32), batch_size=PER_RANK, max_length=48, seed=SEED)
+    module = make(tokenizer, VLLMSampler)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=STEPS,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+    trainer.fit(module, datamodule=data)
+    trained = gather(module.trained)
+    flips = gather([source for *_, source in module.flips])
+    sampled = gather(module.sampled)
+    engines, syncs = gather(module.engines), gather(module.syncs)
+    final = gather({k: v.detach().clone() for k, v in module.student.state_dict().items()})
+    rank = dist.get_rank()
+    if rank == 0:
+        replay = make(tokenizer)
+        optimizer = torch.optim.SGD([p for p in replay.student.parameters() if p.requires_grad], lr=LR)
+        replay_losses = []
+        for step in range(STEPS):
+            batches = [{k: trained[r][step][k] for k in KEYS} for r in (0, 1)]
+            losses = [replay.distillation_loss(b) for b in batches]
+            tokens = [int((b["labels"] != -100).sum()) for b in batches]
+            step_loss = sum(loss * n for loss, n in zip(losses, tokens, strict=True)) / sum(tokens)
+            optimizer.zero_grad()
+            step_loss.backward()
+            optimizer.step()
+            replay_losses.append([loss.item() for loss in losses])
+        weight_diff = max(
+            (final[0][k] - v).abs().max().item() for k, v in replay.student.state_dict().items() if k in final[0]
+        )
+        result = {
+            "world_size": dist.get_world_size(),
+            "engines": engines,
+            "syncs": syncs,
+            "flips": flips,
+            "ddp_losses": [[row["loss"] for row in part] for part in trained],
+            "replay_losses": [list(pair) for pair in zip(*replay_losses, strict=True)],
+            "sampled_prompts": sampled,
+            "completions_differ_between_ranks": any(
+                prompt_tokens(trained[0][s]["input_ids"], trained[0][s]["labels"] != -100)
+                != prompt_tokens(trained[1][s]["input_ids"], trained[1][s]["labels"] != -100)
+                for s in range(STEPS)
+            ),
+            "weights_vs_replay": weight_diff,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
