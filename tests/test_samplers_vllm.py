@@ -235,6 +235,38 @@ def test_a_lora_student_is_synced_merged(tokenizer, toy_batch):
     assert not torch.equal(reference["input_ids"], base["input_ids"])  # the adapters matter
 
 
+def test_seq_kd_samples_the_teacher_from_a_second_engine_that_is_never_synced(tokenizer, tmp_path):
+    """seq_kd with lmbda 0: every step trains on teacher samples from the teacher's own engine (started at fit
+    start beside the student's; frozen, so loaded once); both engines live in one process."""
+    data = ChatDataModule(tokenizer, addition_rows("train", 16), batch_size=4, max_length=48, seed=0)
+    module = gkd(tokenizer, VLLMSampler, lmbda=0.0, seq_kd=True)
+    recorder = SyncRecorder()
+
+    class Engines(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.running = pl_module.sampler.running_engines
+            batch = next(iter(data.train_dataloader()))
+            self.greedy = pl_module.sampler.greedy(
+                pl_module.teacher, batch["prompts"], batch["prompt_attention_mask"], max_new_tokens=6
+            )
+            self.batch = batch
+
+    engines = Engines()
+    trainer(tmp_path, 3, [recorder, engines]).fit(module, datamodule=data)
+    assert engines.running == 2
+    # one load per engine; the student is never sampled here, so its engine is never re-synced
+    assert recorder.syncs == 2
+    reference = hf_greedy(module.teacher, tokenizer, engines.batch, 6)
+    assert all(torch.equal(engines.greedy[k], reference[k]) for k in KEYS)
+    assert module.sampler.running_engines == 0  # closed at teardown
+
+
+def test_sleep_needs_a_gpu(tokenizer):
+    sampler = VLLMSampler(tokenizer, max_new_tokens=4, sleep=True)
+    with pytest.raises(ValueError, match="sleep=true needs a GPU"):
+        sampler.start({"student": vllm_tiny("qwen2", tokenizer)}, max_model_len=32)
+
+
 def test_an_engine_that_cannot_start_names_the_memory_knob(tokenizer):
     sampler = VLLMSampler(tokenizer, max_new_tokens=4, kv_cache_memory_bytes=1 << 60)
     with pytest.raises(RuntimeError, match="kv_cache_memory_bytes"):
@@ -257,10 +289,13 @@ def test_kv_cache_sampler_and_vllm_sampler_share_the_contract(tokenizer, toy_bat
 
 
 @pytest.mark.multiprocess
-def test_ddp_one_engine_per_rank_same_flips_disjoint_prompts_and_hf_equal_losses(tmp_path):
-    """2 DDP processes on CPU (gloo), sampler=vllm: each rank runs its own engine on its own prompts, both ranks
-    flip the same coins, and the loss of every trained batch equals the one computed without vLLM (a one-process
-    replay on the same samples, updated on the step's token mean over both ranks)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_one_engine_each_same_flips_disjoint_prompts_and_hf_equal_losses(strategy, tmp_path):
+    """2 processes on CPU (gloo), sampler=vllm, DDP or FSDP2: each rank runs its own engine on its own prompts, both
+    ranks flip the same coins, the loss of every trained batch equals the one computed without vLLM (a one-process
+    replay on the same samples, updated on the step's token mean over both ranks), and after training each rank's
+    engine (synced from the student; under FSDP gathered from the shards) decodes like our decoder on the trained
+    full weights."""
     import json
     import subprocess
     import sys
@@ -271,7 +306,7 @@ def test_ddp_one_engine_per_rank_same_flips_disjoint_prompts_and_hf_equal_losses
     out = tmp_path / "run"
     worker = Path(__file__).parent / "helpers" / "vllm_ddp_worker.py"
     done = subprocess.run(
-        [sys.executable, str(worker), str(out)],
+        [sys.executable, str(worker), str(out), strategy],
         cwd=tmp_path,
         env=clean_env(),
         capture_output=True,
@@ -284,13 +319,14 @@ def test_ddp_one_engine_per_rank_same_flips_disjoint_prompts_and_hf_equal_losses
     assert r["engines"] == [1, 1]
     assert r["flips"][0] == r["flips"][1] and "student" in r["flips"][0] and "dataset" in r["flips"][0]
     on_policy_calls = r["flips"][0].count("student")
-    assert r["syncs"][0] == r["syncs"][1] >= 1
+    assert r["syncs"][0] == r["syncs"][1] >= 2
     assert [len(p) for p in r["sampled_prompts"]] == [on_policy_calls] * 2
     prompts = [{tuple(p) for call in rank for p in call} for rank in r["sampled_prompts"]]
     assert not prompts[0] & prompts[1]  # each rank sampled for its own share of the data
     for rank in (0, 1):
         assert r["ddp_losses"][rank] == pytest.approx(r["replay_losses"][rank], rel=1e-4, abs=1e-5)
     assert r["weights_vs_replay"] < 1e-4
+    assert r["engine_greedy_equals_hf_greedy"] == [True, True]
 
 
 def test_the_default_job_with_sampler_vllm_improves_the_student_like_the_hf_run(tmp_path, monkeypatch):

@@ -5,15 +5,12 @@
 - ``HeldOutEvaluation`` (in ``default``): greedy held-out scores of the teacher and the student before/after.
 - ``SampleTable`` (in ``default``): greedy samples and teacher agreement every few steps.
 - ``HFExportCallback`` (hf_export): a Hugging Face export beside each checkpoint.
-- ``SamplerShutdown`` (added by ``GKDModule`` itself with a serving-engine sampler): stop the engines when a fit is
-  interrupted.
 """
 
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
 from lightning_gkd.callbacks.hf_export import HFExportCallback
 from lightning_gkd.callbacks.print_metrics import PrintMetricsCallback
 from lightning_gkd.callbacks.sample_table import SampleTable
-from lightning_gkd.callbacks.sampler_shutdown import SamplerShutdown
 from lightning_gkd.callbacks.signal_checkpoint import SignalCheckpoint
 
 __all__ = [

@@ -11,7 +11,6 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.callbacks.sampler_shutdown import SamplerShutdown
 from lightning_gkd.data.loader import group_slot, shuffled_micro_batches
 from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
@@ -23,6 +22,7 @@ from lightning_gkd.ops.sampling import validate_sampling_args
 from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler_available
 from lightning_gkd.teachers import LocalTeacher, Teacher
 from lightning_gkd.training.normalization import LossNormalization
+from lightning_gkd.training.sampler_shutdown import SamplerShutdown
 
 Source = Literal["dataset", "student", "teacher"]
 _COIN, _SAMPLE, _SHUFFLE = 0, 1, 2  # salts that keep the coin flip's, sampler's and shuffle's streams apart
