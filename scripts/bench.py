@@ -501,7 +501,8 @@ def main() -> None:
     for config in ("ours", "ours_vllm"):
         if config in args.configs and 1.0 in args.lmbdas:
             results[f"breakdown:{config}"] = [run_one(f"breakdown:{config}", 1.0, 0, 0)]
-    results["failures"] = [failures] if failures else []
+    if failures:
+        results["failures"] = [failures]
     command = "python scripts/bench.py " + " ".join(sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(results, command.strip(), args.reps, args.steps, time.perf_counter() - started))

@@ -174,6 +174,8 @@ class VLLMSampler:
         eos = resolve_eos_token_id(model, self.tokenizer)
         stop_ids = _eos_list(eos)
         max_tokens = max_new_tokens or self.max_new_tokens
+        vocab = int(getattr(unwrap(model).config, "vocab_size", 0) or 0)
+        top_k = self.top_k if 0 < self.top_k < vocab or not vocab else 0  # >= vocab: off, as in KVCacheSampler
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_attention_mask.cpu(), strict=True)]
         self._check_lengths(rows, max_tokens)
         params = [
@@ -181,7 +183,7 @@ class VLLMSampler:
                 n=1,
                 max_tokens=max_tokens,
                 temperature=0.0 if greedy else self.temperature,
-                top_k=0 if greedy else self.top_k,
+                top_k=0 if greedy else top_k,
                 top_p=1.0 if greedy else self.top_p,
                 seed=None if greedy else derive_seed(seed, row) % (2**31),
                 stop_token_ids=stop_ids,
