@@ -38,6 +38,8 @@ def test_bench_runs_trl_and_ours_and_writes_the_table(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
+    meta = results.pop("meta")[0]
+    assert meta["reps"] == 1 and meta["steps"] == 4 and meta["command"].startswith("python scripts/bench.py --tiny")
     assert set(results) == {"trl_no_gc@1.0", "trl_distill@1.0", "ours_k4@1.0"}
     for runs in results.values():
         assert runs[0]["steps"] == 4 and runs[0]["seconds_per_step"] > 0 and runs[0]["peak_rss_mb"] > 0
