@@ -149,24 +149,11 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
         with tempfile.TemporaryDirectory() as out:
             args = GKDConfig(
                 output_dir=out,
-                per_device_train_batch_size=BATCH,
-                max_steps=warmup + steps,
+                **trl_arguments(warmup + steps),
                 lmbda=lmbda,
-                beta=0.5,
-                temperature=0.9,
                 max_new_tokens=NEW_TOKENS,
-                learning_rate=1e-5,
-                max_grad_norm=1.0,
                 max_length=MAX_LENGTH,
-                logging_steps=10**6,
-                save_strategy="no",
-                report_to=[],
-                use_cpu=True,
-                bf16=False,
-                fp16=False,
-                seed=0,
                 gradient_checkpointing=(config == "trl"),
-                dataloader_num_workers=0,
             )
             trainer = GKDTrainer(
                 model=student,
@@ -233,6 +220,26 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
     }
 
 
+def trl_arguments(max_steps: int) -> dict:
+    """The TrainingArguments both TRL trainers get here: the shared shapes and optimizer, CPU, fp32, no logging."""
+    return {
+        "per_device_train_batch_size": BATCH,
+        "max_steps": max_steps,
+        "beta": 0.5,
+        "temperature": 0.9,
+        "learning_rate": 1e-5,
+        "max_grad_norm": 1.0,
+        "logging_steps": 10**6,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "bf16": False,
+        "fp16": False,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+
+
 def distillation_trainer(config: str, student, teacher, tokenizer, rows: list[dict], max_steps: int, ends) -> int:
     """TRL's DistillationTrainer (always on-policy) on the same models and prompts; its defaults but bf16 (off on
     CPU) and the shared shape settings. Returns its generation group (1)."""
@@ -252,21 +259,8 @@ def distillation_trainer(config: str, student, teacher, tokenizer, rows: list[di
         tokenizer.save_pretrained(f"{out}/student")
         args = DistillationConfig(
             output_dir=out,
-            per_device_train_batch_size=BATCH,
-            max_steps=max_steps,
-            beta=0.5,
-            temperature=0.9,
+            **trl_arguments(max_steps),
             max_completion_length=NEW_TOKENS,
-            learning_rate=1e-5,
-            max_grad_norm=1.0,
-            logging_steps=10**6,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
-            seed=0,
-            dataloader_num_workers=0,
             use_vllm="vllm" in config,
             vllm_gpu_memory_utilization=0.3,
             vllm_max_model_length=MAX_LENGTH + NEW_TOKENS,

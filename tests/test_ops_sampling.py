@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_gkd.ops.sampling import (
-    _next_tokens,
+    _pick_tokens,
     completion_batch,
     generate_completions,
     position_ids_from_mask,
@@ -296,21 +296,21 @@ def test_top_p_keeps_smallest_nucleus():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log().expand(4000, 4)
     gen = torch.Generator().manual_seed(0)
-    picked = _next_tokens(logits, do_sample=True, temperature=1.0, top_k=0, top_p=0.7, generator=gen)
+    picked = _pick_tokens(logits, do_sample=True, temperature=1.0, top_k=0, top_p=0.7, generator=gen)[0]
     assert set(picked.tolist()) == {0, 1}
     # top_p = 0.5 -> only the top token (its mass alone reaches the threshold).
-    picked = _next_tokens(logits, do_sample=True, temperature=1.0, top_k=0, top_p=0.5, generator=gen)
+    picked = _pick_tokens(logits, do_sample=True, temperature=1.0, top_k=0, top_p=0.5, generator=gen)[0]
     assert set(picked.tolist()) == {0}
     # top_k = 3 drops the last token; no filtering reaches all four.
-    picked = _next_tokens(logits, do_sample=True, temperature=1.0, top_k=3, top_p=1.0, generator=gen)
+    picked = _pick_tokens(logits, do_sample=True, temperature=1.0, top_k=3, top_p=1.0, generator=gen)[0]
     assert set(picked.tolist()) == {0, 1, 2}
-    picked = _next_tokens(logits, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, generator=gen)
+    picked = _pick_tokens(logits, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, generator=gen)[0]
     assert set(picked.tolist()) == {0, 1, 2, 3}
 
 
 def test_low_temperature_is_greedy():
     logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0))
-    picked = _next_tokens(logits, do_sample=True, temperature=1e-4, top_k=0, top_p=1.0, generator=None)
+    picked = _pick_tokens(logits, do_sample=True, temperature=1e-4, top_k=0, top_p=1.0, generator=None)[0]
     assert torch.equal(picked, logits.argmax(-1))
 
 

@@ -32,6 +32,7 @@ from lightning_gkd.ops.losses import IGNORE_INDEX
 __all__ = [
     "completion_batch",
     "derive_seed",
+    "eos_ids",
     "generate_completions",
     "position_ids_from_mask",
     "resolve_eos_token_id",
@@ -48,19 +49,21 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint64)[0] >> 1)
 
 
+def eos_ids(eos_token_id: EosTokenId) -> list[int]:
+    """EOS id(s) as a list of ints (an int, a sequence or a tensor); empty when there is no EOS."""
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    if isinstance(eos_token_id, torch.Tensor):
+        return [int(i) for i in eos_token_id.reshape(-1).tolist()]
+    return [int(i) for i in eos_token_id]
+
+
 def _eos_tensor(eos_token_id: EosTokenId, device: torch.device) -> torch.Tensor | None:
     """EOS id(s) as a 1-D long tensor on ``device``; ``None`` when there is no EOS."""
-    if eos_token_id is None:
-        return None
-    if isinstance(eos_token_id, int):
-        ids = [eos_token_id]
-    elif isinstance(eos_token_id, torch.Tensor):
-        ids = eos_token_id.reshape(-1).tolist()
-    else:
-        ids = [int(i) for i in eos_token_id]
-    if not ids:
-        return None
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    ids = eos_ids(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 
 def validate_sampling_args(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
@@ -95,21 +98,6 @@ def _all_finished(finished: torch.Tensor, synced: bool) -> bool:
         done = done.to(torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
     return bool(done)
-
-
-def _next_tokens(
-    logits: torch.Tensor,
-    *,
-    do_sample: bool,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """The tokens of :func:`_pick_tokens`, without their log-probabilities."""
-    return _pick_tokens(
-        logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-    )[0]
 
 
 def _pick_tokens(

@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_gkd.models.weights import check_weights_exportable, hf_weights
 from lightning_gkd.ops.hf import EosTokenId, resolve_eos_token_id, resolve_pad_token_id, unwrap
-from lightning_gkd.ops.sampling import completion_batch, derive_seed, validate_sampling_args
+from lightning_gkd.ops.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
 from lightning_gkd.samplers.vllm_engine import dtype_bytes, kv_cache_bytes, reload_on_worker, shutdown_engine
 
 __all__ = ["VLLMSampler", "import_vllm"]
@@ -172,7 +172,7 @@ class VLLMSampler:
         engine = self._engine(model)
         self._sync_if_due(model, engine)
         eos = resolve_eos_token_id(model, self.tokenizer)
-        stop_ids = _eos_list(eos)
+        stop_ids = eos_ids(eos)
         max_tokens = max_new_tokens or self.max_new_tokens
         vocab = int(getattr(unwrap(model).config, "vocab_size", 0) or 0)
         top_k = self.top_k if 0 < self.top_k < vocab or not vocab else 0  # >= vocab: off, as in KVCacheSampler
@@ -327,20 +327,9 @@ class VLLMSampler:
             engine.llm.sleep(level=1)
 
 
-def _eos_list(eos: EosTokenId) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, int):
-        return [eos]
-    if isinstance(eos, torch.Tensor):
-        return [int(i) for i in eos.reshape(-1).tolist()]
-    return [int(i) for i in eos]
-
-
 def _sampled_logprobs(completion: Any) -> list[float]:
-    """The log-prob of each generated token under the distribution it was sampled from."""
-    if completion.logprobs is None:
-        return [0.0] * len(completion.token_ids)
+    """The log-prob of each generated token under the distribution it was sampled from (requested with
+    ``logprobs=0``: the sampled token only)."""
     return [float(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs, strict=True)]
 
 

@@ -28,6 +28,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -108,11 +109,13 @@ def make_module(tokenizer, *, lmbda: float, optimizer=SGD, **kwargs) -> Recorded
     )
 
 
-def fit(out: Path, module: Recorded, data: ChatDataModule, steps: int, accumulate: int = 1) -> L.Trainer:
+def fit(
+    out: Path, module: Recorded, data: ChatDataModule, steps: int, accumulate: int = 1, strategy: Any = "ddp"
+) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=strategy,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
         limit_val_batches=0,

@@ -25,7 +25,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from helpers.ddp_worker import KEYS, LR, SGD, Recorded, gather, prompt_tokens  # noqa: E402
+from helpers.ddp_worker import KEYS, LR, SGD, Recorded, fit, gather, prompt_tokens  # noqa: E402
 from helpers.vllm_models import vllm_tiny  # noqa: E402
 from lightning_gkd import ChatDataModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer  # noqa: E402
@@ -79,19 +79,7 @@ def main() -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if mode == "fsdp" else "ddp"
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-    )
-    trainer.fit(module, datamodule=data)
+    fit(out, module, data, STEPS, strategy=strategy)
     trained = gather(module.trained)
     flips = gather([source for *_, source in module.flips])
     sampled = gather(module.sampled)
