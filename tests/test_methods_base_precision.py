@@ -1,5 +1,6 @@
-"""Trainer precision: a frozen model whose dtype was not chosen follows it (bf16 under bf16-*); a chosen dtype and
-the trained model's float32 weights stay; every trainer config composes with its precision."""
+"""Trainer precision: a frozen model whose dtype was not chosen follows it (bf16 under bf16-*; under 32-true bf16
+where the hardware multiplies bf16 fast, else float32); a chosen dtype and the trained model's float32 weights stay;
+``frozen_dtype`` forces the frozen models' dtype; every trainer config composes with its precision."""
 
 from functools import partial
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from helpers.hydra_compose import compose_train
 
-from lightning_gkd import ChatDataModule, GKDModule
-from lightning_gkd.data.toy import addition_rows
+from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
+from lightning_gkd.data.toy import addition_preference_rows, addition_rows
+from lightning_gkd.models import precision as precision_module
 
 
 @pytest.fixture()
@@ -41,12 +43,14 @@ def fit_one_step(module, tokenizer, tmp_path, precision):
         ("path", "bf16-mixed", torch.bfloat16),
         ({"init_kwargs": {"dtype": "auto"}}, "bf16-mixed", torch.bfloat16),
         ({"init_kwargs": {"dtype": "float32"}}, "bf16-mixed", torch.float32),  # chosen: kept
-        ("path", "32-true", torch.float32),
+        ("path", "32-true", "fast"),
     ],
 )
 def test_teacher_dtype_follows_precision_unless_chosen(
     student, tokenizer, teacher_dir, tmp_path, teacher_spec, precision, expected
 ):
+    if expected == "fast":  # 32-true: bfloat16 on hardware with fast bf16 matmuls (this CPU's flags decide)
+        expected = torch.bfloat16 if precision_module.bf16_matmul_is_fast("cpu") else torch.float32
     source = teacher_dir if teacher_spec == "path" else {"name_or_path": teacher_dir, **teacher_spec}
     module = GKDModule(student, source, tokenizer, lmbda=0.0, optimizer=partial(torch.optim.AdamW, lr=1e-3))
     before = {n: p.detach().clone() for n, p in module.student.named_parameters()}
@@ -55,6 +59,49 @@ def test_teacher_dtype_follows_precision_unless_chosen(
     # the trained weights stay float32 (mixed precision keeps master weights) and were updated
     assert {p.dtype for p in module.student.parameters()} == {torch.float32}
     assert any(not torch.equal(before[n], p) for n, p in module.student.named_parameters())
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_frozen_models_take_bf16_under_32_true_only_where_bf16_is_fast(
+    student, tokenizer, teacher_dir, tmp_path, monkeypatch, fast
+):
+    monkeypatch.setattr(precision_module, "bf16_matmul_is_fast", lambda device: fast)
+    module = GKDModule(student, teacher_dir, tokenizer, lmbda=0.0, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    fit_one_step(module, tokenizer, tmp_path, "32-true")
+    assert {p.dtype for p in module.teacher.parameters()} == {torch.bfloat16 if fast else torch.float32}
+    assert {p.dtype for p in module.student.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("frozen_dtype", ["float32", "bfloat16"])
+def test_frozen_dtype_forces_every_frozen_model(student, teacher, tokenizer, tmp_path, frozen_dtype):
+    # an nn.Module teacher fixes its own dtype under "auto"; a named frozen_dtype casts it anyway
+    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, frozen_dtype=frozen_dtype)
+    fit_one_step(module, tokenizer, tmp_path, "32-true")
+    assert {p.dtype for p in module.teacher.parameters()} == {getattr(torch, frozen_dtype)}
+    auto = GKDModule(student, teacher.to(torch.float32), tokenizer, lmbda=0.0)
+    fit_one_step(auto, tokenizer, tmp_path, "32-true")
+    assert {p.dtype for p in auto.teacher.parameters()} == {torch.float32}
+
+
+def test_dpo_reference_in_bf16_trains_the_float32_policy(student, tokenizer, teacher_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(precision_module, "bf16_matmul_is_fast", lambda device: True)
+    student.save_pretrained(tmp_path / "policy")
+    module = DPOModule(str(tmp_path / "policy"), tokenizer, reference=str(tmp_path / "policy"))
+    data = PreferenceDataModule(tokenizer, addition_preference_rows("train", 8), batch_size=4, max_length=64)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data)
+    assert {p.dtype for p in module.reference.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in module.policy.parameters()} == {torch.float32}
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
 def test_bf16_true_runs_everything_in_bf16(student, tokenizer, teacher_dir, tmp_path):

@@ -21,7 +21,9 @@ def test_a_checkpoint_from_before_the_restructure_resumes_exactly(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     ckpt = tmp_path / "old.ckpt"
     shutil.copy(FIXTURE / "last.ckpt", ckpt)
-    cfg = compose_train(tmp_path, [*expected["overrides"], f"ckpt_path={ckpt}"])
+    # the run as it was configured then: float32 teacher, exact sampling, for-loop AdamW (today's defaults differ)
+    then = ["method.frozen_dtype=float32", "sampler.matmul_precision=highest", "optimizer.fused=false"]
+    cfg = compose_train(tmp_path, [*expected["overrides"], *then, f"ckpt_path={ckpt}"])
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "resumed")
     run(cfg)

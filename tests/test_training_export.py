@@ -219,7 +219,8 @@ def test_hydra_run_with_a_lora_student_exports_adapter_merged_and_per_checkpoint
         "step3-hf-merged": max_diff(logits(checkpoint, tok), reference),
     }
     print("Hydra LoRA run: max |logit diff| vs the exported adapter:", diffs)
-    assert all(diff <= ATOL for diff in diffs.values())
+    scale = max(1.0, reference.abs().max().item())  # W + BA vs Wx + B(Ax): float32 rounding of logits this large
+    assert all(diff <= ATOL * scale for diff in diffs.values())
     assert (run_dir / "checkpoints" / "step3-hf" / "adapter_config.json").is_file()
     # Only the adapters trained: the merged export differs from the shipped student start.
     base = AutoModelForCausalLM.from_pretrained(cfg.model.student.name_or_path)

@@ -107,7 +107,10 @@ def test_on_policy_samples_of_different_lengths_are_one_token_mean(tokenizer, tm
     answers with EOS after 1 to 4 digits)."""
     rows = uneven_rows(8)
     student, teacher = asset_path("toy/student_init"), asset_path("toy/teacher")
-    module = GKDModule(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=8, temperature=1.0)
+    # float32 teacher: the reference below runs it outside a fit, where "auto" would not cast it
+    module = GKDModule(
+        student, teacher, tokenizer, lmbda=1.0, max_new_tokens=8, temperature=1.0, frozen_dtype="float32"
+    )
     samples: list = []
     sample_batch = module.sample_batch
 

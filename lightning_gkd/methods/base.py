@@ -19,7 +19,6 @@ from lightning_gkd.evaluation.metrics import GenerationMetric, GenerationScores,
 from lightning_gkd.evaluation.model_card import describe_source
 from lightning_gkd.methods.legacy import LegacyLossHook
 from lightning_gkd.models.loading import (
-    PRECISION_DTYPES,
     ModelSource,
     dtype_chosen,
     enable_gradient_checkpointing,
@@ -27,12 +26,14 @@ from lightning_gkd.models.loading import (
     load_frozen_causal_lm,
 )
 from lightning_gkd.models.loading import disable_dropout as disable_dropout_in
+from lightning_gkd.models.precision import check_frozen_dtype, frozen_model_dtype, is_quantized
 from lightning_gkd.ops.hf import causal_lm_logits, resolve_eos_token_id
 from lightning_gkd.ops.sampling import derive_seed
 from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
 from lightning_gkd.training.export import export_module
 from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFinitePolicy
 from lightning_gkd.training.normalization import LossNormalization, StepTokenNormalizer, supervised_positions
+from lightning_gkd.training.optimizers import adamw, amp_clipping, build_optimizer
 from lightning_gkd.training.throughput import TokenThroughput
 
 __all__ = [
@@ -101,9 +102,14 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         eval_max_new_tokens: int = 32,
         nonfinite: NonFinitePolicy = "raise",
         loss_normalization: LossNormalization = "step",
+        frozen_dtype: str = "auto",
     ) -> None:
         super().__init__()
         self.nonfinite_guard = NonFiniteGuard(nonfinite)  # checks the policy before any model loads
+        check_frozen_dtype(frozen_dtype)
+        #: dtype of the frozen models (see ``models.precision.frozen_model_dtype``); "auto" spares models whose
+        #: dtype was chosen (an nn.Module, a spec's init_kwargs.dtype), a dtype name casts every frozen model.
+        self.frozen_dtype = frozen_dtype
         self.nonfinite = nonfinite
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         # from_pretrained returns eval-mode models; Lightning keeps module modes as found, so set train mode here.
@@ -112,7 +118,7 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
             disable_dropout_in(self.model)
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=5e-5)
+        self.optimizer_factory = optimizer or partial(adamw, lr=5e-5)  # fused where torch can
         self.scheduler_factory = scheduler
         self.seed = seed
         self.metrics = dict(metrics or {})
@@ -124,12 +130,13 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         #: Token-mean losses: over the whole optimizer step ("step") or per micro-batch ("micro_batch").
         self.token_normalizer = StepTokenNormalizer(loss_normalization)
         self._checked_datamodule: L.LightningDataModule | None = None
-        self._frozen_follow_precision: set[str] = set()  # frozen models whose dtype follows trainer.precision
+        self._frozen_follow_precision: set[str] = set()  # frozen models whose dtype was not chosen
         self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
         """Load a frozen helper model. Unless its dtype was chosen (an ``nn.Module``, or a spec with
-        ``init_kwargs.dtype`` other than ``auto``), it follows the trainer's precision when fitting starts."""
+        ``init_kwargs.dtype`` other than ``auto``), it takes ``frozen_dtype``'s dtype when fitting starts: with
+        "auto", the trainer's 16-bit precision, or bfloat16 under 32-bit where the hardware multiplies bf16 fast."""
         self.model_sources[role] = describe_source(source)
         if not dtype_chosen(source):
             self._frozen_follow_precision.add(role)
@@ -188,7 +195,10 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params)
+        trainer = getattr(self, "_trainer", None)  # None when called outside a fit
+        optimizer = build_optimizer(
+            self.optimizer_factory, params, allow_fused=trainer is None or not amp_clipping(trainer)
+        )
         if self.scheduler_factory is None:
             return optimizer
         return {
@@ -204,9 +214,10 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
         if datamodule is not None:
             self.check_datamodule(datamodule)
-        dtype = PRECISION_DTYPES.get(str(self.trainer.precision))
+        dtype = frozen_model_dtype(self.frozen_dtype, str(self.trainer.precision), self.trainer.strategy.root_device)
         for name, model in self.frozen_models().items():
-            if dtype is not None and name in self._frozen_follow_precision:
+            chosen = self.frozen_dtype == "auto" and name not in self._frozen_follow_precision
+            if dtype is not None and not chosen and not is_quantized(model):
                 model.to(dtype)
         self.nonfinite_guard.watch({self.model_role: self.model, **self.frozen_models()})
 

@@ -70,6 +70,7 @@ class DPOModule(CausalLMModule):
         metrics: Mapping[str, GenerationMetric] | None = None,
         eval_max_new_tokens: int = 32,
         nonfinite: NonFinitePolicy = "raise",
+        frozen_dtype: str = "auto",
     ) -> None:
         check_preference_args(beta, loss_type, label_smoothing)
         if label_smoothing and loss_type != "sigmoid":
@@ -94,6 +95,7 @@ class DPOModule(CausalLMModule):
             metrics=metrics,
             eval_max_new_tokens=eval_max_new_tokens,
             nonfinite=nonfinite,
+            frozen_dtype=frozen_dtype,
         )
         if reference is not None:
             self.reference = self.load_frozen(reference, role="reference", trust_remote_code=trust_remote_code)

@@ -61,7 +61,9 @@ class GKDModule(CausalLMModule):
     ``lightning_gkd.models.loading.load_causal_lm``). ``optimizer``/``scheduler``: factories such as
     ``functools.partial(torch.optim.AdamW, lr=1e-4)`` (Hydra: ``_partial_: true``); the scheduler steps every
     optimizer step. ``nonfinite``: ``"raise"`` (default) stops on a non-finite loss naming the step and the model
-    with non-finite logits; ``"skip"`` skips such batches with a warning.
+    with non-finite logits; ``"skip"`` skips such batches with a warning. ``frozen_dtype``: the teacher's dtype
+    ("auto": bfloat16 where the hardware multiplies bf16 fast, unless the teacher's dtype was chosen; see
+    ``lightning_gkd.models.precision``).
     """
 
     frozen_names = ("teacher",)
@@ -95,6 +97,7 @@ class GKDModule(CausalLMModule):
         lean_loss: bool = True,
         loss_chunk_size: int = 64,
         sampler: Sampler | SamplerFactory | None = None,
+        frozen_dtype: str = "auto",
     ) -> None:
         check_sampler_available(sampler)  # before any model loads
         _check_range("lmbda", lmbda, 0.0, 1.0)
@@ -117,6 +120,7 @@ class GKDModule(CausalLMModule):
             eval_max_new_tokens=eval_max_new_tokens,
             nonfinite=nonfinite,
             loss_normalization=loss_normalization,
+            frozen_dtype=frozen_dtype,
         )
         self.teacher = self.load_frozen(teacher, role="teacher", trust_remote_code=trust_remote_code)
         check_same_vocab(self.student, self.teacher)

@@ -164,17 +164,6 @@ def check_same_vocab(student: nn.Module, teacher: nn.Module, *, teacher_role: st
         )
 
 
-#: The dtype a frozen model (teacher, reference) takes under each trainer precision, unless its dtype was chosen.
-PRECISION_DTYPES = {
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16,
-    "16-true": torch.float16,
-    "32-true": torch.float32,
-    "64-true": torch.float64,
-}
-
-
 def dtype_chosen(source: ModelSource) -> bool:
     """Whether a model source fixes its own dtype: a built module, or a spec with a dtype other than ``auto``."""
     if isinstance(source, nn.Module):
