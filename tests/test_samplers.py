@@ -13,7 +13,7 @@ from lightning_gkd.samplers import KVCacheSampler, Sampler
 def test_kv_cache_sampler_is_the_seeded_kv_cache_decoder(student, tokenizer):
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = (ids != 0).long()
-    sampler = KVCacheSampler(tokenizer, max_new_tokens=5, temperature=0.7, top_k=3)
+    sampler = KVCacheSampler(tokenizer, max_new_tokens=5, temperature=0.7, top_k=3, matmul_precision="highest")
     assert isinstance(sampler, Sampler)
     got = sampler.sample(student, ids, mask, seed=11)
     want = generate_completions(
@@ -31,8 +31,51 @@ def test_kv_cache_sampler_is_the_seeded_kv_cache_decoder(student, tokenizer):
     assert not torch.equal(got["input_ids"], sampler.sample(student, ids, mask, seed=12)["input_ids"])
 
 
+class PrecisionProbe(torch.nn.Module):
+    """Wraps a causal LM and records torch's float32 matmul precision at every forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.seen = model, []
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def forward(self, **kwargs):
+        self.seen.append(torch.get_float32_matmul_precision())
+        return self.model(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["medium", "high", "highest", None])
+def test_kv_cache_sampler_decodes_under_its_matmul_precision_and_restores_it(student, tokenizer, precision):
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    probe = PrecisionProbe(student)
+    before = torch.get_float32_matmul_precision()
+    out = KVCacheSampler(tokenizer, max_new_tokens=4, matmul_precision=precision).sample(
+        probe, ids, (ids != 0).long(), seed=0
+    )
+    assert set(probe.seen) == {precision or before} and len(probe.seen) == out["input_ids"].shape[1] - 4
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_medium_precision_samples_like_exact_float32_on_a_tiny_model(student, tokenizer):
+    """bf16 products move the logits by ~1e-3 here: seeded draws rarely cross a boundary, and the sampled log-probs
+    agree to that size."""
+    ids = torch.randint(3, 200, (8, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    exact = KVCacheSampler(tokenizer, max_new_tokens=8, matmul_precision="highest").sample(student, ids, mask, seed=5)
+    fast = KVCacheSampler(tokenizer, max_new_tokens=8).sample(student, ids, mask, seed=5)
+    same = (exact["input_ids"] == fast["input_ids"]).all(dim=1)
+    assert same.float().mean() >= 0.75
+    rows = same.nonzero().squeeze(1)
+    torch.testing.assert_close(fast["sampled_logprobs"][rows], exact["sampled_logprobs"][rows], atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize(
-    "kwargs, message", [({"temperature": 0.0}, "temperature must be > 0"), ({"top_p": 0}, "top_p")]
+    "kwargs, message",
+    [
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"top_p": 0}, "top_p"),
+        ({"matmul_precision": "bf16"}, "matmul_precision must be one of .*'medium'.* got 'bf16'"),
+    ],
 )
 def test_kv_cache_sampler_checks_its_options(tokenizer, kwargs, message):
     with pytest.raises(ValueError, match=message):

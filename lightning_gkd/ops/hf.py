@@ -117,6 +117,33 @@ def causal_lm_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tor
     ).logits
 
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def check_matmul_precision(precision: str | None) -> None:
+    """ValueError naming the value unless ``precision`` is None or one of torch's float32 matmul precisions."""
+    if precision is not None and precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS} or null, got {precision!r}")
+
+
+@contextmanager
+def float32_matmul_precision(precision: str | None) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(precision)`` inside the block, the previous setting restored afterwards
+    (also on an exception); ``None`` leaves it alone. "medium" lets float32 matrix multiplies run with bfloat16
+    inputs and float32 accumulation (oneDNN on CPUs with AVX512-BF16/AMX, tensor cores on GPUs); "high" allows
+    TF32; "highest" is exact float32."""
+    check_matmul_precision(precision)
+    if precision is None:
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` in eval mode inside the block (dropout off; HF models keep their KV cache even with gradient
