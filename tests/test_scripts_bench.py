@@ -47,3 +47,40 @@ def test_bench_runs_trl_and_ours_and_writes_the_table(tmp_path):
     report = out.read_text()
     assert "| ours, steps_per_generation 4 | 1 |" in report and "vocabulary 512" in report
     assert "| TRL DistillationTrainer, defaults (bf16 off) | 1 |" in report
+
+
+def test_real_shape_mode_reports_the_floor_the_decode_profile_and_each_lever(tmp_path):
+    """--shape real (here with --tiny sizes): the side-by-side rows plus the floor from measured rates, the decode
+    profile per matmul precision and the cumulative lever breakdown, all rendered."""
+    out = tmp_path / "real.md"
+    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--shape", "real", "--reps", "1"]
+    command += ["--steps", "4", "--warmup", "4", "--configs", "ours", "trl_distill", "--lmbdas", "1", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results.pop("meta")[0]["shape"] == "real"
+    floor = results["floor"][0]
+    assert set(floor["parts"]) == {"sample", "teacher forward", "student forward + backward", "optimizer"}
+    assert all(value > 0 for value in floor["parts"].values()) and floor["rates"]["copy GB/s"] > 0
+    assert set(results["decode"][0]) == {"highest@2", "highest@8", "medium@2", "medium@8"}
+    levers = [key for key in results if key.startswith("levers:")]
+    assert levers[0] == "levers:none" and len(levers) == 5
+    assert all(sum(results[key][0].values()) > 0 for key in levers)
+    report = out.read_text()
+    assert "x TRL DistillationTrainer (issue 21's target: <= 0.6x)" in report and "x the floor below" in report
+    assert "| + fused AdamW |" in report and "| medium | 2 |" in report and "Qwen2.5-0.5B's shape" in report
+    rendered = tmp_path / "again.md"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench.py"),
+            "--render",
+            str(out.with_suffix(".json")),
+            "--out",
+            str(rendered),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    assert rendered.read_text().split("\n", 3)[3] == report.split("\n", 3)[3]  # same report from the JSON
