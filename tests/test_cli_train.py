@@ -104,3 +104,24 @@ def test_command_line_entry_points(tmp_path, launcher):
     card = (tmp_path / "run" / "student" / "README.md").read_text()  # the model card of the default run
     assert "## Method: GKDModule" in card and "- lmbda: `1.0`" in card and "- steps: 4" in card
     assert (tmp_path / "run" / "logs" / "metrics.csv").is_file()
+
+
+def test_float32_matmul_precision_holds_for_the_run_and_is_restored(tmp_path, monkeypatch):
+    import lightning_gkd.cli.train as train_cli
+
+    seen = []
+    real_fit = train_cli.fit
+
+    def recording_fit(built):
+        seen.append(torch.get_float32_matmul_precision())
+        return real_fit(built)
+
+    monkeypatch.setattr(train_cli, "fit", recording_fit)
+    before = torch.get_float32_matmul_precision()
+    cfg = compose_train(tmp_path, [*FAST, "trainer.max_steps=1", "float32_matmul_precision=medium", "export=false"])
+    assert run(cfg)["global_step"] == 1
+    assert seen == ["medium"] and torch.get_float32_matmul_precision() == before
+    bad = compose_train(tmp_path, [*FAST, "float32_matmul_precision=bf16"])
+    with pytest.raises(ValueError, match="matmul_precision must be one of .* got 'bf16'"):
+        run(bad)
+    assert compose_train(tmp_path, []).float32_matmul_precision is None

@@ -21,7 +21,7 @@ import lightning_gkd.conf  # noqa: E402,F401  (registers the ${asset:...} resolv
 from lightning_gkd.cli.hub import check_push_settings, push_folder
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.model_card import describe_data
-from lightning_gkd.ops.hf import is_peft_model
+from lightning_gkd.ops.hf import float32_matmul_precision, is_peft_model
 from lightning_gkd.training.checkpoint_io import require_checkpoint, use_safe_checkpoint_io
 from lightning_gkd.training.resume import resolve_ckpt_path
 
@@ -146,8 +146,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("print_config"):
         print_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    built = build(cfg)
-    return finish(cfg, built, fit(built))
+    with float32_matmul_precision(cfg.get("float32_matmul_precision")):  # restored after the run (tests, notebooks)
+        built = build(cfg)
+        return finish(cfg, built, fit(built))
 
 
 def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
