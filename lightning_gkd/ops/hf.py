@@ -129,9 +129,9 @@ def check_matmul_precision(precision: str | None) -> None:
 @contextmanager
 def float32_matmul_precision(precision: str | None) -> Iterator[None]:
     """``torch.set_float32_matmul_precision(precision)`` inside the block, the previous setting restored afterwards
-    (also on an exception); ``None`` leaves it alone. "medium" lets float32 matrix multiplies run with bfloat16
-    inputs and float32 accumulation (oneDNN on CPUs with AVX512-BF16/AMX, tensor cores on GPUs); "high" allows
-    TF32; "highest" is exact float32."""
+    (also on an exception); ``None`` leaves it alone. "medium" allows float32 matrix products with bfloat16 inputs
+    and float32 accumulation (on CPUs torch then uses oneDNN's kernels, which use bf16 on AMX; tensor cores on
+    GPUs); "high" allows TF32; "highest" is exact float32."""
     check_matmul_precision(precision)
     if precision is None:
         yield
