@@ -20,12 +20,14 @@ def teacher_dir(teacher, tmp_path):
     return str(tmp_path / "teacher")
 
 
-def fit_one_step(module, tokenizer, tmp_path, precision):
-    datamodule = ChatDataModule(tokenizer, addition_rows("train", 8), batch_size=4, max_length=64)
+def fit_one_step(module, tokenizer, tmp_path, precision, *, datamodule=None, max_steps=1, **trainer_kwargs):
+    """A real Lightning fit of ``max_steps`` steps on CPU (toy addition rows unless a datamodule is given)."""
+    datamodule = datamodule or ChatDataModule(tokenizer, addition_rows("train", 8), batch_size=4, max_length=64)
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=1,
+        max_steps=max_steps,
         precision=precision,
+        **trainer_kwargs,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -88,17 +90,7 @@ def test_dpo_reference_in_bf16_trains_the_float32_policy(student, tokenizer, tea
     student.save_pretrained(tmp_path / "policy")
     module = DPOModule(str(tmp_path / "policy"), tokenizer, reference=str(tmp_path / "policy"))
     data = PreferenceDataModule(tokenizer, addition_preference_rows("train", 8), batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module, datamodule=data)
+    trainer = fit_one_step(module, tokenizer, tmp_path, "32-true", datamodule=data, max_steps=2)
     assert {p.dtype for p in module.reference.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in module.policy.parameters()} == {torch.float32}
     assert torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -67,26 +67,12 @@ def test_methods_and_config_default_to_fused_adamw(student, teacher, tokenizer, 
     assert not fused_flag(off(student.parameters()))
 
 
-def test_mixed_precision_with_clipping_falls_back_to_unfused_adamw(student, teacher, tokenizer, toy_rows, tmp_path):
+def test_mixed_precision_with_clipping_falls_back_to_unfused_adamw(student, teacher, tokenizer, tmp_path):
     """Lightning refuses gradient clipping with a fused optimizer under a mixed-precision plugin, so the default
     AdamW is unfused there (and fused again under 32-true); the run trains."""
-    import lightning as L
-
-    from lightning_gkd import ChatDataModule
+    from test_methods_base_precision import fit_one_step
 
     for precision, fused in (("bf16-mixed", False), ("32-true", True)):
         module = GKDModule(student, teacher, tokenizer, lmbda=0.0, optimizer=partial(adamw, lr=1e-3))
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=1,
-            precision=precision,
-            gradient_clip_val=1.0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            default_root_dir=tmp_path,
-        )
-        trainer.fit(module, datamodule=ChatDataModule(tokenizer, toy_rows["train"], batch_size=4, max_length=64))
+        trainer = fit_one_step(module, tokenizer, tmp_path, precision, gradient_clip_val=1.0)
         assert fused_flag(trainer.optimizers[0]) is fused and trainer.global_step == 1
