@@ -325,14 +325,9 @@ def distillation_trainer(config: str, student, teacher, tokenizer, rows: list[di
     return 1
 
 
-#: Our speed levers at real shapes, each switchable in the breakdown to show what it buys (all on by default).
-LEVERS = {
-    "fused_adamw": "fused AdamW (the default optimizer) instead of torch's for-loop AdamW",
-    "bf16_teacher": "teacher in bfloat16 (frozen_dtype auto on a CPU with fast bf16) instead of float32",
-    "sampler_medium": "sampling with float32 matmul precision 'medium' (KVCacheSampler's default) instead of exact",
-}
-#: An opt-in lever, measured but not on by default: the student's training matmuls at precision 'medium'.
-OPT_IN = {"student_medium": "student forward + backward with float32 matmul precision 'medium' (opt-in)"}
+#: Our default speed levers, each switchable in the breakdown (LEVER_STEPS says what each is); "student_medium" is
+#: the opt-in one (the student's training matmuls at precision 'medium').
+LEVERS = ("fused_adamw", "bf16_teacher", "sampler_medium")
 
 
 def frozen_dtype_default() -> str:

@@ -130,7 +130,7 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         #: Token-mean losses: over the whole optimizer step ("step") or per micro-batch ("micro_batch").
         self.token_normalizer = StepTokenNormalizer(loss_normalization)
         self._checked_datamodule: L.LightningDataModule | None = None
-        self._frozen_follow_precision: set[str] = set()  # frozen models whose dtype was not chosen
+        self._frozen_dtype_open: set[str] = set()  # frozen models whose source did not choose a dtype
         self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
@@ -139,7 +139,7 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         "auto", the trainer's 16-bit precision, or bfloat16 under 32-bit where the hardware multiplies bf16 fast."""
         self.model_sources[role] = describe_source(source)
         if not dtype_chosen(source):
-            self._frozen_follow_precision.add(role)
+            self._frozen_dtype_open.add(role)
         return load_frozen_causal_lm(source, role=role, trust_remote_code=trust_remote_code)
 
     def frozen_models(self) -> dict[str, nn.Module]:
@@ -216,7 +216,7 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
             self.check_datamodule(datamodule)
         dtype = frozen_model_dtype(self.frozen_dtype, str(self.trainer.precision), self.trainer.strategy.root_device)
         for name, model in self.frozen_models().items():
-            chosen = self.frozen_dtype == "auto" and name not in self._frozen_follow_precision
+            chosen = self.frozen_dtype == "auto" and name not in self._frozen_dtype_open
             if dtype is not None and not chosen and not is_quantized(model):
                 model.to(dtype)
         self.nonfinite_guard.watch({self.model_role: self.model, **self.frozen_models()})

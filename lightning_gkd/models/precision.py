@@ -66,7 +66,7 @@ def frozen_model_dtype(choice: str, trainer_precision: str, device: torch.device
         return resolve_dtype(choice)
     if trainer_precision in PRECISION_DTYPES:
         return PRECISION_DTYPES[trainer_precision]
-    if trainer_precision in ("32-true", "32"):
+    if trainer_precision == "32-true":
         return torch.bfloat16 if bf16_matmul_is_fast(device) else torch.float32
     return None
 
