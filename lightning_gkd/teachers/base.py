@@ -1,18 +1,67 @@
-"""The teacher protocol."""
+"""The teacher protocols: what a distillation loss reads from a teacher for a batch.
+
+A *dense* teacher (``Teacher``: the in-process model) gives full logits or final hidden states plus its head. A
+*sparse* teacher (``SparseTeacher``: an offline top-k cache, a vLLM server) gives, at every supervised position,
+its ``k`` most likely next tokens with their log-probs, and the log-prob of the token that actually follows
+(``TopKSignal``); the mass outside the top-k is ``1 − Σ exp(logprobs)``.
+
+Positions: hidden state ``i`` predicts token ``i + 1``, so a batch's supervised positions are
+``supervised_positions(labels)``, True at ``i`` where ``labels[:, i + 1]`` is not -100; a signal lists them in
+row-major order (the order of ``tensor[positions]``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.losses import IGNORE_INDEX
+
+
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` bool: True at position ``i`` where the token ``i + 1`` is supervised (``labels`` ``(B, L)``)."""
+    return F.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False)
+
+
+def next_tokens(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` the token following each True position of ``positions`` ``(B, L)``, row-major."""
+    return F.pad(input_ids[:, 1:], (0, 1), value=0)[positions]
+
+
+@dataclass(frozen=True)
+class TopKSignal:
+    """A sparse teacher's view of a batch at its ``N`` supervised positions (row-major).
+
+    ``ids`` ``(N, k)`` int64 and ``logprobs`` ``(N, k)`` float32: the teacher's ``k`` most likely next tokens and
+    their log-probs under its full softmax at temperature 1, most likely first. ``next_logprobs`` ``(N,)``
+    float32: the teacher's log-prob of the token that actually follows (a dataset completion's or a sample's),
+    whether or not it is in the top-k; None when the source does not have it.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    next_logprobs: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[-1])
+
+    def to(self, device: torch.device | str) -> TopKSignal:
+        return TopKSignal(
+            self.ids.to(device),
+            self.logprobs.to(device),
+            None if self.next_logprobs is None else self.next_logprobs.to(device),
+        )
 
 
 @runtime_checkable
 class Teacher(Protocol):
-    """The teacher's view of a batch (``input_ids``, ``attention_mask`` ``(B, L)``, left-padded), without
+    """A dense teacher's view of a batch (``input_ids``, ``attention_mask`` ``(B, L)``, left-padded), without
     gradients."""
 
     def logits(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -25,4 +74,20 @@ class Teacher(Protocol):
         """``(N, H)`` final hidden states at the ``N`` True ``positions`` ``(B, L)`` (row-major), and the head
         (``LogitHead``: projection, bias, scale, soft-cap) that turns them into exactly the teacher's logits. Raises
         ``LeanForwardUnsupported`` when the source cannot (the loss then falls back to ``logits``)."""
+        ...
+
+
+@runtime_checkable
+class SparseTeacher(Protocol):
+    """A teacher that gives top-k log-probs (``TopKSignal``) instead of logits.
+
+    It may also have (the method calls each one when present): ``check(tokenizer, vocab_size)`` before training,
+    raising an error naming what does not match the student; ``close()`` at teardown."""
+
+    #: how many tokens per position the signal carries
+    top_k: int
+
+    def topk(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> TopKSignal:
+        """The signal at the True ``positions`` ``(B, L)`` of ``batch`` (``input_ids``, ``attention_mask``,
+        ``labels`` ``(B, L)``, left-padded), on the batch's device."""
         ...
