@@ -26,13 +26,15 @@ FAST = [
 
 def test_every_config_group_option_composes(tmp_path):
     conf = Path(__file__).parents[1] / "conf"
-    for group in ["model", "data", "method", "optimizer", "scheduler", "trainer", "callbacks", "logger", "experiment"]:
+    groups = ["model", "data", "method", "teacher", "optimizer", "scheduler", "trainer", "callbacks", "logger"]
+    for group in [*groups, "experiment"]:
         for option in sorted(p.stem for p in (conf / group).glob("*.yaml")):
             cfg = compose_train(tmp_path, [f"{group}={option}"])
             assert group in cfg or group == "experiment", (group, option)
     assert compose_train(tmp_path, ["experiment=debug"]).trainer.max_steps == 4
     cfg = compose_train(tmp_path, ["model=hub", "data=hub", "data.train_data=trl-lib/tldr"])
-    assert cfg.method.teacher.name_or_path == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert cfg.method.teacher.kind == "local"
+    assert cfg.method.teacher.model.name_or_path == "Qwen/Qwen2.5-1.5B-Instruct"
     assert cfg.method.student.trust_remote_code is False
 
 

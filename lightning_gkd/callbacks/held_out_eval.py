@@ -55,7 +55,7 @@ class HeldOutEvaluation(L.Callback):
         if rows is None:
             rank_zero_info("HeldOutEvaluation: the datamodule has no test_data; nothing to evaluate.")
             return
-        if getattr(pl_module, "teacher", None) is not None:
+        if callable(getattr(getattr(pl_module, "teacher", None), "generate", None)):  # one in-process teacher
             self.results["teacher"] = self._evaluate(trainer, pl_module.teacher, rows)
         # the trained model through the method's sampler (a serving engine when sampler=vllm); the teacher through
         # our KV-cache decoder (no second engine for a model that is only evaluated)

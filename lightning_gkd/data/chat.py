@@ -115,15 +115,24 @@ class ChatMLCollator:
     Emits ``input_ids``, ``attention_mask``, ``labels`` (prompt and padding = -100) for the whole conversation,
     and ``prompts``, ``prompt_attention_mask`` for the prompt alone (what on-policy sampling continues).
     A row that cannot be used raises ``ValueError``, naming ``f"{name} row {row['row_index']}"`` when rows carry
-    their index (ChatDataModule's do).
+    their index (ChatDataModule's do). ``columns``: row columns carried into the batch as lists of the rows'
+    values (e.g. ``teacher`` for multi-teacher routing).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024, *, name: str = "data") -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int = 1024,
+        *,
+        name: str = "data",
+        columns: Sequence[str] = (),
+    ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; ChatDataModule sets it to EOS, or set one yourself.")
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.name = name
+        self.columns = list(columns)
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chats = [self._tokenize(row) for row in rows]
@@ -131,13 +140,15 @@ class ChatMLCollator:
         full = [chat.ids for chat in chats]
         labels = [[IGNORE_INDEX] * chat.num_prompt_tokens + chat.ids[chat.num_prompt_tokens :] for chat in chats]
         prompts = [chat.ids[: chat.num_prompt_tokens] for chat in chats]
-        return {
+        batch: dict[str, Any] = {
             "input_ids": left_pad(full, pad_id),
             "attention_mask": left_pad([[1] * len(ids) for ids in full], 0),
             "labels": left_pad(labels, IGNORE_INDEX),
             "prompts": left_pad(prompts, pad_id),
             "prompt_attention_mask": left_pad([[1] * len(ids) for ids in prompts], 0),
+            **{column: [row.get(column) for row in rows] for column in self.columns},
         }
+        return batch
 
     def _tokenize(self, row: Mapping[str, Any]) -> TokenizedChat:
         try:
@@ -253,6 +264,8 @@ class ChatDataModule(RowsDataModule):
         self.formatting_func = resolve_formatting_func(formatting_func)
         #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
         self.val_names: list[str] | None = _val_names(val_data)
+        #: Row columns the collators carry into batches (``carry_columns``).
+        self.columns: list[str] = []
         self.collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="train_data")
         self.val_collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="val_data")
         # val_rows: the only (or the first named) validation set
@@ -288,6 +301,30 @@ class ChatDataModule(RowsDataModule):
                     "dataset completions, so those rows count for nothing there."
                 )
 
+    def carry_columns(self, columns: Sequence[str]) -> None:
+        """Carry these row columns into every batch (lists of the rows' string values), after checking that every
+        training and validation row has one (``ValueError`` naming the first row without). A method that routes
+        rows by a column (``GKDModule`` with ``teacher.kind=multi``) calls it."""
+        self.setup("fit")
+        sets = {
+            "train_data": self.train_rows or [],
+            **{f"val_data[{k!r}]": v for k, v in (self.val_sets or {}).items()},
+        }
+        if self.val_sets is None and self.val_rows is not None:
+            sets["val_data"] = self.val_rows
+        for column in columns:
+            for where, rows in sets.items():
+                missing = next((i for i, row in enumerate(rows) if not isinstance(row.get(column), str)), None)
+                if missing is not None:
+                    raise ValueError(
+                        f"{where} row {missing} has no string {column!r} column (got {rows[missing].get(column)!r}); "
+                        f"every row needs one to be routed to its teacher."
+                    )
+        self.columns = list(dict.fromkeys([*self.columns, *columns]))
+        for collator in (self.collator, self.val_collator):
+            if isinstance(collator, ChatMLCollator):
+                collator.columns = list(self.columns)
+
     def _load(
         self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
     ) -> Sequence[Mapping[str, Any]]:
@@ -313,7 +350,10 @@ class ChatDataModule(RowsDataModule):
             return self.val_loader(self.val_rows, self.val_collator)
         return [
             self.val_loader(
-                rows, ChatMLCollator(self.tokenizer, max_length=self.max_length, name=f"val_data[{name!r}]")
+                rows,
+                ChatMLCollator(
+                    self.tokenizer, max_length=self.max_length, name=f"val_data[{name!r}]", columns=self.columns
+                ),
             )
             for name, rows in self.val_sets.items()
         ]

@@ -12,10 +12,11 @@ next micro-batch of the same shuffled order."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 #: Keys of a grouped micro-batch besides the collated rows: the whole group's batch (for the one sampling call),
@@ -90,8 +91,8 @@ def select_rows(batch: Mapping[str, Any], rows: torch.Tensor | Sequence[int]) ->
 
     Args:
         batch: ``input_ids``/``attention_mask``/``labels`` ``(B, L)`` and optionally ``prompts``/
-            ``prompt_attention_mask`` ``(B, P)``; other tensors with first dimension ``B`` are row-selected;
-            anything else is kept as is.
+            ``prompt_attention_mask`` ``(B, P)``; other tensors with first dimension ``B`` and lists of length
+            ``B`` are row-selected; anything else is kept as is.
         rows: indices of the rows to keep, in that order.
 
     Returns:
@@ -110,6 +111,8 @@ def select_rows(batch: Mapping[str, Any], rows: torch.Tensor | Sequence[int]) ->
             value = value.index_select(0, index.to(value.device))
             if key in _MASK_OF and _MASK_OF[key] in spans:
                 value = value[:, spans[_MASK_OF[key]]]
+        elif isinstance(value, list) and len(value) == size:  # a carried column (ChatMLCollator's columns)
+            value = [value[row] for row in index.tolist()]
         out[key] = value
     return out
 
@@ -143,6 +146,25 @@ def group_slot(batch: Mapping[str, Any]) -> GroupSlot | None:
         step=int(batch[GROUP_STEP]),
         micro_batch_size=int(batch[MICRO_BATCH_SIZE]),
     )
+
+
+@dataclass
+class GenerationGroup:
+    """A method's plan for a group under grouped generation: where its completions come from (``source``, e.g.
+    "dataset" or "student") and, when sampled, the shuffled micro-batches cut from the one sampling call. Saved in
+    checkpoints (``state``) so a run resumed inside a group trains on the same samples."""
+
+    group_id: list[int]
+    source: str
+    micro_batches: list[dict[str, Any]] = field(default_factory=list)
+
+    def state(self) -> dict[str, Any]:
+        """A checkpointable copy (tensors on the CPU); ``GenerationGroup(**state)`` restores it."""
+        return {
+            "group_id": list(self.group_id),
+            "source": self.source,
+            "micro_batches": [move_data_to_device(micro, "cpu") for micro in self.micro_batches],
+        }
 
 
 def shuffled_micro_batches(group: Mapping[str, Any], micro_batch_size: int, seed: int) -> list[dict[str, Any]]:

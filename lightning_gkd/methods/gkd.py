@@ -3,42 +3,41 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, cast
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.loader import group_slot, shuffled_micro_batches
 from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
-from lightning_gkd.models.loading import ModelSource, check_same_vocab
+from lightning_gkd.methods.gkd_teachers import (
+    SparseLoss,
+    TeacherSource,
+    build_teachers,
+    check_teacher_settings,
+    routed_loss,
+    server_sampler,
+    sparse_teacher_loss,
+)
+from lightning_gkd.methods.grouped_generation import GroupedGeneration, Source
+from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, final_hidden_states, output_head
 from lightning_gkd.ops.losses import IGNORE_INDEX, generalized_jsd_loss
 from lightning_gkd.ops.sampling import validate_sampling_args
 from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler_available
-from lightning_gkd.teachers import LocalTeacher, Teacher
+from lightning_gkd.teachers import LocalTeacher, Teacher, supervised_positions
+from lightning_gkd.teachers.spec import teacher_plan
 from lightning_gkd.training.normalization import LossNormalization
 from lightning_gkd.training.sampler_shutdown import SamplerShutdown
+from lightning_gkd.training.teacher_outage import TeacherOutage
 
-Source = Literal["dataset", "student", "teacher"]
-_COIN, _SAMPLE, _SHUFFLE = 0, 1, 2  # salts that keep the coin flip's, sampler's and shuffle's streams apart
-
-
-@dataclass
-class GenerationGroup:
-    """A group's plan under grouped generation: where its completions come from and, when sampled, the shuffled
-    micro-batches cut from the one sampling call."""
-
-    group_id: list[int]
-    source: Source
-    micro_batches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+_COIN = 0  # the coin flip's salt (the sampler's and the shuffle's: lightning_gkd.methods.grouped_generation)
 
 
-class GKDModule(CausalLMModule):
+class GKDModule(GroupedGeneration, CausalLMModule):
     """Distil a frozen ``teacher`` into a trainable ``student`` with the generalized JSD (Agarwal et al., GKD).
 
     Each training batch: with probability ``lmbda`` the student samples completions for the batch prompts
@@ -73,7 +72,7 @@ class GKDModule(CausalLMModule):
     def __init__(
         self,
         student: ModelSource,
-        teacher: ModelSource,
+        teacher: TeacherSource,
         tokenizer: PreTrainedTokenizerBase | str,
         *,
         lmbda: float = 0.5,
@@ -98,8 +97,13 @@ class GKDModule(CausalLMModule):
         loss_chunk_size: int = 64,
         sampler: Sampler | SamplerFactory | None = None,
         frozen_dtype: str = "auto",
+        sparse_loss: SparseLoss = "topk",
     ) -> None:
         check_sampler_available(sampler)  # before any model loads
+        plan = teacher_plan(teacher)
+        check_teacher_settings(
+            plan, lmbda=lmbda, beta=beta, seq_kd=seq_kd, loss_temperature=loss_temperature, sparse_loss=sparse_loss
+        )
         _check_range("lmbda", lmbda, 0.0, 1.0)
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
@@ -122,10 +126,33 @@ class GKDModule(CausalLMModule):
             loss_normalization=loss_normalization,
             frozen_dtype=frozen_dtype,
         )
-        self.teacher = self.load_frozen(teacher, role="teacher", trust_remote_code=trust_remote_code)
-        check_same_vocab(self.student, self.teacher)
-        #: Where the loss reads the teacher's signal (``lightning_gkd.teachers``): the frozen model above.
-        self.teacher_source: Teacher = LocalTeacher(self.teacher)
+        #: Where the loss reads each teacher's signal (``lightning_gkd.teachers``), by name (``""``: the only one).
+        self.teacher_sources, models = build_teachers(
+            plan,
+            lambda source, role: self.load_frozen(source, role=role, trust_remote_code=trust_remote_code),
+            self.student,
+            self.tokenizer,
+        )
+        self.teacher_column = plan.column
+        #: The in-process teacher model (an ``nn.ModuleDict`` by name under ``multi``; None without one).
+        self.teacher: torch.nn.Module | None = torch.nn.ModuleDict(models) if plan.routed else models.get("")
+        if plan.routed and any(role.startswith("teacher.") for role in self._frozen_dtype_open):
+            self._frozen_dtype_open.add("teacher")
+        #: The only teacher's source (None under ``multi``: see ``teacher_sources``).
+        self.teacher_source: Teacher | Any = None if plan.routed else self.teacher_sources[""]
+        self.sparse_loss = sparse_loss
+        #: seq_kd with a served teacher: the server writes the teacher's completions (None: ``sampler`` does).
+        self.teacher_sampler: Sampler | None = None
+        if seq_kd and self.teacher is None:
+            self.teacher_sampler = server_sampler(
+                self.teacher_source,
+                self.student,
+                self.tokenizer,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+            )
         #: How completions are sampled (``lightning_gkd.samplers``): our KV-cache decoder unless one is given; a
         #: factory (Hydra ``sampler=hf|vllm``) is called with the tokenizer and the sampling options above.
         self.sampler: Sampler = build_sampler(
@@ -141,7 +168,7 @@ class GKDModule(CausalLMModule):
         self.max_new_tokens, self.top_k, self.top_p = max_new_tokens, top_k, top_p
         self.lean_loss, self.loss_chunk_size = lean_loss, loss_chunk_size
         self._batches = self._on_policy_batches = 0
-        self._group: GenerationGroup | None = None
+        self._group = None
         self.sampling_calls = 0  # sampling calls in this process's current fit
         self.save_hyperparameters(
             ignore=["student", "teacher", "tokenizer", "optimizer", "scheduler", "metrics", "sampler"]
@@ -181,7 +208,7 @@ class GKDModule(CausalLMModule):
         super().on_fit_start()
         start = getattr(self.sampler, "start", None)
         if callable(start):  # engines start from the weights as fitting starts (after a checkpoint restore)
-            start({"student": self.student, **({"teacher": self.teacher} if self.seq_kd else {})})
+            start({"student": self.student, **({"teacher": self.teacher} if self.seq_kd and self.teacher else {})})
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         super().on_before_optimizer_step(optimizer)
@@ -191,13 +218,32 @@ class GKDModule(CausalLMModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         # an interrupted fit calls no module hook: this callback stops the engines then (SIGTERM, errors)
-        return [SamplerShutdown()] if callable(getattr(self.sampler, "close", None)) else []
+        callbacks: list[L.Callback] = [SamplerShutdown()] if callable(getattr(self.sampler, "close", None)) else []
+        if any(not isinstance(source, LocalTeacher) for source in self.teacher_sources.values()):
+            callbacks.append(TeacherOutage())  # a teacher server that stays down: checkpoint, resume hint
+        return callbacks
+
+    def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
+        super().check_datamodule(datamodule)
+        if self.teacher_column is not None:
+            carry = getattr(datamodule, "carry_columns", None)
+            if not callable(carry):
+                raise TypeError(
+                    f"teacher.kind=multi routes rows by their {self.teacher_column!r} column: use a datamodule "
+                    f"with carry_columns (ChatDataModule), not {type(datamodule).__name__}."
+                )
+            carry([self.teacher_column])
+        for source in self.teacher_sources.values():
+            check = getattr(source, "check_datamodule", None)
+            if callable(check):  # a cache made from these rows, at this max_length
+                check(datamodule)
 
     def teardown(self, stage: str) -> None:
         super().teardown(stage)
-        close = getattr(self.sampler, "close", None)
-        if callable(close):
-            close()
+        for engine in (self.sampler, self.teacher_sampler, *self.teacher_sources.values()):
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
 
     # -- the GKD step -------------------------------------------------------------------------------------------
     def choose_source(self, batch_idx: int) -> Source:
@@ -207,10 +253,15 @@ class GKDModule(CausalLMModule):
             return "student"
         return "teacher" if self.seq_kd else "dataset"
 
-    def sample_batch(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], seed: int) -> dict[str, Any]:
-        """Replace the batch completions by ``model``'s samples for its prompts (through ``self.sampler``)."""
+    def sample_batch(self, model: torch.nn.Module | None, batch: dict[str, torch.Tensor], seed: int) -> dict[str, Any]:
+        """Replace the batch completions by ``model``'s samples for its prompts (through ``self.sampler``, or the
+        teacher server's sampler for a served teacher's samples)."""
         self.sampling_calls += 1
-        sampled = self.sampler.sample(model, batch["prompts"], batch["prompt_attention_mask"], seed=seed)
+        sampler = self.teacher_sampler if model is self.teacher and self.teacher_sampler is not None else self.sampler
+        # a server's sampler ignores the model (its weights are the served teacher's)
+        sampled = sampler.sample(
+            cast(torch.nn.Module, model), batch["prompts"], batch["prompt_attention_mask"], seed=seed
+        )
         return {**batch, **sampled}
 
     def completion_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -220,15 +271,42 @@ class GKDModule(CausalLMModule):
         """GKD's loss hook: the generalized JSD (``beta``, ``loss_temperature``) between student and teacher at
         every completion position of ``batch`` (``input_ids``, ``attention_mask``, ``labels``: dataset completions
         or samples). Override it for another objective (docs/customization.md); ``training_step`` and validation
-        both call it."""
+        both call it.
+
+        A sparse teacher (cache, server, a local one with ``top_k``) gives the ``sparse_loss`` instead. Under
+        ``teacher.kind=multi`` each teacher scores its own rows; the loss is the token mean over all of them, and
+        ``<train|val>/teacher/<name>/loss`` and ``.../tokens`` are logged per teacher."""
+        if self.teacher_column is None:
+            return self.teacher_loss(batch, self.teacher_source)
+        stage = "train" if self.training else "val"
+        loss, per_teacher = routed_loss(batch, self.teacher_column, self.teacher_sources, self.teacher_loss)
+        for name, (part_loss, tokens) in per_teacher.items():
+            self.log(f"{stage}/teacher/{name}/loss", part_loss, batch_size=tokens, add_dataloader_idx=False)
+            self.log(f"{stage}/teacher/{name}/tokens", float(tokens), reduce_fx="sum", add_dataloader_idx=False)
+        return loss
+
+    def teacher_loss(self, batch: dict[str, torch.Tensor], teacher: Any) -> torch.Tensor:
+        """The loss of ``batch`` against one teacher source: dense (an in-process model without ``top_k``) or
+        sparse (``sparse_loss`` on its top-k signal)."""
+        if not isinstance(teacher, LocalTeacher) or teacher.top_k is not None:
+            loss, hidden = sparse_teacher_loss(
+                self.student,
+                teacher,
+                batch,
+                sparse_loss=self.sparse_loss,
+                beta=self.beta,
+                chunk_size=self.loss_chunk_size,
+            )
+            self.nonfinite_guard.record(self.model_role, hidden)
+            return loss
         if self.lean_loss:
             try:
-                return self._lean_loss(batch)
+                return self._lean_loss(batch, teacher)
             except LeanForwardUnsupported as reason:
                 rank_zero_warn(f"lean_loss: {reason}; computing the loss from full logits instead.")
                 self.lean_loss = False
         student_logits = self.causal_lm_logits(self.student, batch)
-        teacher_logits = self.teacher_source.logits(batch)
+        teacher_logits = teacher.logits(batch)
         return generalized_jsd_loss(
             student_logits[:, :-1],
             teacher_logits[:, :-1],
@@ -237,14 +315,13 @@ class GKDModule(CausalLMModule):
             temperature=self.loss_temperature,
         )
 
-    def _lean_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # hidden state i predicts token i + 1: keep i where label i + 1 is supervised
-        positions = torch.nn.functional.pad(batch["labels"][:, 1:] != IGNORE_INDEX, (0, 1), value=False)
+    def _lean_loss(self, batch: dict[str, torch.Tensor], teacher: Teacher) -> torch.Tensor:
+        positions = supervised_positions(batch["labels"])
         ids, mask = batch["input_ids"], batch["attention_mask"]
         check_output_head(self.student, ids, mask)  # the head description gives its own logits (once per model)
         student_hidden = final_hidden_states(self.student, ids, mask, positions)
         student_head = output_head(self.student)  # after the forward: FSDP2 has gathered the root unit
-        teacher_hidden, teacher_head = self.teacher_source.hidden_states(batch, positions)
+        teacher_hidden, teacher_head = teacher.hidden_states(batch, positions)
         # the logits watch sees no logits on this path; record whether each model's hidden states are finite
         self.nonfinite_guard.record(self.model_role, student_hidden)
         self.nonfinite_guard.record("teacher", teacher_hidden)
@@ -258,57 +335,8 @@ class GKDModule(CausalLMModule):
             chunk_size=self.loss_chunk_size,
         )
 
-    # -- grouped generation -------------------------------------------------------------------------------------
-    def training_batch(self, batch: dict[str, Any], batch_idx: int) -> tuple[Source, dict[str, torch.Tensor]]:
-        """The batch this step trains on and where its completions come from.
-
-        A plain batch is its own group. A grouped micro-batch (``lightning_gkd.data.loader.group_slot``) uses its
-        group's plan, made at the group's first micro-batch: the dataset micro-batch itself, or its share of the
-        group's shuffled samples."""
-        slot = group_slot(batch)
-        if slot is None:
-            source = self.choose_source(batch_idx)
-            if source != "dataset":
-                batch = self.sample_batch(
-                    self._sampler_model(source), batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
-                )
-            return source, batch
-        if self._group is None or self._group.group_id != slot.group_id:
-            self._group = self.plan_group(slot.group, slot.group_id, slot.micro_batch_size, batch_idx)
-        if self._group.source == "dataset":
-            return "dataset", batch
-        micro = self._group.micro_batches[slot.step]
-        return self._group.source, {key: value.to(self.device) for key, value in micro.items()}
-
-    def plan_group(
-        self, group: dict[str, torch.Tensor], group_id: list[int], micro_batch_size: int, batch_idx: int
-    ) -> GenerationGroup:
-        """Flip the group's coin; if it says sample, sample the whole group at once, shuffle and cut it."""
-        source = self.choose_source(batch_idx)
-        if source == "dataset":
-            return GenerationGroup(group_id, source)
-        sampled = self.sample_batch(
-            self._sampler_model(source), group, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
-        )
-        seed = self.step_seed(batch_idx, _SHUFFLE, self.global_rank)
-        return GenerationGroup(group_id, source, shuffled_micro_batches(sampled, micro_batch_size, seed))
-
-    def _sampler_model(self, source: Source) -> torch.nn.Module:
+    def _sampler_model(self, source: Source) -> torch.nn.Module | None:
         return self.student if source == "student" else self.teacher
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        if self._group is not None:  # a resumed run continues the group with the same samples
-            checkpoint["generation_group"] = {
-                "group_id": list(self._group.group_id),
-                "source": self._group.source,
-                "micro_batches": [{k: v.detach().cpu() for k, v in m.items()} for m in self._group.micro_batches],
-            }
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        plan = checkpoint.get("generation_group")
-        self._group = GenerationGroup(**plan) if plan is not None else None
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         source, batch = self.training_batch(batch, batch_idx)

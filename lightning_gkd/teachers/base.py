@@ -23,6 +23,11 @@ from lightning_gkd.ops.hf import LogitHead
 from lightning_gkd.ops.losses import IGNORE_INDEX
 
 
+class TeacherUnavailable(RuntimeError):
+    """A teacher outside the process (a server) stayed unreachable after its retries. Raised from the training
+    step before anything is trained on the batch; ``TeacherOutage`` then saves a checkpoint to resume from."""
+
+
 def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
     """``(B, L)`` bool: True at position ``i`` where the token ``i + 1`` is supervised (``labels`` ``(B, L)``)."""
     return F.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False)

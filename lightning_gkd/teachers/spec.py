@@ -1,0 +1,132 @@
+"""Teachers from config: ``teacher.kind=local|cache|server`` (one teacher) or ``multi`` (rows routed by a column).
+
+A GKD teacher is given as a model source (a folder, a hub id, a spec with ``name_or_path``, an ``nn.Module``: the
+in-process model, as before), a built teacher object, or a *teacher spec*, a mapping with ``kind``:
+
+- ``{kind: local, model: <model source>, top_k: null}``: the in-process model; ``top_k`` set = train on its top-k
+  log-probs with the sparse loss (what a cache or server of it gives), null = full distributions;
+- ``{kind: cache, path: <folder>, top_k: null}``: top-k log-probs precomputed by ``lightning-gkd-cache``
+  (``lightning_gkd.teachers.cache``); no teacher model in memory;
+- ``{kind: server, url: ..., model: null, top_k: 20, timeout: 60, concurrency: 4, retries: 4, backoff: 1}``: a vLLM
+  OpenAI-compatible server scoring each batch's token ids (``lightning_gkd.teachers.server``);
+- ``{kind: multi, column: teacher, teachers: {<name>: <spec>, ...}}``: each row's ``column`` value names its teacher.
+
+``teacher_plan`` checks a spec (unknown kinds and keys, a bad ``top_k``) before any model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+TEACHER_KINDS = ("local", "cache", "server", "multi")
+_KEYS: dict[str, set[str]] = {
+    "local": {"model", "top_k"},
+    "cache": {"path", "top_k"},
+    "server": {"url", "model", "top_k", "timeout", "concurrency", "retries", "backoff"},
+    "multi": {"column", "teachers"},
+}
+
+
+@dataclass(frozen=True)
+class TeacherEntry:
+    """One teacher of a run: its ``kind``, its settings (the spec without ``kind``), or an object already built."""
+
+    kind: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    built: Any = None
+
+    @property
+    def top_k(self) -> int | None:
+        return self.settings.get("top_k")
+
+
+@dataclass(frozen=True)
+class TeacherPlan:
+    """The run's teachers by name (one, named ``""``, unless ``multi``) and the routing column of a ``multi``."""
+
+    entries: dict[str, TeacherEntry]
+    column: str | None = None
+
+    @property
+    def routed(self) -> bool:
+        return self.column is not None
+
+    @property
+    def all_local_dense(self) -> bool:
+        return all(entry.kind == "local" and entry.top_k is None for entry in self.entries.values())
+
+
+def is_teacher_spec(teacher: Any) -> bool:
+    return isinstance(teacher, Mapping) and "kind" in teacher
+
+
+def teacher_plan(teacher: Any) -> TeacherPlan:
+    """The plan for a GKD ``teacher`` argument (see the module docstring); raises ``ValueError`` naming what is wrong
+    in a spec."""
+    if not is_teacher_spec(teacher):
+        if hasattr(teacher, "topk") and not isinstance(teacher, nn.Module):  # a sparse teacher object
+            return TeacherPlan({"": TeacherEntry("object", {"top_k": getattr(teacher, "top_k", None)}, teacher)})
+        return TeacherPlan({"": TeacherEntry("local", {"model": teacher})})
+    kind = _check_spec(teacher, "teacher")
+    if kind != "multi":
+        return TeacherPlan({"": _entry(teacher, "teacher")})
+    teachers = teacher.get("teachers")
+    if not isinstance(teachers, Mapping) or not teachers:
+        raise ValueError(
+            "teacher.kind=multi needs teacher.teachers: a mapping {name: teacher spec} with at least one teacher, "
+            f"got {teachers!r}."
+        )
+    entries: dict[str, TeacherEntry] = {}
+    for name, spec in teachers.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"teacher.teachers: names must be non-empty strings, got {name!r}.")
+        where = f"teacher.teachers.{name}"
+        if is_teacher_spec(spec) and _check_spec(spec, where) == "multi":
+            raise ValueError(f"{where}: a multi teacher cannot contain another multi teacher.")
+        entries[name] = _entry(spec, where) if is_teacher_spec(spec) else TeacherEntry("local", {"model": spec})
+    column = teacher.get("column") or "teacher"
+    return TeacherPlan(entries, column=str(column))
+
+
+def _check_spec(spec: Mapping[str, Any], where: str) -> str:
+    kind = spec["kind"]
+    if kind not in TEACHER_KINDS:
+        raise ValueError(f"{where}.kind must be one of {', '.join(TEACHER_KINDS)}, got {kind!r}.")
+    unknown = set(spec) - _KEYS[kind] - {"kind"}
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))} for kind={kind}; it takes "
+            f"{', '.join(sorted(_KEYS[kind]))}."
+        )
+    top_k = spec.get("top_k")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"{where}.top_k must be a positive integer or null, got {top_k!r}.")
+    required = {"local": "model", "cache": "path", "server": "url"}.get(kind)
+    if required is not None and not spec.get(required):
+        raise ValueError(f"{where}: kind={kind} needs {where}.{required}.")
+    return str(kind)
+
+
+def _entry(spec: Mapping[str, Any], where: str) -> TeacherEntry:
+    kind = _check_spec(spec, where)
+    return TeacherEntry(kind, {key: value for key, value in spec.items() if key != "kind"})
+
+
+def build_remote_teacher(entry: TeacherEntry) -> Any:
+    """The teacher object of a ``cache`` or ``server`` entry (or the object given)."""
+    if entry.built is not None:
+        return entry.built
+    settings = {key: value for key, value in entry.settings.items() if value is not None}
+    if entry.kind == "cache":
+        from lightning_gkd.teachers.cache import CacheTeacher
+
+        return CacheTeacher(settings.pop("path"), **settings)
+    if entry.kind == "server":
+        from lightning_gkd.teachers.server import ServerTeacher
+
+        return ServerTeacher(settings.pop("url"), **settings)
+    raise ValueError(f"build_remote_teacher: kind={entry.kind} is built by the method (an in-process model).")

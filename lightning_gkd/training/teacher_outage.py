@@ -1,0 +1,52 @@
+"""TeacherOutage: when a teacher server stays down, save a checkpoint to resume from and say how.
+
+A callback the method owns (``GKDModule.configure_callbacks`` adds it when a teacher lives outside the process).
+The server teacher retries transient failures itself; when it gives up it raises ``TeacherUnavailable`` from the
+training step, before the batch is trained on. Lightning then calls callbacks' ``on_exception``: the loop has
+finished every earlier batch and none of this one, so a checkpoint saved here resumes at this batch (the loader
+resumes after the batches whose step ran). Inside a gradient-accumulation window the earlier micro-batches'
+gradients are not in any checkpoint: nothing is saved then, and the message points at the last regular checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_gkd.teachers.base import TeacherUnavailable
+
+
+class TeacherOutage(L.Callback):
+    """Saves ``<checkpoint dir>/last.ckpt`` (the ``ModelCheckpoint``'s folder, else ``<root>/checkpoints``) when a
+    fit stops on ``TeacherUnavailable`` at an optimizer-step boundary, so ``ckpt_path=last`` resumes there."""
+
+    def __init__(self) -> None:
+        self.saved_path: Path | None = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, TeacherUnavailable):
+            return
+        checkpoint = trainer.checkpoint_callback
+        folder = getattr(checkpoint, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+        if processed % trainer.accumulate_grad_batches:
+            rank_zero_warn(
+                f"The teacher server is unavailable ({exception}). It failed inside a gradient-accumulation window "
+                f"(batch {processed} of the epoch, accumulate_grad_batches={trainer.accumulate_grad_batches}): no "
+                f"checkpoint saved now. Resume from the last regular checkpoint in {folder} (ckpt_path=last) once "
+                "the server is up."
+            )
+            return
+        path = Path(folder) / "last.ckpt"
+        trainer.save_checkpoint(path)
+        self.saved_path = path
+        rank_zero_warn(
+            f"The teacher server is unavailable ({exception}). Stopped before step {trainer.global_step + 1}, "
+            f"nothing trained on this batch; saved {path}. Start the server again, then resume with "
+            f"ckpt_path={path} (or ckpt_path=last)."
+        )
+
+    def run_summary(self) -> dict[str, str | None]:
+        return {"resume_from": str(self.saved_path)} if self.saved_path else {}
