@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -116,3 +117,32 @@ class RowsDataModule(L.LightningDataModule):
             collate_fn=collator,
             num_workers=self.num_workers,
         )
+
+
+class ChainedRows(Sequence[Mapping[str, Any]]):
+    """Several row sequences read as one, in order, without copying them."""
+
+    def __init__(self, parts: Sequence[Sequence[Mapping[str, Any]]]) -> None:
+        self.parts = list(parts)
+        self._starts = [0]
+        for part in self.parts:
+            self._starts.append(self._starts[-1] + len(part))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index: int) -> Mapping[str, Any]:  # type: ignore[override]  # no slices
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        part = bisect.bisect_right(self._starts, index) - 1
+        return self.parts[part][index - self._starts[part]]
+
+
+def fit_rows(datamodule: Any) -> ChainedRows:
+    """The rows a fit reads through the teacher: the training rows, then every validation set's (after ``setup``).
+    What an offline teacher cache is built over, so both the training and the validation loss find their rows."""
+    datamodule.setup("fit")
+    val_sets = getattr(datamodule, "val_sets", None)
+    val = list(val_sets.values()) if val_sets else [datamodule.val_rows] if datamodule.val_rows is not None else []
+    return ChainedRows([datamodule.train_rows or [], *val])

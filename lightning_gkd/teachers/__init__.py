@@ -1,6 +1,8 @@
-"""Teachers: where a distillation loss gets the teacher's signal for a batch. ``Teacher`` is the protocol the
-losses read; ``LocalTeacher`` is the in-process frozen model (the default). Other sources (a precomputed cache, a
-served model) implement the same methods."""
+"""Teachers: where a distillation loss gets the teacher's signal for a batch. ``Teacher`` (dense: logits or hidden
+states) and ``SparseTeacher`` (top-k log-probs, ``TopKSignal``) are the protocols the losses read; ``LocalTeacher``
+is the in-process frozen model (the default; both protocols), ``CacheTeacher`` reads an offline top-k cache
+(``lightning-gkd-cache``), ``ServerTeacher`` a vLLM server. ``lightning_gkd.teachers.spec`` builds them from config
+(``teacher.kind=local|cache|server|multi``)."""
 
 from lightning_gkd.teachers.base import (
     SparseTeacher,
@@ -10,10 +12,15 @@ from lightning_gkd.teachers.base import (
     next_tokens,
     supervised_positions,
 )
+from lightning_gkd.teachers.cache import CacheTeacher
 from lightning_gkd.teachers.local import LocalTeacher
+from lightning_gkd.teachers.server import ServerSampler, ServerTeacher
 
 __all__ = [
+    "CacheTeacher",
     "LocalTeacher",
+    "ServerSampler",
+    "ServerTeacher",
     "SparseTeacher",
     "Teacher",
     "TeacherUnavailable",

@@ -1,0 +1,91 @@
+"""Hydra entry point: cache the teacher's top-k signal over the training split of ``data=`` (the format:
+``lightning_gkd.teachers.cache``), so distillation can read it instead of running the teacher.
+
+lightning-gkd-cache cache.path=outputs/teacher_cache cache.top_k=20     # or: python -m lightning_gkd.cli.cache_teacher
+lightning-gkd-cache model=hub data=hub data.train_data=trl-lib/tldr trainer=gpu cache.path=outputs/tldr_cache
+
+Rerunning a stopped build with the same settings writes only the missing shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hydra
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_gkd.conf  # noqa: F401  (registers the ${asset:...} resolver for configs composed here)
+from lightning_gkd.data.rows import fit_rows
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.teachers.cache_build import CacheBuildReport, build_teacher_cache_report
+
+
+def check_cache_config(cache: DictConfig) -> None:
+    """The ``cache:`` block, before any data or model loads."""
+    if not cache.get("path"):
+        raise ValueError("cache.path is required: the folder the teacher cache goes to (or is resumed in).")
+    for key in ("top_k", "shard_size", "batch_size"):
+        value = cache.get(key)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"cache.{key} must be an integer >= 1, got {value!r}.")
+
+
+def run(cfg: DictConfig) -> CacheBuildReport:
+    """Load the tokenizer and the training rows as ``data=`` does, check the cache folder and its settings, then
+    run the teacher of ``model=`` over the rows on the ``trainer=`` devices; print and return the report."""
+    check_cache_config(cfg.cache)
+    if cfg.model.get("build"):
+        instantiate(cfg.model.build)
+    datamodule = instantiate(cfg.data, tokenizer=load_tokenizer(cfg.model.tokenizer), _convert_="all")
+    datamodule.setup("fit")
+    trainer = instantiate(
+        cfg.trainer, callbacks=[], logger=False, enable_checkpointing=False, use_distributed_sampler=False
+    )
+    teacher: Any = OmegaConf.to_container(cfg.model.teacher, resolve=True)
+    report = build_teacher_cache_report(
+        teacher,
+        datamodule.tokenizer,
+        fit_rows(datamodule),  # training, then validation rows: both losses read the cache
+        cfg.cache.path,
+        top_k=cfg.cache.top_k,
+        max_length=datamodule.max_length,
+        batch_size=cfg.cache.batch_size,
+        shard_size=cfg.cache.shard_size,
+        trainer=trainer,
+        trust_remote_code=bool(teacher.get("trust_remote_code", False)),
+    )
+    print_report(report)
+    return report
+
+
+@rank_zero_only
+def print_report(report: CacheBuildReport) -> None:
+    """Where the cache is, its rows, tokens and size, and this run's throughput."""
+    manifest = report.manifest
+    per_million = manifest["bytes_per_million_tokens"]
+    lines = [
+        f"teacher cache: {report.path.resolve()}",
+        f"rows: {manifest['num_rows']}  supervised tokens: {manifest['total_tokens']}  shards: "
+        f"{manifest['num_shards']}  k: {manifest['k']}",
+        f"size: {manifest['total_bytes'] / 1e6:.2f} MB  "
+        f"({'n/a' if per_million is None else f'{per_million / 1e6:.1f}'} MB per million tokens)",
+    ]
+    if report.built_shards:
+        lines.append(
+            f"built this run: {report.built_shards} shards, {report.built_tokens} tokens in {report.seconds:.1f}s "
+            f"({report.tokens_per_second:.0f} tokens/s)"
+        )
+    else:
+        lines.append("built this run: nothing (the cache was complete)")
+    print("\n".join(["== lightning_gkd teacher cache ==", *lines]), flush=True)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="cache_teacher")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""Build a teacher cache (the format is in ``lightning_gkd.teachers.cache``) with a Lightning predict loop.
+
+The training rows are cut into shards of ``shard_size`` consecutive rows; the shards still to write are dealt to the
+ranks round-robin (a fresh build: shard ``s`` to rank ``s % world_size``), whole shards per rank, through each rank's
+own loader (no ``DistributedSampler``, which would pad with duplicated rows). A rank's batches never cross a shard,
+so a shard's bytes do not depend on the rank, the world size or an earlier interrupted run. ``ShardWriter`` writes a
+shard once all its rows are predicted: to ``<name>.tmp``, then an atomic rename. Rank 0 writes a "building"
+manifest with every setting before the first shard and the complete one at the end; a rerun with the same settings
+writes only the missing shards, a rerun with others is refused before any model loads.
+
+    lightning-gkd-cache cache.path=outputs/teacher_cache cache.top_k=20     # lightning_gkd/cli/cache_teacher.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.chat import ChatMLCollator, prepare_tokenizer
+from lightning_gkd.data.rows import ROW_INDEX, RowDataset
+from lightning_gkd.models.loading import ModelSource, load_frozen_causal_lm, vocab_size
+from lightning_gkd.teachers.base import supervised_positions
+from lightning_gkd.teachers.cache import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Record,
+    data_fingerprint,
+    missing_shards,
+    read_manifest,
+    row_keys,
+    shard_name,
+    shard_rows,
+    teacher_identity,
+    tokenizer_fingerprint,
+    write_manifest,
+    write_shard,
+)
+from lightning_gkd.teachers.local import LocalTeacher
+
+
+def _manifest(settings: Mapping[str, Any], status: str, **stats: Any) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "status": status, **settings, **stats}
+
+
+def check_cache_folder(path: str | Path, settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Before any model loads: ``path`` is (or can be made) a writable folder, and a cache already there was
+    started with ``settings``. Returns its manifest (None for a new cache)."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"cache.path {folder} is a file; give a folder for the teacher cache.")
+    existing = read_manifest(folder) if folder.is_dir() else None
+    if existing is None and folder.is_dir() and any(folder.iterdir()):
+        raise FileExistsError(
+            f"cache.path {folder} is not empty and has no {MANIFEST_NAME}: it is not a teacher cache. Choose an "
+            "empty or new folder."
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"cache.path {folder} is not writable.")
+    if existing is None:
+        return None
+    wanted = {"format_version": FORMAT_VERSION, **settings}
+    differences = [
+        f"{key}: {existing.get(key)!r} there, {value!r} now"
+        for key, value in wanted.items()
+        if existing.get(key) != value
+    ]
+    if differences:
+        raise ValueError(
+            f"The teacher cache at {folder} was started with other settings ({'; '.join(differences)}). "
+            "Resume it with the settings it was started with, or build into another cache.path (or delete "
+            f"{folder})."
+        )
+    return existing
+
+
+class IndexedChatCollator:
+    """``ChatMLCollator``'s ``input_ids``, ``attention_mask``, ``labels`` (B, L), plus ``row_index`` (B,) int64:
+    each row's ``ROW_INDEX``, as ``RowDataset`` gives it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int) -> None:
+        self.collator = ChatMLCollator(tokenizer, max_length=max_length, name="train_data")
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.collator(rows)
+        out = {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}
+        out["row_index"] = torch.tensor([int(row[ROW_INDEX]) for row in rows], dtype=torch.long)
+        return out
+
+
+def shard_batches(shards: Sequence[int], num_rows: int, shard_size: int, batch_size: int) -> list[range]:
+    """The row indices of each batch of ``shards``, in order: ``batch_size`` rows a batch, none crossing a shard."""
+    batches = []
+    for shard in shards:
+        indices = shard_rows(shard, num_rows, shard_size)
+        batches += [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)]
+    return batches
+
+
+class CollatedBatches(IterableDataset):
+    """``collator`` over the rows of each index batch, in order (an iterable: Lightning adds no sampler)."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], collator: IndexedChatCollator, batches: list[range]):
+        self.rows, self.collator, self.batches = RowDataset(rows), collator, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for indices in self.batches:
+            yield self.collator([self.rows[index] for index in indices])
+
+
+class CacheBuildData(L.LightningDataModule):
+    """Each rank's loader over its share of the shards still to write. ``setup``: rank 0 writes the "building"
+    manifest and lists the missing shards (then broadcast, so no rank writes before every rank has the list)."""
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        folder: Path,
+        settings: Mapping[str, Any],
+        *,
+        batch_size: int,
+    ) -> None:
+        super().__init__()
+        self.rows, self.folder, self.settings = rows, folder, dict(settings)
+        self.collator = IndexedChatCollator(tokenizer, settings["max_length"])
+        self.batch_size = batch_size
+        self.pending: list[int] = []  # the shards this run writes, over all ranks
+        self.shards: list[int] = []  # this rank's
+        self.started = time.perf_counter()
+
+    def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        assert trainer is not None  # Lightning calls setup from a trainer
+        pending: list[int] = []
+        if trainer.is_global_zero:
+            pending = [s for s in range(self.settings["num_shards"]) if not (self.folder / shard_name(s)).is_file()]
+            if pending:
+                write_manifest(self.folder, _manifest(self.settings, "building"))
+        self.pending = list(trainer.strategy.broadcast(pending, src=0))
+        self.shards = self.pending[trainer.global_rank :: trainer.world_size]
+        self.started = time.perf_counter()
+
+    def predict_dataloader(self) -> DataLoader:
+        batches = shard_batches(self.shards, len(self.rows), self.settings["shard_size"], self.batch_size)
+        return DataLoader(CollatedBatches(self.rows, self.collator, batches), batch_size=None)
+
+
+class TeacherCacheModule(L.LightningModule):
+    """The frozen teacher; ``predict_step`` gives a batch's records: ``keys`` (B,) str, ``row_index`` and
+    ``counts`` (B,) int64 (supervised positions per row), ``ids`` (N, k) int32, ``logprobs`` (N, k) and
+    ``next_logprobs`` (N,) float16, the N positions row-major."""
+
+    def __init__(
+        self, teacher: ModelSource, *, top_k: int, trust_remote_code: bool = False, chunk_size: int = 256
+    ) -> None:
+        super().__init__()
+        self.teacher = load_frozen_causal_lm(teacher, role="teacher", trust_remote_code=trust_remote_code)
+        size = vocab_size(self.teacher)
+        if size is not None and top_k > size:
+            raise ValueError(f"cache.top_k={top_k} exceeds the teacher's vocabulary of {size} tokens.")
+        self.source = LocalTeacher(self.teacher, top_k=top_k, chunk_size=chunk_size)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+        positions = supervised_positions(batch["labels"])
+        signal = self.source.topk(batch, positions)
+        assert signal.next_logprobs is not None  # LocalTeacher always gives them
+        return {
+            "keys": row_keys(batch["input_ids"], batch["attention_mask"]),
+            "row_index": batch["row_index"].cpu().numpy(),
+            "counts": positions.sum(dim=1).cpu().numpy(),
+            "ids": signal.ids.to(torch.int32).cpu().numpy(),
+            "logprobs": signal.logprobs.to(torch.float16).cpu().numpy(),
+            "next_logprobs": signal.next_logprobs.to(torch.float16).cpu().numpy(),
+        }
+
+
+class ShardWriter(BasePredictionWriter):
+    """Collects ``TeacherCacheModule.predict_step`` records per shard and writes each shard when it is whole."""
+
+    def __init__(self, folder: Path, *, num_rows: int, shard_size: int, k: int) -> None:
+        super().__init__(write_interval="batch")
+        self.folder, self.num_rows, self.shard_size, self.k = folder, num_rows, shard_size, k
+        self.buffers: dict[int, list[Record]] = {}
+
+    def write_on_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        ends = np.cumsum(prediction["counts"])
+        for row, (key, index) in enumerate(zip(prediction["keys"], prediction["row_index"], strict=True)):
+            lo, hi = (int(ends[row - 1]) if row else 0), int(ends[row])
+            record = Record(
+                int(index),
+                key,
+                prediction["ids"][lo:hi],
+                prediction["logprobs"][lo:hi],
+                prediction["next_logprobs"][lo:hi],
+            )
+            shard = record.row_index // self.shard_size
+            buffer = self.buffers.setdefault(shard, [])
+            buffer.append(record)
+            if len(buffer) == len(shard_rows(shard, self.num_rows, self.shard_size)):
+                write_shard(self.folder, shard, sorted(buffer), self.k)
+                del self.buffers[shard]
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.buffers:  # every shard a rank starts it finishes: a partial one means rows went missing
+            raise RuntimeError(f"Teacher cache shards {sorted(self.buffers)} did not receive all their rows.")
+
+
+def finalize_cache(folder: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Check every shard and write the complete manifest (per-shard rows, tokens, bytes; totals)."""
+    from datasets import Dataset
+
+    shards, max_token_id = [], -1
+    for shard in range(settings["num_shards"]):
+        path = folder / shard_name(shard)
+        table = Dataset.from_file(str(path)).data.table
+        expected = len(shard_rows(shard, settings["num_rows"], settings["shard_size"]))
+        if table.num_rows != expected:
+            raise RuntimeError(f"{path} holds {table.num_rows} rows, expected {expected}: delete it and resume.")
+        for chunk in table.column("topk_ids").chunks:
+            largest = pc.max(chunk.flatten().flatten()).as_py()
+            max_token_id = max(max_token_id, -1 if largest is None else int(largest))
+        tokens = pc.sum(pc.list_value_length(table.column("next_logprobs"))).as_py() or 0
+        shards.append({"name": path.name, "rows": table.num_rows, "tokens": int(tokens), "bytes": path.stat().st_size})
+    total_tokens = sum(shard["tokens"] for shard in shards)
+    total_bytes = sum(shard["bytes"] for shard in shards)
+    manifest = _manifest(
+        settings,
+        "complete",
+        shards=shards,
+        total_tokens=total_tokens,
+        total_bytes=total_bytes,
+        max_token_id=max_token_id,
+        bytes_per_million_tokens=round(total_bytes * 1e6 / total_tokens, 1) if total_tokens else None,
+    )
+    write_manifest(folder, manifest)
+    for stale in folder.glob("*.tmp"):  # a shard being written when an earlier run was killed
+        stale.unlink()
+    return manifest
+
+
+@dataclass(frozen=True)
+class CacheBuildReport:
+    """A build's outcome: the manifest, and what this run wrote (``built_shards``, ``built_tokens``) in how long
+    (``seconds``: from the loaders' setup, the teacher loaded, to the complete manifest)."""
+
+    path: Path
+    manifest: dict[str, Any]
+    built_shards: int
+    built_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.built_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _trainer(trainer: L.Trainer | Mapping[str, Any] | None) -> L.Trainer:
+    if isinstance(trainer, L.Trainer):
+        return trainer
+    defaults = {"logger": False, "enable_checkpointing": False, "enable_model_summary": False}
+    return L.Trainer(**{**defaults, **dict(trainer or {}), "use_distributed_sampler": False})
+
+
+def build_teacher_cache_report(
+    teacher: ModelSource,
+    tokenizer: PreTrainedTokenizerBase | str,
+    rows: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    *,
+    top_k: int = 20,
+    max_length: int = 1024,
+    batch_size: int = 32,
+    shard_size: int = 1024,
+    trainer: L.Trainer | Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> CacheBuildReport:
+    """Cache ``teacher``'s top-``top_k`` signal over ``rows`` (chat rows, collated as ``ChatMLCollator`` does at
+    ``max_length``) into the folder ``path``, or resume a stopped build with the same settings (others are refused
+    before the teacher loads); returns the manifest and this run's figures.
+
+    ``teacher``: a model source (``lightning_gkd.models.loading.load_causal_lm``). ``tokenizer``: the training
+    run's (or its folder). ``batch_size``: rows per teacher forward (per rank); ``shard_size``: rows per shard file.
+    ``trainer``: a ``lightning.Trainer`` (its devices, strategy and precision run the teacher) or its keyword
+    arguments (default: one process, 32-true).
+    """
+    for name, value in (("top_k", top_k), ("batch_size", batch_size), ("shard_size", shard_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {max_length}.")
+    if not len(rows):
+        raise ValueError("No training rows to cache.")
+    tokenizer = prepare_tokenizer(tokenizer)
+    folder = Path(path).expanduser()
+    trainer = _trainer(trainer)
+    settings = {  # what the cache is a function of: a resume must give the same
+        "k": top_k,
+        "teacher": teacher_identity(teacher),
+        "precision": str(trainer.precision),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "data_fingerprint": data_fingerprint(rows),
+        "max_length": max_length,
+        "num_rows": len(rows),
+        "shard_size": shard_size,
+        "num_shards": math.ceil(len(rows) / shard_size),
+    }
+    existing = check_cache_folder(folder, settings)
+    if existing is not None and existing["status"] == "complete" and not missing_shards(folder, existing):
+        return CacheBuildReport(folder, existing, 0, 0, 0.0)
+    module = TeacherCacheModule(teacher, top_k=top_k, trust_remote_code=trust_remote_code)
+    data = CacheBuildData(rows, tokenizer, folder, settings, batch_size=batch_size)
+    writer = ShardWriter(folder, num_rows=len(rows), shard_size=shard_size, k=top_k)
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    callbacks.insert(0, writer)  # first: a callback after it sees this batch's shard on disk
+    try:
+        with warnings.catch_warnings():  # expected: the loader is an iterable of batches whose rows carry their index
+            warnings.filterwarnings("ignore", message=".*IterableDataset` has `__len__` defined")
+            warnings.filterwarnings("ignore", message="Couldn't infer the batch indices")
+            trainer.predict(module, datamodule=data, return_predictions=False)
+    finally:
+        callbacks.remove(writer)
+    trainer.strategy.barrier("teacher_cache_shards")
+    if trainer.is_global_zero:
+        finalize_cache(folder, settings)
+    trainer.strategy.barrier("teacher_cache_manifest")
+    manifest = read_manifest(folder)
+    assert manifest is not None  # rank 0 just wrote it
+    pending = set(data.pending)
+    built = sum(shard["tokens"] for index, shard in enumerate(manifest["shards"]) if index in pending)
+    return CacheBuildReport(folder, manifest, len(pending), built, time.perf_counter() - data.started)
+
+
+def build_teacher_cache(
+    teacher: ModelSource,
+    tokenizer: PreTrainedTokenizerBase | str,
+    rows: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    *,
+    top_k: int = 20,
+    max_length: int = 1024,
+    batch_size: int = 32,
+    shard_size: int = 1024,
+    trainer: L.Trainer | Mapping[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """``build_teacher_cache_report(...).manifest``: the cache's manifest (see there for the arguments)."""
+    return build_teacher_cache_report(
+        teacher,
+        tokenizer,
+        rows,
+        path,
+        top_k=top_k,
+        max_length=max_length,
+        batch_size=batch_size,
+        shard_size=shard_size,
+        trainer=trainer,
+        trust_remote_code=trust_remote_code,
+    ).manifest

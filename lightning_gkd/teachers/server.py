@@ -1,0 +1,395 @@
+"""A teacher served by vLLM's OpenAI-compatible server (``teacher.kind=server``): its top-k log-probs at every
+supervised position (``ServerTeacher``), and its completions for sequence-level KD (``ServerSampler``).
+
+Start the server next to training, e.g. ``python -m vllm.entrypoints.openai.api_server --model <teacher>
+--max-logprobs 20 --host 127.0.0.1 --port 8000`` (``--max-logprobs`` >= ``top_k``). Scoring sends each row's token
+ids, without its padding, to ``POST /v1/completions`` with ``prompt_logprobs=top_k`` and ``max_tokens=1``; vLLM
+answers ``prompt_logprobs``: one entry per prompt token, ``null`` for the first, else ``{"<token id>": {"logprob",
+"rank", "decoded_token"}}`` holding the top-k tokens and, first, the prompt's own next token (so ``k + 1`` entries
+when it is outside the top-k). Entry ``j`` is the distribution of token ``j`` given tokens ``< j``, under the
+model's full softmax at temperature 1.
+
+Rows are sent concurrently (``concurrency`` threads); transient failures are retried (``lightning_gkd.teachers.
+http``), and a server that stays down raises ``TeacherUnavailable``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from lightning_gkd.ops.hf import EosTokenId
+from lightning_gkd.ops.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
+from lightning_gkd.teachers.base import TeacherUnavailable, TopKSignal
+from lightning_gkd.teachers.http import (
+    JsonClient,
+    TeacherRequestError,
+    check_number,
+    map_concurrently,
+    normalize_url,
+    start_command,
+)
+
+__all__ = ["ServerSampler", "ServerTeacher", "TeacherRequestError", "TeacherUnavailable"]
+
+#: text whose tokenization the server and the student's tokenizer must agree on (digits, spaces, newlines, tabs,
+#: punctuation, accents, CJK, an emoji; ``check`` appends the tokenizer's special tokens)
+PROBE_TEXT = "Hello, world!\n  12 + 34 = 46\tÜber café; naïve? 日本語 🙂 (x_1 - y) ** 2 {'k': [v]}"
+
+_T = TypeVar("_T")
+
+
+class ServerTeacher:
+    """A ``SparseTeacher`` backed by a vLLM OpenAI-compatible server at ``url`` (``http://host:port``; a trailing
+    ``/v1`` is fine), serving ``model`` (None: the only model it serves).
+
+    ``top_k``: tokens per position (<= the server's ``--max-logprobs``). ``timeout``: seconds a request may take.
+    ``concurrency``: rows scored at once. ``retries``/``backoff``: a transient failure (connection refused or
+    dropped, timeout, HTTP 5xx/429) is retried ``retries`` times, waiting ``backoff · 2^attempt`` seconds first
+    (``retries + 1`` attempts in all), then ``TeacherUnavailable``. No request is made before ``check`` or ``topk``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        *,
+        top_k: int = 20,
+        timeout: float = 60.0,
+        concurrency: int = 4,
+        retries: int = 4,
+        backoff: float = 1.0,
+    ) -> None:
+        self.url = normalize_url(url)
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(
+                f"teacher.model must be the served model's name (see GET /v1/models) or null, got {model!r}."
+            )
+        check_number("teacher.top_k", top_k, 1, "tokens per position; <= the server's --max-logprobs", integer=True)
+        check_number("teacher.concurrency", concurrency, 1, "rows sent to the server at once", integer=True)
+        check_number("teacher.retries", retries, 0, "retries of a transient failure; 0: none", integer=True)
+        check_number("teacher.timeout", timeout, 1e-3, "seconds a request may take")
+        check_number("teacher.backoff", backoff, 0, "seconds before the first retry, doubled after each")
+        self.model = model
+        self.top_k = top_k
+        self.timeout, self.backoff = float(timeout), float(backoff)
+        self.concurrency, self.retries = concurrency, retries
+        #: the server's ``max_model_len`` (from ``GET /v1/models``), once known
+        self.max_model_len: int | None = None
+        self.vocab_size: int | None = None
+        self._client = JsonClient(
+            self.url,
+            timeout=self.timeout,
+            retries=retries,
+            backoff=self.backoff,
+            hint=f"Start it with: {start_command(self.url, top_k)}",
+        )
+        self._resolved = False  # model and max_model_len read from GET /v1/models
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- probe ------------------------------------------------------------------------------------------------------
+    def check(self, tokenizer: Any, vocab_size: int) -> None:
+        """Before training: the server is up, serves ``model``, allows ``top_k`` log-probs, and tokenizes like
+        ``tokenizer`` with a vocabulary of ``vocab_size`` (the student's). Raises ``TeacherUnavailable`` (down) or
+        ``ValueError`` naming the URL and both values of what does not match."""
+        self._client.get("/health")
+        model = self._served_model()
+        theirs = self._tokenize(model, tokenizer)
+        text = _probe_text(tokenizer)
+        ours = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if theirs is None:
+            warnings.warn(
+                f"The teacher server at {self.url} has no tokenizer (--skip-tokenizer-init): its tokenizer cannot be "
+                "compared with the student's; make sure the teacher was trained with the same one.",
+                stacklevel=2,
+            )
+        elif theirs != ours:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b), min(len(theirs), len(ours))
+            )
+            raise ValueError(
+                f"The teacher server at {self.url} (model {model!r}) tokenizes differently from the student's "
+                f"tokenizer: {text!r} is {theirs} there and {ours} here (first difference at token {first}). Serve "
+                "a teacher that shares the student's tokenizer (--tokenizer <the student's tokenizer folder>)."
+            )
+        probe = [vocab_size - 1, 0] if vocab_size > 1 else [0, 0]
+        try:
+            entries = self._prompt_logprobs(model, probe, None)
+        except TeacherRequestError as error:
+            if error.param == "prompt_logprobs" or "logprobs" in error.message:
+                raise ValueError(
+                    f"The teacher server at {self.url} does not return top_k={self.top_k} log-probs ({error.message}). "
+                    f"Restart it with --max-logprobs {self.top_k} or more, or lower teacher.top_k."
+                ) from None
+            if "vocabulary" in error.message:
+                raise ValueError(
+                    f"The teacher server at {self.url} (model {model!r}) rejects token id {vocab_size - 1}: its "
+                    f"vocabulary is smaller than the student's {vocab_size} tokens ({error.message})."
+                ) from None
+            raise
+        returned = {int(token) for entry in entries[1:] for token in entry}
+        if len(returned) < min(self.top_k, vocab_size) or max(returned) >= vocab_size:
+            raise ValueError(
+                f"The teacher server at {self.url} (model {model!r}) returned token ids {sorted(returned)} for "
+                f"top_k={self.top_k}: not {self.top_k} ids below the student's vocabulary size {vocab_size}."
+            )
+        if theirs is not None:  # with a tokenizer, vLLM rejects ids past max(tokenizer, model vocabulary)
+            try:
+                self._prompt_logprobs(model, [vocab_size, 0], None, top_k=1)
+            except TeacherRequestError as error:
+                if "vocabulary" not in error.message:
+                    raise
+            else:
+                raise ValueError(
+                    f"The teacher server at {self.url} (model {model!r}) accepts token id {vocab_size}: its "
+                    f"vocabulary is larger than the student's {vocab_size} tokens, so its top-k could hold ids the "
+                    "student does not have."
+                )
+        self.vocab_size = vocab_size
+
+    # -- scoring ----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def topk(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> TopKSignal:
+        """The signal at the True ``positions`` ``(B, L)`` of ``batch`` (``input_ids``, ``attention_mask`` ``(B,
+        L)``, left-padded): ``ids``/``logprobs`` ``(N, k)``, ``next_logprobs`` ``(N,)``, row-major, on the batch's
+        device. Ties in log-probs are ordered by id (as ``lightning_gkd.ops.topk.topk_log_probs``)."""
+        input_ids = batch["input_ids"]
+        ids, mask, where = input_ids.cpu(), batch["attention_mask"].cpu().bool(), positions.cpu().bool()
+        rows: list[tuple[list[int], list[int]]] = []  # (prompt, its prompt_logprobs indices)
+        for row in range(ids.shape[0]):
+            columns = where[row].nonzero().flatten()
+            if columns.numel() == 0:
+                continue
+            start = int(mask[row].int().argmax()) if bool(mask[row].any()) else ids.shape[1]
+            end = int(columns[-1]) + 2  # through the token the last position predicts
+            if int(columns[0]) < start or end > ids.shape[1] or not bool(mask[row, start:end].all()):
+                raise ValueError(
+                    f"ServerTeacher.topk: row {row} has positions {columns.tolist()} outside its tokens (attention "
+                    f"{mask[row].int().tolist()}): a position must be a real token followed by a real token."
+                )
+            rows.append((ids[row, start:end].tolist(), (columns - start + 1).tolist()))
+        k = self.top_k
+        if not rows:  # nothing supervised: no request
+            empty = torch.zeros(0, k)
+            return TopKSignal(empty.long(), empty, torch.zeros(0)).to(input_ids.device)
+        model = self._served_model()
+        self._check_length(max(len(prompt) for prompt, _ in rows), 1)
+        top = max(max(prompt) for prompt, _ in rows)
+        if self.vocab_size is not None and top >= self.vocab_size:  # such an id can crash a server without tokenizer
+            raise ValueError(f"ServerTeacher.topk: token id {top} is outside the vocabulary ({self.vocab_size}).")
+        scored = self._map(lambda job, abort: self._prompt_logprobs(model, job[0], abort), rows)
+        out_ids, out_logprobs, following = [], [], []
+        for (prompt, indices), entries in zip(rows, scored, strict=True):
+            for index in indices:
+                entry = entries[index]
+                ranked = sorted(((-float(v["logprob"]), int(t)) for t, v in entry.items()))[:k]
+                if len(ranked) < k:
+                    raise ValueError(
+                        f"The teacher server at {self.url} returned {len(ranked)} log-probs, not top_k={k}."
+                    )
+                out_ids.append([t for _, t in ranked])
+                out_logprobs.append([-v for v, _ in ranked])
+                following.append(float(entry[str(prompt[index])]["logprob"]))
+        device = input_ids.device
+        return TopKSignal(
+            torch.tensor(out_ids, dtype=torch.long).reshape(-1, k).to(device),
+            torch.tensor(out_logprobs, dtype=torch.float32).reshape(-1, k).to(device),
+            torch.tensor(following, dtype=torch.float32).to(device),
+        )
+
+    def close(self) -> None:
+        """Shut the thread pool down (a later call starts a new one)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable (spawned DDP workers): no pool or lock in the state
+        state = dict(self.__dict__)
+        state["_pool"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- internals --------------------------------------------------------------------------------------------------
+    def _served_model(self) -> str:
+        """``model``, checked against ``GET /v1/models`` once (None: the one model served)."""
+        if self._resolved and self.model is not None:
+            return self.model
+        served = self._client.get("/v1/models").get("data", [])
+        names = [str(entry["id"]) for entry in served]
+        if self.model is None:
+            if len(names) != 1:
+                raise ValueError(
+                    f"The teacher server at {self.url} serves {len(names)} models ({', '.join(names) or 'none'}): "
+                    "name one with teacher.model."
+                )
+            self.model = names[0]
+        if self.model not in names:
+            raise ValueError(
+                f"The teacher server at {self.url} does not serve teacher.model={self.model!r}; it serves "
+                f"{', '.join(names) or 'no model'}."
+            )
+        self.max_model_len = int(served[names.index(self.model)].get("max_model_len") or 0) or None
+        self._resolved = True
+        return self.model
+
+    def _tokenize(self, model: str, tokenizer: Any) -> list[int] | None:
+        """The server's ids for the probe text; None when the server has no tokenizer (``--skip-tokenizer-init``)."""
+        try:
+            answer = self._client.post(
+                "/tokenize", {"model": model, "prompt": _probe_text(tokenizer), "add_special_tokens": False}
+            )
+        except TeacherRequestError as error:
+            if "tokenizer" in error.message.lower():
+                return None
+            raise
+        return [int(i) for i in answer["tokens"]]
+
+    def _prompt_logprobs(
+        self, model: str, prompt: list[int], abort: threading.Event | None, *, top_k: int | None = None
+    ) -> list[dict[str, dict[str, Any]]]:
+        """``prompt_logprobs`` of one prompt (entry 0, ``null``, kept as ``{}``)."""
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": top_k or self.top_k}
+        answer = self._client.post("/v1/completions", {**body, "temperature": 0}, abort=abort)
+        entries = answer["choices"][0].get("prompt_logprobs")
+        if not isinstance(entries, list) or len(entries) != len(prompt):
+            raise ValueError(
+                f"The teacher server at {self.url} returned no prompt_logprobs for a {len(prompt)}-token prompt "
+                f"(got {type(entries).__name__}); is it a vLLM server?"
+            )
+        return [entry or {} for entry in entries]
+
+    def _check_length(self, tokens: int, new_tokens: int) -> None:
+        if self.max_model_len is not None and tokens + new_tokens > self.max_model_len:
+            raise ValueError(
+                f"A row of {tokens} tokens (+{new_tokens} new) does not fit the teacher server's max_model_len="
+                f"{self.max_model_len} ({self.url}). Restart it with --max-model-len {tokens + new_tokens} or more, "
+                "or lower data.max_length / max_new_tokens."
+            )
+
+    def _map(self, call: Callable[[Any, threading.Event], _T], jobs: Sequence[Any]) -> list[_T]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="lightning-gkd-teacher")
+            pool = self._pool
+        return map_concurrently(pool, call, jobs)
+
+
+class ServerSampler:
+    """Completions written by the teacher server (sequence-level KD), with the ``Sampler`` contract: the batch of
+    ``lightning_gkd.ops.sampling.completion_batch``. The ``model`` argument is ignored (the server has the weights).
+
+    Each row's request seed is ``derive_seed(seed, row)``, so a seed gives the same samples again (on the same
+    server and model). ``sampled_logprobs`` are the server's log-probs of the sampled tokens: under vLLM's default
+    ``--logprobs-mode raw_logprobs`` that is the teacher's full softmax at temperature 1 (before ``temperature``,
+    ``top_k``, ``top_p``), not the distribution sampled from; start the server with ``--logprobs-mode
+    processed_logprobs`` for the latter. The server needs its tokenizer (vLLM formats log-probs with it; not
+    ``--skip-tokenizer-init``). Generation stops at ``eos_token_id`` (the student's; the server's own EOS
+    is ignored) and rows are padded with ``pad_token_id`` after it.
+    """
+
+    def __init__(
+        self,
+        teacher: ServerTeacher,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int = 0,
+    ) -> None:
+        validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
+        self.teacher = teacher
+        self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
+        self.eos_token_id: EosTokenId = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    def sample(
+        self, model: nn.Module | None, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
+    ) -> dict[str, torch.Tensor]:
+        """Completions for left-padded ``prompts`` ``(B, P)``: the dict of ``completion_batch``, ``(B, P + N)``."""
+        options = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        seeds = [derive_seed(seed, row) for row in range(prompts.shape[0])]
+        return self._generate(prompts, prompt_attention_mask, options, seeds, self.max_new_tokens)
+
+    def greedy(
+        self,
+        model: nn.Module | None,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+    ) -> dict[str, torch.Tensor]:
+        """Greedy completions (same contract as ``sample``; ``sampled_logprobs`` are then the log-softmax)."""
+        validate_sampling_args(max_new_tokens, 1.0, 0, 1.0)
+        options = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+        return self._generate(prompts, prompt_attention_mask, options, [None] * prompts.shape[0], max_new_tokens)
+
+    def close(self) -> None:
+        self.teacher.close()
+
+    def _generate(
+        self,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        options: dict[str, float],
+        seeds: Sequence[int | None],
+        max_new_tokens: int,
+    ) -> dict[str, torch.Tensor]:
+        teacher = self.teacher
+        model = teacher._served_model()
+        rows = [ids[m.bool()].tolist() for ids, m in zip(prompts.cpu(), prompt_attention_mask.cpu(), strict=True)]
+        teacher._check_length(max((len(r) for r in rows), default=0), max_new_tokens)
+        stop = eos_ids(self.eos_token_id)
+
+        def generate(job: tuple[list[int], int | None], abort: threading.Event) -> tuple[list[int], list[float]]:
+            prompt, seed = job
+            body: dict[str, Any] = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_new_tokens,
+                **options,
+                "min_p": 0.0,  # explicit: a server's generation-config defaults apply to every field left out
+                "repetition_penalty": 1.0,
+                "stop_token_ids": stop,
+                "ignore_eos": True,  # stop at the student's EOS only; vLLM still stops at stop_token_ids
+                "return_token_ids": True,
+                "logprobs": 0,
+                "skip_special_tokens": False,
+            }
+            if seed is not None:
+                body["seed"] = seed
+            choice = teacher._client.post("/v1/completions", body, abort=abort)["choices"][0]
+            tokens = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(v) for v in (choice.get("logprobs") or {}).get("token_logprobs", [])]
+            if len(logprobs) != len(tokens):
+                raise ValueError(
+                    f"The teacher server at {teacher.url} returned {len(tokens)} tokens but "
+                    f"{len(logprobs)} log-probs; is it a vLLM server that knows return_token_ids?"
+                )
+            return tokens, logprobs
+
+        outputs = teacher._map(generate, list(zip(rows, seeds, strict=True)))
+        width = max([1, *(len(tokens) for tokens, _ in outputs)])
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        values = torch.zeros(len(rows), width, dtype=torch.float32)
+        for row, (tokens, logprobs) in enumerate(outputs):
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            values[row, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+        return completion_batch(prompts, prompt_attention_mask, ids.to(prompts.device), self.eos_token_id, values)
+
+
+def _probe_text(tokenizer: Any) -> str:
+    specials = [str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []]
+    return PROBE_TEXT + "".join(specials)

@@ -1,0 +1,102 @@
+"""A teacher-cache build with 2 CPU processes (gloo DDP) for tests/test_teachers_cache.py.
+
+    python tests/helpers/cache_build_worker.py <cache_dir> [--kill-after-first-shard]
+
+Lightning's DDP launcher starts rank 1 by re-running this script. ``--kill-after-first-shard``: each rank SIGKILLs
+itself once it has written its first shard (rank 1 first waits for rank 0's, so the folder ends up with exactly
+shards 0 and 1 whichever rank is faster). Otherwise rank 0 writes ``<cache_dir>.result.json`` (this run's report).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.teachers.cache import shard_name
+from lightning_gkd.teachers.cache_build import build_teacher_cache_report
+
+#: what the single-process reference build of the test uses too
+ROWS, TOP_K, MAX_LENGTH, BATCH_SIZE, SHARD_SIZE = 96, 20, 64, 8, 16
+
+
+def settings() -> dict:
+    return {"top_k": TOP_K, "max_length": MAX_LENGTH, "batch_size": BATCH_SIZE, "shard_size": SHARD_SIZE}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without a launcher's variables (Lightning then starts rank 1 itself), one thread per
+    process, the repository importable, and a free port."""
+    launcher = ("SLURM_", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_", "RANK", "TORCHELASTIC_")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(launcher)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(Path(__file__).parents[2])
+    env.update(
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]),
+        **extra,
+    )
+    return env
+
+
+class KillAfterFirstShard(L.Callback):
+    """SIGKILL this rank once one of its shards (``s % world_size == rank`` in a fresh build) is on disk."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        rank, world = trainer.global_rank, trainer.world_size
+        if not any((self.folder / shard_name(s)).is_file() for s in range(rank, 64, world)):
+            return
+        deadline = time.monotonic() + 120
+        while rank and not (self.folder / shard_name(0)).is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    folder = Path(sys.argv[1])
+    kill = "--kill-after-first-shard" in sys.argv[2:]
+    torch.set_num_threads(1)
+    teacher = asset_path("toy/teacher")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[KillAfterFirstShard(folder)] if kill else [],
+    )
+    report = build_teacher_cache_report(
+        teacher, load_tokenizer(teacher), addition_rows("train")[:ROWS], folder, trainer=trainer, **settings()
+    )
+    if trainer.is_global_zero:
+        result = {
+            "world_size": trainer.world_size,
+            "backend": torch.distributed.get_backend(),
+            "built_shards": report.built_shards,
+            "built_tokens": report.built_tokens,
+        }
+        folder.with_name(folder.name + ".result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

