@@ -91,7 +91,10 @@ def train_one(
     tokenizer: Any,
     rows: dict[str, list[dict]],
     work_dir: Path,
+    teacher: Any = None,
 ) -> Run:
+    """One run of ``method``; ``teacher``: GKD's teacher argument (default the shipped toy teacher's folder), e.g. a
+    teacher spec (scripts/sparse_teacher_accuracy.py)."""
     L.seed_everything(seed, workers=True)
     student = load_causal_lm(asset_path("toy/student_init"))
     common = dict(
@@ -108,7 +111,7 @@ def train_one(
     else:
         module = GKDModule(
             student,
-            asset_path("toy/teacher"),
+            asset_path("toy/teacher") if teacher is None else teacher,
             tokenizer,
             lmbda=method.lmbda,
             beta=method.beta,

@@ -51,7 +51,9 @@ def sft(
     target: float | None,
     root: Path,
     val_every: int = 250,
+    rows: tuple[list[dict], list[dict]] | None = None,
 ) -> SFTModule:
+    """SFT ``model`` on the toy addition task, or on ``rows`` = (train, val) when given."""
     L.seed_everything(seed, workers=True)
     module = SFTModule(
         model,
@@ -66,8 +68,7 @@ def sft(
     )
     data = ChatDataModule(
         tokenizer,
-        addition_rows("train"),
-        addition_rows("val"),
+        *(rows or (addition_rows("train"), addition_rows("val"))),
         batch_size=batch_size,
         val_batch_size=256,
         max_length=64,
