@@ -9,6 +9,7 @@ script is broken in that build) on 127.0.0.1 and a free port, with its engine in
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import socket
@@ -16,9 +17,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from functools import partial
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
@@ -169,14 +173,100 @@ def test_the_sampler_writes_the_teachers_greedy_completions_and_repeats_its_samp
     torch.testing.assert_close(first["sampled_logprobs"][:, 1:][keep], raw[keep], atol=1e-4, rtol=0)
 
 
-def test_a_killed_server_makes_topk_raise_teacher_unavailable(served, batch):
-    """Last in the module: it stops the module's server."""
+def gkd_module(teacher, tokenizer, **kwargs):
+    from lightning_gkd import GKDModule
+    from lightning_gkd.models.loading import load_causal_lm
+
+    return GKDModule(
+        load_causal_lm(asset_path("toy/student_init")),
+        teacher,
+        tokenizer,
+        lmbda=1.0,
+        beta=0.5,
+        max_new_tokens=6,
+        metrics={},
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        seed=0,
+        **kwargs,
+    )
+
+
+def fit_gkd(module, tokenizer, root, *, steps=3, callbacks=()):
+    from lightning_gkd import ChatDataModule
+
+    data = ChatDataModule(tokenizer, addition_rows("train", 64), addition_rows("val", 8), batch_size=4, max_length=40)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=CSVLogger(root, name="", version=""),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, datamodule=data)
+    with open(root / "metrics.csv") as handle:
+        return [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+def test_on_policy_gkd_trains_against_the_server_as_against_the_local_teacher(served, toy, tmp_path):
+    url, _ = served
+    _, tokenizer = toy
+    local = fit_gkd(gkd_module({"kind": "local", "model": TEACHER, "top_k": 20}, tokenizer), tokenizer, tmp_path / "l")
+    server_spec = {"kind": "server", "url": url, "top_k": 20, "retries": 1, "backoff": 0.1}
+    served_losses = fit_gkd(gkd_module(server_spec, tokenizer), tokenizer, tmp_path / "s")
+    assert len(served_losses) == 3
+    # the first step sees the same student and samples: the same loss, up to vLLM's log-probs (equal to HF's to
+    # ~1e-5) and which of two tied tokens makes the top-20; later steps' students differ by those last digits, which
+    # can flip a sampled token
+    assert served_losses[0] == pytest.approx(local[0], rel=2e-3)
+    assert served_losses == pytest.approx(local, rel=0.03)
+    # the same on-policy samples scored by both: the same loss
+    with_local = gkd_module({"kind": "local", "model": TEACHER, "top_k": 20}, tokenizer)
+    with_server = gkd_module(server_spec, tokenizer)
+    collate = ChatMLCollator(tokenizer, max_length=40)
+    for seed in range(3):
+        prompts = collate(addition_rows("val", 32)[8 * seed : 8 * seed + 8])
+        sampled = with_local.sample_batch(with_local.student, prompts, seed=seed)
+        with torch.no_grad():
+            expected = with_local.distillation_loss(sampled)
+            assert with_server.distillation_loss(sampled).item() == pytest.approx(expected.item(), rel=2e-3)
+
+
+def test_a_student_with_another_vocabulary_is_refused_before_training(served, toy):
+    from lightning_gkd import GKDModule
+    from lightning_gkd.models.loading import load_causal_lm
+    from lightning_gkd.models.tiny import TINY_STUDENT
+
+    url, _ = served
+    bigger = load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": 300}})
+    with pytest.raises(ValueError, match=rf"{url}.*smaller than the student's 300"):
+        GKDModule(bigger, {"kind": "server", "url": url, "top_k": 5}, toy[1])
+
+
+class StopServerAfter(L.Callback):
+    def __init__(self, process, step):
+        self.process, self.step = process, step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            stop(self.process)
+
+
+def test_a_killed_server_stops_gkd_with_a_resumable_checkpoint(served, toy, batch, tmp_path):
+    """Last in the module: it stops the module's server (after two steps of a run against it)."""
     url, process = served
-    teacher = ServerTeacher(url, top_k=20, retries=2, backoff=0.05)
-    positions = supervised_positions(batch["labels"])
-    teacher.topk(batch, positions)
-    stop(process)
+    _, tokenizer = toy
+    spec = {"kind": "server", "url": url, "top_k": 20, "retries": 2, "backoff": 0.05}
+    module = gkd_module(spec, tokenizer)
     with pytest.raises(TeacherUnavailable, match=r"after 3 attempt\(s\)") as raised:
-        teacher.topk(batch, positions)
+        fit_gkd(module, tokenizer, tmp_path, steps=5, callbacks=[StopServerAfter(process, 2)])
     assert url in str(raised.value)
+    saved = next(tmp_path.glob("**/checkpoints/last.ckpt"))
+    assert torch.load(saved, weights_only=True)["global_step"] == 2  # nothing trained on the failed batch
+    teacher = ServerTeacher(url, top_k=20, retries=0)
+    with pytest.raises(TeacherUnavailable):
+        teacher.topk(batch, supervised_positions(batch["labels"]))
     teacher.close()
