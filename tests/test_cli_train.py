@@ -38,6 +38,28 @@ def test_every_config_group_option_composes(tmp_path):
     assert cfg.method.student.trust_remote_code is False
 
 
+def test_the_readme_teacher_overrides_compose_into_specs(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lightning_gkd.teachers.spec import teacher_plan
+
+    cfg = compose_train(
+        tmp_path,
+        [
+            "teacher=multi",
+            "+teacher.teachers.math={kind: local, model: {name_or_path: /models/math}}",
+            '+teacher.teachers.code={kind: server, url: "http://gpu-host:8000", top_k: 20}',
+            "~teacher.teachers.default",
+        ],
+    )
+    plan = teacher_plan(OmegaConf.to_container(cfg.method.teacher, resolve=True))
+    assert plan.column == "teacher" and list(plan.entries) == ["math", "code"]
+    assert plan.entries["code"].kind == "server" and plan.entries["code"].top_k == 20
+    cfg = compose_train(tmp_path, ["teacher=cache", "teacher.path=/caches/k20", "method.lmbda=0"])
+    assert OmegaConf.to_container(cfg.method.teacher) == {"kind": "cache", "path": "/caches/k20", "top_k": None}
+    assert compose_train(tmp_path, []).method.teacher.model.name_or_path == cfg.model.teacher.name_or_path
+
+
 def test_composed_run_with_overrides(tmp_path):
     cfg = compose_train(
         tmp_path,
