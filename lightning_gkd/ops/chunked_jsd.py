@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lightning_gkd.ops.chunked_head import folded_head_loss, head_logits
 from lightning_gkd.ops.hf import LogitHead
 
 __all__ = ["projected_jsd_loss"]
@@ -63,70 +64,6 @@ def _chunk_loss_and_logit_grad(
     row = torch.einsum("cv,cv->c", S, g).unsqueeze(-1)  # Σ_v S_v g_v per position
     grad = g.sub_(row).mul_(S)
     return loss, (grad if temperature == 1.0 else grad.div_(temperature))
-
-
-def _logits(hidden: torch.Tensor, head: LogitHead) -> tuple[torch.Tensor, torch.Tensor | float | None]:
-    projected = (hidden @ head.weight.t()).float()
-    if head.bias is not None:
-        projected = projected + head.bias.float()
-    return head.transform(projected)
-
-
-class _ProjectedJSD(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        student_hidden: torch.Tensor,
-        student_weight: torch.Tensor,
-        student_bias: torch.Tensor | None,
-        teacher_hidden: torch.Tensor,
-        student_head: LogitHead,
-        teacher_head: LogitHead,
-        beta: float,
-        temperature: float,
-        chunk_size: int,
-        normalizer: float,
-        grads: tuple[bool, bool, bool],
-    ) -> torch.Tensor:
-        grad_hidden, grad_weight, grad_bias = grads
-        need_grad = any(grads)
-        total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
-        hidden_grad = torch.zeros_like(student_hidden, dtype=torch.float32) if grad_hidden else None
-        weight_grad = torch.zeros_like(student_weight, dtype=torch.float32) if grad_weight else None
-        bias_grad = (
-            torch.zeros_like(student_bias, dtype=torch.float32) if grad_bias and student_bias is not None else None
-        )
-        for start in range(0, student_hidden.shape[0], chunk_size):
-            hs = student_hidden[start : start + chunk_size]
-            student_logits, head_grad = _logits(hs, student_head)
-            teacher_logits, _ = _logits(teacher_hidden[start : start + chunk_size], teacher_head)
-            loss, logit_grad = _chunk_loss_and_logit_grad(
-                student_logits, teacher_logits, beta=beta, temperature=temperature, need_grad=need_grad
-            )
-            total += loss
-            if logit_grad is not None:
-                if head_grad is not None:  # through the head's scale and soft-cap, to h @ Wᵀ + b
-                    logit_grad = logit_grad * head_grad
-                if bias_grad is not None:
-                    bias_grad += logit_grad.sum(dim=0)
-                if weight_grad is not None:
-                    weight_grad.addmm_(logit_grad.t(), hs.float())
-                if hidden_grad is not None:
-                    hidden_grad[start : start + chunk_size] = logit_grad.to(student_weight.dtype) @ student_weight
-        ctx.save_for_backward(
-            *(g / normalizer if g is not None else torch.empty(0) for g in (hidden_grad, weight_grad, bias_grad))
-        )
-        ctx.dtypes = (student_hidden.dtype, student_weight.dtype, None if student_bias is None else student_bias.dtype)
-        ctx.has = (grad_hidden, grad_weight, bias_grad is not None)
-        return total / normalizer
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        grads = []
-        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.dtypes, strict=True):
-            grads.append((saved * grad_output).to(dtype) if has else None)
-        grad_h, grad_w, grad_b = grads
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def projected_jsd_loss(
@@ -183,28 +120,18 @@ def projected_jsd_loss(
         normalizer = float(max(student_hidden.shape[0], 1))
     else:
         normalizer = float(num_items_in_batch)
-    grad_enabled = torch.is_grad_enabled()
-    bias = student_head.bias
+    teacher_hidden = teacher_hidden.detach()
     frozen_teacher = LogitHead(
         teacher_head.weight.detach(),
         None if teacher_head.bias is None else teacher_head.bias.detach(),
         teacher_head.scale,
         teacher_head.softcap,
     )
-    return _ProjectedJSD.apply(
-        student_hidden,
-        student_head.weight,
-        bias,
-        teacher_hidden.detach(),
-        student_head,
-        frozen_teacher,
-        float(beta),
-        float(temperature),
-        int(chunk_size),
-        normalizer,
-        (
-            grad_enabled and student_hidden.requires_grad,
-            grad_enabled and student_head.weight.requires_grad,
-            grad_enabled and bias is not None and bias.requires_grad,
-        ),
-    )
+
+    def chunk_loss(student_logits: torch.Tensor, rows: slice, need_grad: bool):
+        teacher_logits, _ = head_logits(teacher_hidden[rows], frozen_teacher)
+        return _chunk_loss_and_logit_grad(
+            student_logits, teacher_logits, beta=float(beta), temperature=float(temperature), need_grad=need_grad
+        )
+
+    return folded_head_loss(student_hidden, student_head, chunk_loss, chunk_size, normalizer)

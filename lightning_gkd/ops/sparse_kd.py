@@ -36,11 +36,10 @@ with ``h_j = ∂f/∂σ_j``, ``H = Σ_j h_j``, ``S = softmax(z)``,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
-from lightning_gkd.ops.chunked_jsd import _logits
+from lightning_gkd.ops.chunked_head import folded_head_loss
 from lightning_gkd.ops.hf import LogitHead
 
 __all__ = ["ESTIMATORS", "sampled_kl_loss", "topk_distillation_loss"]
@@ -52,9 +51,6 @@ ESTIMATORS = ("k1", "k3")
 # (top-k probabilities summing to >= 1 in a float16 cache) is "0" for the forward KL, and costs the reverse KL a
 # large but finite amount instead of infinity.
 _LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
-
-# (logits (C, V) float32, the chunk's rows, need_grad) -> (summed loss, d loss / d logits or None)
-ChunkLoss = Callable[[torch.Tensor, slice, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -136,59 +132,6 @@ def _sampled_chunk_loss(
     return loss, grad.scatter_add_(1, tokens.unsqueeze(1), coef)
 
 
-class _FoldedLoss(torch.autograd.Function):
-    """Runs ``chunk_loss`` over the positions a chunk at a time, folding each chunk's logit gradient into the
-    gradients of the hidden states, weight and bias (as ``chunked_jsd._ProjectedJSD`` does)."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        head: LogitHead,
-        chunk_loss: ChunkLoss,
-        chunk_size: int,
-        normalizer: float,
-        grads: tuple[bool, bool, bool],
-    ) -> torch.Tensor:
-        grad_hidden, grad_weight, grad_bias = grads
-        need_grad = any(grads)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        hidden_grad = torch.zeros_like(hidden, dtype=torch.float32) if grad_hidden else None
-        weight_grad = torch.zeros_like(weight, dtype=torch.float32) if grad_weight else None
-        bias_grad = torch.zeros_like(bias, dtype=torch.float32) if grad_bias and bias is not None else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            hs = hidden[rows]
-            logits, head_grad = _logits(hs, head)
-            loss, logit_grad = chunk_loss(logits, rows, need_grad)
-            total += loss
-            if logit_grad is not None:
-                if head_grad is not None:  # through the head's scale and soft-cap, to h @ Wᵀ + b
-                    logit_grad = logit_grad * head_grad
-                if bias_grad is not None:
-                    bias_grad += logit_grad.sum(dim=0)
-                if weight_grad is not None:
-                    weight_grad.addmm_(logit_grad.t(), hs.float())
-                if hidden_grad is not None:
-                    hidden_grad[rows] = logit_grad.to(weight.dtype) @ weight
-        ctx.save_for_backward(
-            *(g / normalizer if g is not None else torch.empty(0) for g in (hidden_grad, weight_grad, bias_grad))
-        )
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.has = (grad_hidden, grad_weight, bias_grad is not None)
-        return total / normalizer
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        grads = [
-            (saved * grad_output).to(dtype) if has else None
-            for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.dtypes, strict=True)
-        ]
-        return *grads, None, None, None, None, None
-
-
 def _check_common(
     hidden: torch.Tensor, head: LogitHead, chunk_size: int, num_items_in_batch: int | torch.Tensor | None
 ) -> float:
@@ -215,19 +158,6 @@ def _check_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
     low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
     if low < 0 or high >= vocab:
         raise ValueError(f"{name} must be in [0, {vocab}) (the student's vocabulary), got ids from {low} to {high}.")
-
-
-def _apply(
-    hidden: torch.Tensor, head: LogitHead, chunk_loss: ChunkLoss, chunk_size: int, normalizer: float
-) -> torch.Tensor:
-    enabled = torch.is_grad_enabled()
-    bias = head.bias
-    grads = (
-        enabled and hidden.requires_grad,
-        enabled and head.weight.requires_grad,
-        enabled and bias is not None and bias.requires_grad,
-    )
-    return _FoldedLoss.apply(hidden, head.weight, bias, head, chunk_loss, int(chunk_size), normalizer, grads)
 
 
 def topk_distillation_loss(
@@ -303,7 +233,7 @@ def topk_distillation_loss(
     def chunk_loss(logits: torch.Tensor, rows: slice, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _topk_chunk_loss(logits, ids[rows], teacher[rows], beta=float(beta), tail=tail, need_grad=need_grad)
 
-    return _apply(student_hidden, head, chunk_loss, chunk_size, normalizer)
+    return folded_head_loss(student_hidden, head, chunk_loss, chunk_size, normalizer)
 
 
 def sampled_kl_loss(
@@ -358,4 +288,4 @@ def sampled_kl_loss(
     def chunk_loss(logits: torch.Tensor, rows: slice, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _sampled_chunk_loss(logits, ids[rows], teacher[rows], estimator=estimator, need_grad=need_grad)
 
-    return _apply(student_hidden, head, chunk_loss, chunk_size, normalizer)
+    return folded_head_loss(student_hidden, head, chunk_loss, chunk_size, normalizer)
