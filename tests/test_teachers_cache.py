@@ -265,3 +265,57 @@ def test_the_hydra_entry_point_caches_the_toy_teacher(tmp_path, capsys):
         run(compose_cache(tmp_path, [*overrides, "cache.top_k=5"]))
     with pytest.raises(ValueError, match="cache.top_k must be an integer >= 1, got 0"):
         run(compose_cache(tmp_path, [*overrides, "cache.top_k=0"]))
+
+
+def test_training_from_the_cache_at_full_vocabulary_equals_training_with_the_live_teacher(tmp_path, tokenizer, rows):
+    """GKD supervised KD (lmbda=0) from a k=V cache and from the in-process teacher's full distributions: the same
+    losses step by step (up to the cache's float16 log-probs), training and validation rows both found."""
+    import csv
+    from functools import partial
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gkd import GKDModule
+    from lightning_gkd.models.loading import load_causal_lm
+
+    train, val = rows[:48], addition_rows("val", 8)
+    path = tmp_path / "cache_kV"
+    build_teacher_cache(TEACHER, tokenizer, [*train, *val], path, top_k=259, max_length=MAX_LENGTH, trainer=TRAINER)
+
+    def losses(teacher, root):
+        module = GKDModule(
+            load_causal_lm(asset_path("toy/student_init")),
+            teacher,
+            tokenizer,
+            lmbda=0.0,
+            beta=0.5,
+            metrics={},
+            optimizer=partial(torch.optim.AdamW, lr=1e-3),
+            frozen_dtype="float32",
+        )
+        data = ChatDataModule(tokenizer, train, val, batch_size=8, max_length=MAX_LENGTH, shuffle=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=4,
+            val_check_interval=4,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            logger=CSVLogger(root, name="", version=""),
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(module, datamodule=data)
+        with open(root / "metrics.csv") as handle:
+            logged = list(csv.DictReader(handle))
+        return [float(r["train/loss"]) for r in logged if r.get("train/loss")], [
+            float(r["val/loss"]) for r in logged if r.get("val/loss")
+        ]
+
+    dense_train, dense_val = losses(str(TEACHER), tmp_path / "dense")
+    cached_train, cached_val = losses({"kind": "cache", "path": str(path)}, tmp_path / "cached")
+    assert len(cached_train) == 4 and len(cached_val) == 1
+    assert cached_train == pytest.approx(dense_train, rel=2e-3)
+    assert cached_val == pytest.approx(dense_val, rel=2e-3)
