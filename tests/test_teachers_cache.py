@@ -319,3 +319,60 @@ def test_training_from_the_cache_at_full_vocabulary_equals_training_with_the_liv
     assert len(cached_train) == 4 and len(cached_val) == 1
     assert cached_train == pytest.approx(dense_train, rel=2e-3)
     assert cached_val == pytest.approx(dense_val, rel=2e-3)
+
+
+def test_offline_seq_kd_caches_the_teachers_own_completions_and_trains_from_them(tmp_path, tokenizer, capsys):
+    """cache.completions=teacher: the teacher answers every training prompt (greedy), the cache scores those answers,
+    and a training run reading completions.jsonl with teacher=cache finds every row (SeqKD, no teacher loaded)."""
+    import re
+
+    from helpers.hydra_compose import compose_train
+
+    from lightning_gkd.cli.cache_teacher import run as build
+    from lightning_gkd.cli.train import build as build_run
+    from lightning_gkd.cli.train import fit
+
+    path = tmp_path / "seqkd_cache"
+    overrides = [
+        f"cache.path={path}",
+        "cache.completions=teacher",
+        "cache.max_new_tokens=8",
+        "+data.train_data.num_rows=24",
+        "+data.val_data.num_rows=8",
+        "+trainer.enable_progress_bar=false",
+    ]
+    report = build(compose_cache(tmp_path, overrides))
+    completions = [json.loads(line) for line in (path / "completions.jsonl").read_text().splitlines()]
+    assert len(completions) == 24 and report.manifest["num_rows"] == 32  # + the 8 validation rows
+    right = 0
+    for row in completions:  # the teacher's greedy answers (97.9% held-out), not the dataset's
+        a, b = re.fullmatch(r"(\d+)\+(\d+)=", row["messages"][0]["content"]).groups()
+        right += row["messages"][-1]["content"] == str(int(a[::-1]) + int(b[::-1]))[::-1]
+    assert right >= 20
+    assert f"train with data.train_data={path / 'completions.jsonl'}" in capsys.readouterr().out
+    build(compose_cache(tmp_path, overrides))  # a rerun reuses the completions and the complete cache
+    with pytest.raises(ValueError, match=r"other settings .*max_new_tokens"):
+        build(compose_cache(tmp_path, [*overrides[:2], "cache.max_new_tokens=6", *overrides[3:]]))
+
+    train = compose_train(
+        tmp_path,
+        [
+            "teacher=cache",
+            f"teacher.path={path}",
+            "method.lmbda=0",
+            f"data.train_data={path / 'completions.jsonl'}",
+            "+data.val_data.num_rows=8",
+            "data.test_data=null",
+            "data.batch_size=8",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "callbacks=none",
+            "logger=csv",
+            "print_config=false",
+            "export=false",
+        ],
+    )
+    run = build_run(train)
+    assert run.module.teacher is None
+    result = fit(run)
+    assert result["global_step"] == 3 and 0 < result["metrics"]["val/loss"] < 10

@@ -9,6 +9,7 @@ Rerunning a stopped build with the same settings writes only the missing shards.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import hydra
@@ -17,15 +18,21 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_gkd.conf  # noqa: F401  (registers the ${asset:...} resolver for configs composed here)
-from lightning_gkd.data.rows import fit_rows
+from lightning_gkd.data.rows import ChainedRows, fit_rows
+from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.models.loading import load_frozen_causal_lm
+from lightning_gkd.teachers.cache import data_fingerprint, teacher_identity
 from lightning_gkd.teachers.cache_build import CacheBuildReport, build_teacher_cache_report
+from lightning_gkd.teachers.teacher_completions import cached_teacher_completions, teacher_completion_rows
 
 
 def check_cache_config(cache: DictConfig) -> None:
     """The ``cache:`` block, before any data or model loads."""
     if not cache.get("path"):
         raise ValueError("cache.path is required: the folder the teacher cache goes to (or is resumed in).")
+    if cache.get("completions", "dataset") not in ("dataset", "teacher"):
+        raise ValueError(f"cache.completions must be dataset or teacher, got {cache.get('completions')!r}.")
     for key in ("top_k", "shard_size", "batch_size"):
         value = cache.get(key)
         if not isinstance(value, int) or value < 1:
@@ -44,10 +51,13 @@ def run(cfg: DictConfig) -> CacheBuildReport:
         cfg.trainer, callbacks=[], logger=False, enable_checkpointing=False, use_distributed_sampler=False
     )
     teacher: Any = OmegaConf.to_container(cfg.model.teacher, resolve=True)
+    rows = fit_rows(datamodule)  # training, then validation rows: both losses read the cache
+    if cfg.cache.get("completions", "dataset") == "teacher":
+        rows = ChainedRows([teacher_completions(cfg, teacher, datamodule), *rows.parts[1:]])
     report = build_teacher_cache_report(
         teacher,
         datamodule.tokenizer,
-        fit_rows(datamodule),  # training, then validation rows: both losses read the cache
+        rows,
         cfg.cache.path,
         top_k=cfg.cache.top_k,
         max_length=datamodule.max_length,
@@ -58,6 +68,36 @@ def run(cfg: DictConfig) -> CacheBuildReport:
     )
     print_report(report)
     return report
+
+
+def teacher_completions(cfg: DictConfig, teacher: Any, datamodule: Any) -> Sequence[Mapping[str, Any]]:
+    """Offline SeqKD (``cache.completions=teacher``): the training rows with the teacher's completions, written to
+    ``<cache.path>/completions.jsonl`` once (reused on a rerun) and read back as training will read them."""
+    settings = {
+        "teacher": teacher_identity(teacher),
+        "data_fingerprint": data_fingerprint(datamodule.train_rows),
+        "max_length": datamodule.max_length,
+        "max_new_tokens": cfg.cache.max_new_tokens,
+        "temperature": cfg.cache.temperature,
+        "seed": cfg.seed,
+    }
+
+    def make() -> Sequence[Mapping[str, Any]]:
+        model = load_frozen_causal_lm(teacher, role="teacher", trust_remote_code=bool(teacher.get("trust_remote_code")))
+        return teacher_completion_rows(
+            model,
+            datamodule.tokenizer,
+            datamodule.train_rows,
+            max_length=datamodule.max_length,
+            max_new_tokens=cfg.cache.max_new_tokens,
+            temperature=cfg.cache.temperature,
+            seed=cfg.seed,
+            batch_size=cfg.cache.batch_size,
+        )
+
+    path = cached_teacher_completions(cfg.cache.path, settings, make)
+    print(f"teacher completions: {path} (train with data.train_data={path})", flush=True)
+    return load_rows(str(path), name="teacher completions")
 
 
 @rank_zero_only

@@ -51,6 +51,9 @@ from lightning_gkd.teachers.cache import (
     write_shard,
 )
 from lightning_gkd.teachers.local import LocalTeacher
+from lightning_gkd.teachers.teacher_completions import COMPLETIONS_FILE, SETTINGS_FILE
+
+COMPLETION_FILES = (COMPLETIONS_FILE, SETTINGS_FILE, COMPLETIONS_FILE + ".tmp")
 
 
 def _manifest(settings: Mapping[str, Any], status: str, **stats: Any) -> dict[str, Any]:
@@ -64,7 +67,9 @@ def check_cache_folder(path: str | Path, settings: Mapping[str, Any]) -> dict[st
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"cache.path {folder} is a file; give a folder for the teacher cache.")
     existing = read_manifest(folder) if folder.is_dir() else None
-    if existing is None and folder.is_dir() and any(folder.iterdir()):
+    # the teacher's own completions (offline SeqKD, cache.completions=teacher) are written there first
+    others = [p for p in folder.iterdir() if p.name not in COMPLETION_FILES] if folder.is_dir() else []
+    if existing is None and others:
         raise FileExistsError(
             f"cache.path {folder} is not empty and has no {MANIFEST_NAME}: it is not a teacher cache. Choose an "
             "empty or new folder."
