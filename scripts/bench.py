@@ -148,25 +148,27 @@ def bench_rows(count: int, seed: int = 0, answer_tokens: int | None = None) -> l
     ]
 
 
-def build_models(tokenizer):
+def build_model(spec: dict, seed: int, tokenizer):
+    """A randomly initialised float32 Qwen2 of ``spec``'s sizes over ``VOCAB`` tokens."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    def model(spec: dict, seed: int):
-        torch.manual_seed(seed)
-        config = AutoConfig.for_model(
-            "qwen2",
-            vocab_size=VOCAB,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=None,
-            **spec,
-        )
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **spec,
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    return model(STUDENT, 0), model(TEACHER, 1)
+
+def build_models(tokenizer):
+    return build_model(STUDENT, 0, tokenizer), build_model(TEACHER, 1, tokenizer)
 
 
 def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
