@@ -22,6 +22,7 @@ from lightning_gkd.cli.hub import check_push_settings, push_folder
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.model_card import describe_data
 from lightning_gkd.ops.hf import float32_matmul_precision, is_peft_model
+from lightning_gkd.teachers.base import TeacherUnavailable
 from lightning_gkd.training.checkpoint_io import require_checkpoint, use_safe_checkpoint_io
 from lightning_gkd.training.resume import resolve_ckpt_path
 
@@ -97,9 +98,11 @@ def fit(run: Run) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path, weights_only=True)
-        stopped_by_signal = False
+        stopped_by_signal, teacher_unavailable = False, None
     except SIGTERMException:
-        stopped_by_signal = True
+        stopped_by_signal, teacher_unavailable = True, None
+    except TeacherUnavailable as error:  # TeacherOutage saved checkpoints/last.ckpt at the last finished step
+        stopped_by_signal, teacher_unavailable = False, str(error)
     result: dict[str, Any] = {
         "metrics": {key: float(value) for key, value in run.trainer.callback_metrics.items()},
         "global_step": run.trainer.global_step,
@@ -110,6 +113,7 @@ def fit(run: Run) -> dict[str, Any]:
         "merged_dir": None,
         "hub_url": None,
         "stopped_by_signal": stopped_by_signal,
+        "teacher_unavailable": teacher_unavailable,
         "resumed_from": run.ckpt_path,
         "resume_from": None,
         "held_out": {},
@@ -123,7 +127,8 @@ def fit(run: Run) -> dict[str, Any]:
 
 def finish(cfg: DictConfig, run: Run, result: dict[str, Any]) -> dict[str, Any]:
     """Export (and push) the trained model unless the run was stopped early, then print the summary."""
-    if cfg.get("export") and run.trainer.is_global_zero and not result["stopped_by_signal"]:
+    stopped = result["stopped_by_signal"] or result.get("teacher_unavailable")
+    if cfg.get("export") and run.trainer.is_global_zero and not stopped:
         # A LoRA student exports its adapter to student/ and, with export_merged, the merged model to
         # student_merged/; any other model exports itself to student/.
         output_dir = Path(cfg.paths.output_dir)
@@ -191,8 +196,11 @@ def print_summary(result: dict[str, Any]) -> None:
     for who, scores in result["held_out"].items():
         label = {"teacher": "teacher", "before": "student before", "after": "student after"}.get(who, who)
         lines += [f"held-out {name} ({label}): {value:.4f}" for name, value in scores.items()]
+    if result.get("teacher_unavailable"):
+        lines.append(f"stopped: the teacher server stayed unavailable ({result['teacher_unavailable']}); not exported")
     if result["stopped_by_signal"]:
         lines.append("stopped by a signal before the end: not exported")
+    if result["stopped_by_signal"] or result.get("teacher_unavailable"):
         if result["resume_from"]:
             lines.append(f"resume with: ckpt_path={result['resume_from']}")
     if result["student_dir"]:
@@ -206,7 +214,8 @@ def print_summary(result: dict[str, Any]) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    if run(cfg).get("teacher_unavailable"):
+        raise SystemExit(1)  # a failed run for schedulers and shells; the summary says how to resume
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ gradients are not in any checkpoint: nothing is saved then, and the message poin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
@@ -24,6 +25,7 @@ class TeacherOutage(L.Callback):
 
     def __init__(self) -> None:
         self.saved_path: Path | None = None
+        self._saving = False
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, TeacherUnavailable):
@@ -40,13 +42,31 @@ class TeacherOutage(L.Callback):
             )
             return
         path = Path(folder) / "last.ckpt"
-        trainer.save_checkpoint(path)
+        self._saving = True
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            self._saving = False
         self.saved_path = path
         rank_zero_warn(
             f"The teacher server is unavailable ({exception}). Stopped before step {trainer.global_step + 1}, "
             f"nothing trained on this batch; saved {path}. Start the server again, then resume with "
             f"ckpt_path={path} (or ckpt_path=last)."
         )
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The failed batch was fetched and started but never processed; recorded as such, Lightning would resume as
+        # from a checkpoint taken inside a step and count one more step for the logger. Record the state as it was
+        # after the last finished batch: nothing in flight.
+        if not self._saving:
+            return
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        for scope in loop.get("epoch_loop.batch_progress", {}).values():
+            if isinstance(scope, dict):
+                scope["ready"] = scope["started"] = scope["completed"]
+        step = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {}).get("step", {})
+        for scope in step.values():
+            scope["ready"] = scope["completed"]
 
     def run_summary(self) -> dict[str, str | None]:
         return {"resume_from": str(self.saved_path)} if self.saved_path else {}
