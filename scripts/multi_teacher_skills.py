@@ -12,7 +12,7 @@ saw addition. The student (the shipped toy student start) trains on a 50/50 mix 
 Reports each skill's held-out exact match per arm (mean over seeds) and the routed run's per-teacher token counts;
 writes docs/multi_teacher.md and .json.
 
-    python scripts/multi_teacher_skills.py             # about 10 minutes on 2 CPU cores
+    python scripts/multi_teacher_skills.py             # about 5 minutes on 2 CPU cores
     python scripts/multi_teacher_skills.py --fast --out /tmp/multi   # a smoke test
 """
 
@@ -125,7 +125,7 @@ def distil(teacher: Any, rows: list[dict], val: list[dict], *, seed: int, steps:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=600, help="at 200 the routed student is still half-way")
     parser.add_argument("--teacher-steps", type=int, default=1500)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
