@@ -12,6 +12,7 @@ README "vLLM"); without vLLM they are left out. Writes docs/benchmarks_teachers.
 
     /work/venv-vllm/bin/python scripts/bench_teachers.py            # or: python scripts/bench_teachers.py
     python scripts/bench_teachers.py --reps 1 --steps 2 --out /tmp/bt.md   # a quick look
+    python scripts/bench_teachers.py --tiny --reps 1 --steps 2 --warmup 1 --out /tmp/bt.md   # checks the script
 """
 
 from __future__ import annotations
@@ -284,8 +285,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks_teachers.md")
+    parser.add_argument("--tiny", action="store_true", help="toy model sizes (checks the script, not speed)")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tiny:
+        bench.use_tiny_sizes()  # and BENCH_TINY for the workers, which import bench
     if args.worker:
         kind, lmbda, warmup, steps, work, url = args.worker
         print(json.dumps(worker(kind, float(lmbda), int(warmup), int(steps), Path(work), url or None)))

@@ -32,8 +32,8 @@ def topk_log_probs(
         chunk_size: positions projected to logits at a time (extra memory O(``chunk_size`` × V)).
 
     Returns:
-        ``ids`` ``(N, k)`` int64 and ``logprobs`` ``(N, k)`` float32, most likely first (ties: the lower id
-        first), and ``next_logprobs`` ``(N,)`` float32, the log-prob of ``next_tokens`` (None without them).
+        ``ids`` ``(N, k)`` int64 and ``logprobs`` ``(N, k)`` float32, most likely first (ties among the k: the
+        lower id first; a tie at the k-th place keeps the one ``torch.topk`` picks), and ``next_logprobs`` ``(N,)`` float32, the log-prob of ``next_tokens`` (None without them).
     """
     vocab = head.weight.shape[0]
     if not 1 <= k <= vocab:
@@ -43,10 +43,13 @@ def topk_log_probs(
     ids, logprobs, label_logprobs = [], [], []
     for start in range(0, hidden.shape[0], chunk_size):
         log_probs = torch.log_softmax(head.logits(hidden[start : start + chunk_size]).float(), dim=-1)
-        # a stable sort orders ties by id, so the k kept are the same whichever engine computed them
-        top, order = log_probs.sort(dim=-1, descending=True, stable=True)
-        ids.append(order[:, :k])
-        logprobs.append(top[:, :k])
+        # a partial selection (a full sort of V per position costs ~50x more at V = 32000); then the k kept are
+        # ordered most likely first, ties by id, so the order does not depend on the selection's internals
+        top, order = log_probs.topk(k, dim=-1)
+        order, by_id = order.sort(dim=-1)
+        top, by_value = top.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+        ids.append(order.gather(-1, by_value))
+        logprobs.append(top)
         if next_tokens is not None:
             rows = next_tokens[start : start + chunk_size].to(log_probs.device).unsqueeze(-1)
             label_logprobs.append(log_probs.gather(-1, rows).squeeze(-1))

@@ -1,0 +1,56 @@
+"""The teacher scripts run end to end in their smoke modes and write their reports (the documented runs are in
+docs/sparse_teacher.md, docs/multi_teacher.md and docs/benchmarks_teachers.md): scripts/sparse_teacher_accuracy.py,
+scripts/multi_teacher_skills.py and scripts/bench_teachers.py (toy sizes; without vLLM its server rows are left
+out)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sparse_teacher_accuracy_fast_mode_writes_its_table(tmp_path):
+    assert load("sparse_teacher_accuracy").main(["--fast", "--ks", "1", "259", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "sparse_teacher.json").read_text())
+    assert list(report["results"]) == ["dense (in-process)", "cache k=1", "cache k=259"]
+    assert report["cache"]["k"] == 259 and report["cache"]["num_rows"] == 256 + 32
+    assert "| cache k=1 |" in (tmp_path / "sparse_teacher.md").read_text()
+
+
+def test_multi_teacher_skills_fast_mode_routes_both_skills(tmp_path):
+    assert load("multi_teacher_skills").main(["--fast", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "multi_teacher.json").read_text())
+    assert list(report["arms"]) == ["routed (multi)", '"add" teacher only', '"reverse" teacher only']
+    counts = report["token_counts"]["seed 0"]
+    assert counts["train/teacher/add/tokens"] > 0 and counts["train/teacher/reverse/tokens"] > 0
+
+
+def test_bench_teachers_runs_each_kind_in_its_own_process(tmp_path):
+    out = tmp_path / "bt.md"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_teachers.py"), "--tiny", "--reps", "1", "--steps", "2"]
+        + ["--warmup", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    kinds = {"local@0", "cache@0", "local@1"} | (
+        {"server@0", "server@1"} if importlib.util.find_spec("vllm") else set()
+    )
+    assert set(results["runs"]) == kinds and not results["failures"]
+    local, cache = results["runs"]["local@0"][0], results["runs"]["cache@0"][0]
+    assert local["seconds_per_step"] > 0 and cache["peak_rss_mb"] > 0
+    assert "| cache | 0 |" in out.read_text()
