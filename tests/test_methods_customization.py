@@ -107,6 +107,9 @@ def test_quantization_group_puts_a_bitsandbytes_config_on_the_frozen_model_only(
     method = ["method=dpo"] if role == "reference" else []
     cfg = compose_train(tmp_path, [*method, "model=hub", f"+quantization={option}"])
     spec = instantiate(cfg.method[role], _convert_="all")
+    if role == "teacher":  # method.teacher is ${teacher}: the in-process teacher's spec holds the model source
+        assert spec["kind"] == "local"
+        spec = spec["model"]
     source = cfg.model.student if role == "reference" else cfg.model.teacher
     assert spec["name_or_path"] == source.name_or_path and spec["trust_remote_code"] is False
     assert spec["init_kwargs"]["dtype"] == "auto"  # the model group's other init_kwargs are kept
