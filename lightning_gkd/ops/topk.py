@@ -33,7 +33,8 @@ def topk_log_probs(
 
     Returns:
         ``ids`` ``(N, k)`` int64 and ``logprobs`` ``(N, k)`` float32, most likely first (ties among the k: the
-        lower id first; a tie at the k-th place keeps the one ``torch.topk`` picks), and ``next_logprobs`` ``(N,)`` float32, the log-prob of ``next_tokens`` (None without them).
+        lower id first; a tie at the k-th place keeps the one ``torch.topk`` picks), and ``next_logprobs``
+        ``(N,)`` float32, the log-prob of ``next_tokens`` (None without them).
     """
     vocab = head.weight.shape[0]
     if not 1 <= k <= vocab:
