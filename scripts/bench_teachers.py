@@ -47,7 +47,7 @@ def teacher_spec(kind: str, work: Path, url: str | None) -> object:
     return {"kind": "server", "url": url, "top_k": TOP_K, "retries": 2, "backoff": 0.5}
 
 
-def rows(count: int, lmbda: float) -> list[dict]:
+def rows(count: int) -> list[dict]:
     return bench.bench_rows(count, answer_tokens=bench.NEW_TOKENS)
 
 
@@ -65,7 +65,7 @@ def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, url: st
     torch.manual_seed(0)
     tokenizer = build_chatml_tokenizer()
     student = bench.build_model(bench.STUDENT, 0, tokenizer)  # the student only: the teacher is the kind's business
-    data_rows = rows(bench.BATCH * (warmup + steps) * 2, lmbda)[: bench.BATCH * (warmup + steps)]
+    data_rows = rows(bench.BATCH * (warmup + steps))  # the rows the cache was built over
     baseline = current_rss_mb()
     reset_peak_rss()  # from here: the teacher's load (local), the engines, the fit
     ends: list[float] = []
@@ -141,7 +141,7 @@ def prepare(work: Path, cache_rows: int) -> dict:
     report = build_teacher_cache_report(
         str(work / "teacher"),
         tokenizer,
-        rows(cache_rows, 0.0),
+        rows(cache_rows),
         work / "cache",
         top_k=TOP_K,
         max_length=bench.MAX_LENGTH,
@@ -153,7 +153,7 @@ def prepare(work: Path, cache_rows: int) -> dict:
     big = build_teacher_cache_report(
         str(work / "teacher"),
         tokenizer,
-        rows(512, 0.0),
+        rows(512),
         work / "cache_512",
         top_k=TOP_K,
         max_length=bench.MAX_LENGTH,
@@ -215,7 +215,7 @@ def server_throughput(url: str) -> dict:
     from lightning_gkd.teachers import ServerTeacher, supervised_positions
 
     tokenizer = build_chatml_tokenizer()
-    batch = ChatMLCollator(tokenizer, bench.MAX_LENGTH)(rows(64, 0.0))
+    batch = ChatMLCollator(tokenizer, bench.MAX_LENGTH)(rows(64))
     teacher = ServerTeacher(url, top_k=TOP_K, concurrency=4)
     positions = supervised_positions(batch["labels"])
     teacher.topk(batch, positions)  # warm

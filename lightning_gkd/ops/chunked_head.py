@@ -10,7 +10,7 @@ import torch
 
 from lightning_gkd.ops.hf import LogitHead
 
-__all__ = ["ChunkLoss", "folded_head_loss", "head_logits"]
+__all__ = ["ChunkLoss", "check_hidden_and_head", "check_token_ids", "folded_head_loss", "head_logits"]
 
 # (logits (C, V) float32, the chunk's rows, need_grad) -> (summed loss, d loss / d logits or None)
 ChunkLoss = Callable[[torch.Tensor, slice, bool], tuple[torch.Tensor, torch.Tensor | None]]
@@ -93,3 +93,33 @@ def folded_head_loss(
         enabled and bias is not None and bias.requires_grad,
     )
     return _FoldedHeadLoss.apply(hidden, head.weight, bias, head, chunk_loss, int(chunk_size), normalizer, grads)
+
+
+def check_hidden_and_head(
+    hidden: torch.Tensor, head: LogitHead, chunk_size: int, num_items_in_batch: int | torch.Tensor | None
+) -> float:
+    """The checks every hidden-state loss makes: ``hidden`` ``(N, H)``, the heads weight ``(V, H)``, ``chunk_size``;
+    returns the normaliser (``num_items_in_batch``, else ``N``)."""
+    if hidden.dim() != 2:
+        raise ValueError(f"student_hidden must be (N, H), got shape {tuple(hidden.shape)}.")
+    if head.weight.dim() != 2 or head.weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"The student head's weight {tuple(head.weight.shape)} is not (V, H) with H = {hidden.shape[1]}, the "
+            "student_hidden feature size."
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    if num_items_in_batch is None:
+        return float(max(hidden.shape[0], 1))
+    return float(num_items_in_batch)
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
+    """``ids`` are integer token ids in ``[0, vocab)`` (one host sync for the range)."""
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}.")
+    if ids.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{name} must be in [0, {vocab}) (the student's vocabulary), got ids from {low} to {high}.")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_gkd.ops.chunked_head import folded_head_loss, head_logits
+from lightning_gkd.ops.chunked_head import check_hidden_and_head, check_token_ids, folded_head_loss, head_logits
 from lightning_gkd.ops.hf import LogitHead
 
 __all__ = ["OPDStats", "discounted_returns", "policy_gradient_distillation_loss"]
@@ -104,6 +104,7 @@ def policy_gradient_distillation_loss(
         surrogate's; ``OPDStats``.
     """
     head = student_head if isinstance(student_head, LogitHead) else LogitHead(student_head)
+    normalizer = check_hidden_and_head(student_hidden, head, chunk_size, num_items_in_batch)
     n = student_hidden.shape[0]
     for name, value in (
         ("tokens", tokens),
@@ -114,15 +115,13 @@ def policy_gradient_distillation_loss(
             raise ValueError(
                 f"{name} must be (N,) = ({n},), the number of student_hidden rows; got {tuple(value.shape)}."
             )
+    check_token_ids("tokens", tokens, head.weight.shape[0])
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}.")
     if not max_weight > 0:
         raise ValueError(f"max_weight must be > 0, got {max_weight}.")
     if gamma > 0 and rows is None:
         raise ValueError("gamma > 0 discounts over each row's later tokens: pass rows, the row of every position.")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    normalizer = float(max(n, 1) if num_items_in_batch is None else num_items_in_batch)
     device = student_hidden.device
     ids = tokens.to(device=device, dtype=torch.long)
     student = _token_logprobs(student_hidden.detach(), head, ids, chunk_size)

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from lightning_gkd.ops.chunked_head import folded_head_loss
+from lightning_gkd.ops.chunked_head import check_hidden_and_head, check_token_ids, folded_head_loss
 from lightning_gkd.ops.hf import LogitHead
 
 __all__ = ["ESTIMATORS", "sampled_kl_loss", "topk_distillation_loss"]
@@ -132,34 +132,6 @@ def _sampled_chunk_loss(
     return loss, grad.scatter_add_(1, tokens.unsqueeze(1), coef)
 
 
-def _check_common(
-    hidden: torch.Tensor, head: LogitHead, chunk_size: int, num_items_in_batch: int | torch.Tensor | None
-) -> float:
-    """Shape checks shared by both losses; returns the normaliser."""
-    if hidden.dim() != 2:
-        raise ValueError(f"student_hidden must be (N, H), got shape {tuple(hidden.shape)}.")
-    if head.weight.dim() != 2 or head.weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"The student head's weight {tuple(head.weight.shape)} is not (V, H) with H = {hidden.shape[1]}, the "
-            "student_hidden feature size."
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    if num_items_in_batch is None:
-        return float(max(hidden.shape[0], 1))
-    return float(num_items_in_batch)
-
-
-def _check_ids(name: str, ids: torch.Tensor, vocab: int) -> None:
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}.")
-    if ids.numel() == 0:
-        return
-    low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
-    if low < 0 or high >= vocab:
-        raise ValueError(f"{name} must be in [0, {vocab}) (the student's vocabulary), got ids from {low} to {high}.")
-
-
 def topk_distillation_loss(
     student_hidden: torch.Tensor,
     student_head: LogitHead | torch.Tensor,
@@ -208,7 +180,7 @@ def topk_distillation_loss(
         are computed during the forward pass and scaled by the incoming gradient in the backward pass.
     """
     head = student_head if isinstance(student_head, LogitHead) else LogitHead(student_head)
-    normalizer = _check_common(student_hidden, head, chunk_size, num_items_in_batch)
+    normalizer = check_hidden_and_head(student_hidden, head, chunk_size, num_items_in_batch)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}.")
     vocab, positions = head.weight.shape[0], student_hidden.shape[0]
@@ -220,7 +192,7 @@ def topk_distillation_loss(
     k = teacher_ids.shape[1]
     if not 1 <= k <= vocab:
         raise ValueError(f"k (teacher_ids.shape[1]) must be in [1, {vocab}] (the student's vocabulary), got {k}.")
-    _check_ids("teacher_ids", teacher_ids, vocab)
+    check_token_ids("teacher_ids", teacher_ids, vocab)
     ids = teacher_ids.to(device=student_hidden.device, dtype=torch.long)
     if positions and k > 1:
         ordered = ids.sort(dim=1).values
@@ -272,7 +244,7 @@ def sampled_kl_loss(
         A 0-dim float32 tensor, gradients folded in during the forward pass as in ``topk_distillation_loss``.
     """
     head = student_head if isinstance(student_head, LogitHead) else LogitHead(student_head)
-    normalizer = _check_common(student_hidden, head, chunk_size, num_items_in_batch)
+    normalizer = check_hidden_and_head(student_hidden, head, chunk_size, num_items_in_batch)
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
     positions = student_hidden.shape[0]
@@ -281,7 +253,7 @@ def sampled_kl_loss(
             f"tokens {tuple(tokens.shape)} and teacher_logprobs {tuple(teacher_logprobs.shape)} must both be (N,) "
             f"with N = {positions}, the number of student_hidden rows."
         )
-    _check_ids("tokens", tokens, head.weight.shape[0])
+    check_token_ids("tokens", tokens, head.weight.shape[0])
     ids = tokens.to(device=student_hidden.device, dtype=torch.long)
     teacher = teacher_logprobs.detach().to(device=student_hidden.device, dtype=torch.float32)
 
