@@ -19,6 +19,7 @@ _PUBLIC = {
     "ChatDataModule": "lightning_gkd.data.chat",
     "PreferenceDataModule": "lightning_gkd.data.preference",
     "GKDModule": "lightning_gkd.methods.gkd",
+    "OPDModule": "lightning_gkd.methods.opd",
     "DPOModule": "lightning_gkd.methods.dpo",
     "SFTModule": "lightning_gkd.methods.sft",
     "generalized_jsd_loss": "lightning_gkd.ops.losses",
@@ -28,6 +29,7 @@ __all__ = [
     "ChatDataModule",
     "DPOModule",
     "GKDModule",
+    "OPDModule",
     "PreferenceDataModule",
     "SFTModule",
     "generalized_jsd_loss",
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from lightning_gkd.data.preference import PreferenceDataModule
     from lightning_gkd.methods.dpo import DPOModule
     from lightning_gkd.methods.gkd import GKDModule
+    from lightning_gkd.methods.opd import OPDModule
     from lightning_gkd.methods.sft import SFTModule
     from lightning_gkd.ops.losses import generalized_jsd_loss, preference_loss
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers.vllm_models import in_process_vllm, vllm_tiny
 
-from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
@@ -164,6 +164,43 @@ def test_the_engine_follows_the_trained_student(sync_every, expected_syncs, toke
         module.sampler.close()
     reference = hf_greedy(module.student, tokenizer, batch, 6)
     assert all(torch.equal(ours[k], reference[k]) for k in KEYS)
+
+
+class StepWeights(L.Callback):
+    """Each training step's logged mean and largest importance weight (OPDModule)."""
+
+    def __init__(self) -> None:
+        self.means: list[float] = []
+        self.largest: list[float] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.means.append(float(trainer.callback_metrics["train/opd/is_weight_mean"]))
+        self.largest.append(float(trainer.callback_metrics["train/opd/is_weight_max"]))
+
+
+def test_opd_weights_the_samples_of_an_engine_synced_every_second_step(tokenizer, tmp_path):
+    """OPDModule with VLLMSampler(sync_every=2), 4 steps: the engine samples the student's current weights at steps
+    0 and 2 (loaded at fit start, re-synced after two optimizer steps): importance weights 1 up to vLLM's float32
+    arithmetic; at steps 1 and 3 it is one optimizer step stale, and the weights p_S / p_vLLM say so."""
+    data = ChatDataModule(tokenizer, addition_rows("train", 16), batch_size=4, max_length=48, seed=0)
+    module = OPDModule(
+        vllm_tiny("qwen2", tokenizer, seed=0),
+        vllm_tiny("llama", tokenizer, seed=1),
+        tokenizer,
+        max_new_tokens=6,
+        optimizer=partial(torch.optim.SGD, lr=0.5),
+        sampler=partial(VLLMSampler, sync_every=2),
+        metrics={},
+        frozen_dtype="float32",
+    )
+    recorder, weights = SyncRecorder(), StepWeights()
+    trainer(tmp_path, 4, [recorder, weights]).fit(module, datamodule=data)
+    assert recorder.syncs == 2 and module.sampling_calls == 4
+    for step in (0, 2):
+        assert weights.means[step] == pytest.approx(1.0, abs=2e-3), weights.means
+        assert weights.largest[step] == pytest.approx(1.0, abs=2e-3), weights.largest
+    for step in (1, 3):
+        assert abs(weights.means[step] - 1.0) > 1e-2, weights.means
 
 
 RESUME_OVERRIDES = [

@@ -1,0 +1,69 @@
+"""`lightning-gkd method=opd`: the OPD config composes with the default toy setup and trains offline, writing the
+OPD metrics; a teacher cache is refused before any model loads."""
+
+import csv
+import math
+
+import pytest
+import torch
+from helpers.hydra_compose import compose_train
+from transformers import AutoModelForCausalLM
+
+from lightning_gkd.cli.train import build, run
+
+FAST = [
+    "method=opd",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "data.test_data=null",
+    "method.max_new_tokens=6",
+    "callbacks.held_out_eval=null",
+    "callbacks.sample_table=null",
+    "print_config=false",
+]
+OPD_METRICS = [
+    "train/opd/reward",
+    "train/opd/kl",
+    "train/opd/is_weight_mean",
+    "train/opd/is_weight_max",
+    "train/opd/is_truncated_fraction",
+    "train/opd/eos_rate",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_method_opd_composes_and_trains_with_grouped_generation(tmp_path):
+    cfg = compose_train(tmp_path, [*FAST, "data.steps_per_generation=3", "method.gamma=0.5", "method.kl_coef=0.1"])
+    assert cfg.method._target_ == "lightning_gkd.OPDModule" and cfg.method.teacher.kind == "local"
+    assert cfg.method.temperature == 1.0 and cfg.method.beta == 1.0 and "lmbda" not in cfg.method
+    result = run(cfg)
+    assert result["global_step"] == 3
+    assert math.isfinite(result["metrics"]["val/loss"]) and result["metrics"]["train/on_policy"] == 1.0
+    with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    for key in [*OPD_METRICS, "train/opd/divergence", "train/loss", "train/completion_length"]:
+        values = [float(r[key]) for r in rows if r.get(key)]
+        assert len(values) == 3 and all(math.isfinite(v) for v in values), key
+    weights = [float(r["train/opd/is_weight_mean"]) for r in rows if r.get("train/opd/is_weight_mean")]
+    # the first micro-batch of the group was sampled by the weights it trains (the hf sampler's matmul_precision is
+    # "medium": bf16 products where the CPU has them, so 1 up to that rounding)
+    assert weights[0] == pytest.approx(1.0, abs=0.02)
+    student = AutoModelForCausalLM.from_pretrained(result["student_dir"])
+    assert student.config.hidden_size == 64
+
+
+def test_method_opd_refuses_a_teacher_cache_before_any_model_loads(tmp_path):
+    cfg = compose_train(tmp_path, [*FAST, "teacher=cache", "teacher.path=/nonexistent/cache"])
+    with pytest.raises(Exception, match=r"teacher\.kind=cache.*cannot|teacher\.kind=cache.*teacher=server"):
+        build(cfg)
+    assert not (tmp_path / "run" / "logs").exists()
