@@ -189,3 +189,14 @@ def test_every_row_covers_the_whole_dataset_from_any_rank(tokenizer):
     assert [batch["input_ids"].shape[0] for batch in full] == [4, 4, 2]
     expected = ChatMLCollator(tokenizer, 64)(rows[:4])
     assert torch.equal(full[0]["input_ids"], expected["input_ids"])  # in order, unshuffled
+
+
+def test_select_rows_trims_the_sampled_logprobs_with_the_columns_of_their_tokens():
+    """A sampled batch's ``sampled_logprobs`` sit at their tokens' columns: cutting rows keeps them there."""
+    ids = torch.tensor([[0, 5, 6, 7, 0], [8, 9, 3, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    logprobs = torch.tensor([[0.0, 0.0, -0.5, -0.7, 0.0], [0.0, 0.0, -0.2, 0.0, 0.0]])
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids, "sampled_logprobs": logprobs}
+    first = select_rows(batch, [0])
+    assert first["input_ids"].tolist() == [[5, 6, 7]]
+    assert torch.equal(first["sampled_logprobs"], logprobs[:1, 1:4])

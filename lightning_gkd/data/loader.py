@@ -31,6 +31,7 @@ _MASK_OF = {
     "input_ids": "attention_mask",
     "attention_mask": "attention_mask",
     "labels": "attention_mask",
+    "sampled_logprobs": "attention_mask",  # the samplers' log-prob of each token, at its own column
     "prompts": "prompt_attention_mask",
     "prompt_attention_mask": "prompt_attention_mask",
 }
@@ -90,9 +91,9 @@ def select_rows(batch: Mapping[str, Any], rows: torch.Tensor | Sequence[int]) ->
     padding in every selected row trimmed away.
 
     Args:
-        batch: ``input_ids``/``attention_mask``/``labels`` ``(B, L)`` and optionally ``prompts``/
-            ``prompt_attention_mask`` ``(B, P)``; other tensors with first dimension ``B`` and lists of length
-            ``B`` are row-selected; anything else is kept as is.
+        batch: ``input_ids``/``attention_mask``/``labels`` (and a sampled batch's ``sampled_logprobs``) ``(B, L)``
+            and optionally ``prompts``/``prompt_attention_mask`` ``(B, P)``; other tensors with first dimension
+            ``B`` and lists of length ``B`` are row-selected; anything else is kept as is.
         rows: indices of the rows to keep, in that order.
 
     Returns:
