@@ -1,7 +1,8 @@
-"""Train the toy task's teacher with SFTModule, make the student's starting point, and save both as package
-assets (save_pretrained + tokenizer) under lightning_gkd/assets/toy/.
+"""Train a toy task's teacher with SFTModule, make the student's starting point, and save both as package
+assets (save_pretrained + tokenizer) under lightning_gkd/assets/<task assets>/.
 
     python scripts/train_toy_teacher.py                 # writes lightning_gkd/assets/toy/{teacher,student_init}
+    python scripts/train_toy_teacher.py --task chain    # writes lightning_gkd/assets/toy_chain/...
 
 The teacher is trained until its validation exact-match reaches --target (early stop) and must reach it on the
 test split, else the script exits non-zero. The student is a smaller model given a brief SFT that stops
@@ -26,12 +27,12 @@ from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.evaluation import evaluate_generations, exact_match
+from lightning_gkd.data.toy.tasks import TOY_TASKS, ToyTask, toy_task
+from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import TOY_STUDENT, TOY_TEACHER, tiny_causal_lm
+from lightning_gkd.models.tiny import tiny_causal_lm
 
-ASSET_DIR = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets" / "toy"
+ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets"
 
 
 class PrintValidation(L.Callback):
@@ -52,8 +53,9 @@ def sft(
     root: Path,
     val_every: int = 250,
     rows: tuple[list[dict], list[dict]] | None = None,
+    task: ToyTask = TOY_TASKS["addition"],
 ) -> SFTModule:
-    """SFT ``model`` on the toy addition task, or on ``rows`` = (train, val) when given."""
+    """SFT ``model`` on the toy ``task`` (default addition), or on ``rows`` = (train, val) when given."""
     L.seed_everything(seed, workers=True)
     module = SFTModule(
         model,
@@ -62,16 +64,16 @@ def sft(
         scheduler=partial(
             get_cosine_schedule_with_warmup, num_warmup_steps=min(100, steps // 10), num_training_steps=steps
         ),
-        metrics={"accuracy": exact_match},
-        eval_max_new_tokens=8,
+        metrics={"accuracy": task.metric},
+        eval_max_new_tokens=task.max_new_tokens,
         seed=seed,
     )
     data = ChatDataModule(
         tokenizer,
-        *(rows or (addition_rows("train"), addition_rows("val"))),
+        *(rows or (task.rows("train"), task.rows("val"))),
         batch_size=batch_size,
         val_batch_size=256,
-        max_length=64,
+        max_length=task.max_length,
         seed=seed,
     )
     callbacks: list[L.Callback] = [PrintValidation()]
@@ -98,9 +100,23 @@ def sft(
     return module
 
 
+def initial_model(folder: Path | None, config: dict, tokenizer, *, seed: int) -> torch.nn.Module:
+    """Random weights of shape ``config``, or the model in ``folder`` (which must have that shape) with room for
+    ``config``'s positions (RoPE: no position table to grow)."""
+    if folder is None:
+        return tiny_causal_lm(config, tokenizer, seed=seed)
+    model = load_causal_lm(str(folder))
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size"):
+        if getattr(model.config, key) != config[key]:
+            raise ValueError(f"{folder}: {key}={getattr(model.config, key)}, the task's models have {config[key]}.")
+    model.config.max_position_embeddings = config["max_position_embeddings"]
+    return model
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ASSET_DIR)
+    parser.add_argument("--task", choices=sorted(TOY_TASKS), default="addition")
+    parser.add_argument("--out", type=Path, default=None, help="default: lightning_gkd/assets/<the task's assets>")
     parser.add_argument("--teacher-steps", type=int, default=6000)
     parser.add_argument("--student-steps", type=int, default=1500, help="length of the student's LR schedule")
     parser.add_argument(
@@ -120,12 +136,21 @@ def main() -> int:
         help="keep the teacher already in --out (its manifest entry too) and only remake the student",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--teacher-init",
+        type=Path,
+        default=None,
+        help="start the teacher from this model folder (e.g. the addition teacher) instead of random weights",
+    )
+    parser.add_argument("--student-init", type=Path, default=None, help="the same for the student")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    task = toy_task(args.task)
+    args.out = args.out or ASSETS / task.assets
 
     tokenizer = build_chatml_tokenizer()
-    test_rows = addition_rows("test")
+    test_rows = task.rows("test")
     started = time.perf_counter()
     previous = json.loads((args.out / "manifest.json").read_text()) if args.reuse_teacher else None
     if previous:
@@ -133,7 +158,7 @@ def main() -> int:
         teacher_steps = previous["teacher"]["sft_steps"]
     else:
         teacher = sft(
-            tiny_causal_lm(TOY_TEACHER, tokenizer, seed=args.seed),
+            initial_model(args.teacher_init, task.teacher_config, tokenizer, seed=args.seed),
             tokenizer,
             steps=args.teacher_steps,
             lr=args.lr,
@@ -141,9 +166,11 @@ def main() -> int:
             seed=args.seed,
             target=args.target,
             root=args.out.parent / ".train_teacher",
+            task=task,
         )
         teacher_model, teacher_steps = teacher.model, teacher.global_step
-    teacher_acc = evaluate_generations(teacher_model, tokenizer, test_rows, max_new_tokens=8)["accuracy"]
+    score = dict(metrics={"accuracy": task.metric}, max_new_tokens=task.max_new_tokens, max_length=task.max_length)
+    teacher_acc = evaluate_generations(teacher_model, tokenizer, test_rows, **score)["accuracy"]
     print(f"teacher: {teacher_steps} steps, test accuracy {teacher_acc:.4f}")
     if teacher_acc < args.required:
         print(
@@ -152,7 +179,7 @@ def main() -> int:
         )
         return 1
     student = sft(
-        tiny_causal_lm(TOY_STUDENT, tokenizer, seed=args.seed + 1),
+        initial_model(args.student_init, task.student_config, tokenizer, seed=args.seed + 1),
         tokenizer,
         steps=args.student_steps,
         lr=args.lr,
@@ -161,8 +188,9 @@ def main() -> int:
         target=args.student_target,
         root=args.out.parent / ".train_student",
         val_every=50,
+        task=task,
     )
-    student_acc = evaluate_generations(student.model, tokenizer, test_rows, max_new_tokens=8)["accuracy"]
+    student_acc = evaluate_generations(student.model, tokenizer, test_rows, **score)["accuracy"]
     print(f"student start: {student.global_step} SFT steps, test accuracy {student_acc:.4f}")
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -170,10 +198,16 @@ def main() -> int:
         teacher.export(args.out / "teacher")
     student.export(args.out / "student_init")
     manifest = {
-        "task": "lightning_gkd.data.toy.addition_rows (3-digit addition, digits reversed)",
-        "teacher": {"config": TOY_TEACHER, "sft_steps": teacher_steps, "test_accuracy": teacher_acc},
+        "task": f"lightning_gkd.data.toy.tasks.TOY_TASKS[{task.name!r}] ({task.description})",
+        "teacher": {
+            "config": task.teacher_config,
+            "initialised_from": str(args.teacher_init) if args.teacher_init else "random",
+            "sft_steps": teacher_steps,
+            "test_accuracy": teacher_acc,
+        },
         "student_init": {
-            "config": TOY_STUDENT,
+            "config": task.student_config,
+            "initialised_from": str(args.student_init) if args.student_init else "random",
             "sft_steps": student.global_step,
             "schedule_steps": args.student_steps,
             "test_accuracy": student_acc,

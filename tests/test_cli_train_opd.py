@@ -67,3 +67,21 @@ def test_method_opd_refuses_a_teacher_cache_before_any_model_loads(tmp_path):
     with pytest.raises(Exception, match=r"teacher\.kind=cache.*cannot|teacher\.kind=cache.*teacher=server"):
         build(cfg)
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_experiment_toy_chain_trains_opd_on_the_chain_task_scored_by_its_final_sum(tmp_path):
+    keep = ("data.test_data", "method.max_new_tokens", "trainer.max_steps", "trainer.val_check_interval")
+    overrides = [o for o in FAST if not o.startswith(keep)]
+    cfg = compose_train(
+        tmp_path, ["experiment=toy_chain", *overrides, "trainer.max_steps=2", "trainer.val_check_interval=2"]
+    )
+    assert cfg.data.train_data._target_ == "lightning_gkd.data.toy.chain_rows"
+    assert cfg.model.student.name_or_path.endswith("toy_chain/student_init")
+    assert cfg.method.max_new_tokens == 40 and cfg.method.metrics.accuracy._target_.endswith("final_answer_match")
+    result = run(cfg)
+    assert result["global_step"] == 2 and 0.0 <= result["metrics"]["val/accuracy"] <= 1.0
+    with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:
+        lengths = [
+            float(r["train/completion_length"]) for r in csv.DictReader(handle) if r.get("train/completion_length")
+        ]
+    assert lengths and max(lengths) > 6  # the chain task's answers, not the addition task's 8-token budget

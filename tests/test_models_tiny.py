@@ -2,17 +2,21 @@
 
 import json
 
+import pytest
+
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer, load_tokenizer
 from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.data.toy.tasks import toy_task
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.models.tiny import PACKAGE_ASSETS, asset_path
 
 
-def test_assets_are_small_and_described():
-    size = sum(p.stat().st_size for p in (PACKAGE_ASSETS / "toy").rglob("*") if p.is_file())
+@pytest.mark.parametrize("assets", ["toy", "toy_chain"])
+def test_assets_are_small_and_described(assets):
+    size = sum(p.stat().st_size for p in (PACKAGE_ASSETS / assets).rglob("*") if p.is_file())
     assert size < 10 * 2**20
-    manifest = json.loads((PACKAGE_ASSETS / "toy" / "manifest.json").read_text())
+    manifest = json.loads((PACKAGE_ASSETS / assets / "manifest.json").read_text())
     assert manifest["teacher"]["test_accuracy"] >= 0.95
     assert manifest["student_init"]["test_accuracy"] < manifest["teacher"]["test_accuracy"] - 0.3
 
@@ -30,3 +34,21 @@ def test_teacher_solves_held_out_prompts_and_the_student_does_not_yet():
     student = evaluate_generations(load_causal_lm(asset_path("toy/student_init")), tokenizer, rows, max_new_tokens=8)
     assert teacher["accuracy"] >= 0.95
     assert student["accuracy"] < 0.7
+
+
+def test_chain_teacher_uses_both_orders_and_the_student_start_trails_it():
+    """The chain task's teacher is right on held-out prompts and writes both valid orders (its distribution is
+    bimodal at the first answer token); the student start is far behind."""
+    task = toy_task("chain")
+    rows = task.rows("test")[:128]
+    tokenizer = load_tokenizer(asset_path("toy_chain/teacher"))
+    score = dict(metrics={"accuracy": task.metric}, max_new_tokens=task.max_new_tokens, max_length=task.max_length)
+    teacher = load_causal_lm(asset_path("toy_chain/teacher"))
+    assert evaluate_generations(teacher, tokenizer, rows, **score)["accuracy"] >= 0.9
+    student = load_causal_lm(asset_path("toy_chain/student_init"))
+    assert evaluate_generations(student, tokenizer, rows, **score)["accuracy"] < 0.6
+    prompt = tokenizer.apply_chat_template(rows[0]["messages"][:1], add_generation_prompt=True, return_tensors="pt")
+    ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    first = teacher(input_ids=ids).logits[0, -1].softmax(-1)
+    forward, backward = (tokenizer.convert_tokens_to_ids(a[0]) for a in rows[0]["answers"])
+    assert forward != backward and min(first[forward], first[backward]) > 0.2

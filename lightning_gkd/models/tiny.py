@@ -70,6 +70,11 @@ TOY_STUDENT = {
     "tie_word_embeddings": True,
 }
 
+# The chain task's models (scripts/train_toy_teacher.py --task chain): the same 4x128 teacher and 2x64 student
+# shapes with room for its longer rows; the student's size limits what it learns of the 20-50-token answers.
+CHAIN_TEACHER = {**TOY_TEACHER, "max_position_embeddings": 128}
+CHAIN_STUDENT = {**TOY_STUDENT, "max_position_embeddings": 128}
+
 
 def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> PreTrainedModel:
     """A randomly initialised causal LM over ``tokenizer``'s vocabulary, EOS/pad taken from the tokenizer."""

@@ -1,7 +1,8 @@
-"""The bundled toy tasks: 3-digit addition written units digit first (``addition``) and preference pairs made
-from it (``preference``)."""
+"""The bundled toy tasks: 3-digit addition written units digit first (``addition``), preference pairs made from it
+(``preference``), and sums of four numbers written step by step in one of two orders (``chain``)."""
 
 from lightning_gkd.data.toy.addition import SPLIT_SIZES, addition_row, addition_rows, reversed_digits
+from lightning_gkd.data.toy.chain import chain_rows, final_answer_match
 from lightning_gkd.data.toy.preference import addition_preference_rows, wrong_answer
 
 __all__ = [
@@ -9,6 +10,8 @@ __all__ = [
     "addition_preference_rows",
     "addition_row",
     "addition_rows",
+    "chain_rows",
+    "final_answer_match",
     "reversed_digits",
     "wrong_answer",
 ]
