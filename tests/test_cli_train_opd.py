@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from helpers.hydra_compose import compose_train
+from helpers.opd_metrics import OPD_METRICS
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.cli.train import build, run
@@ -23,14 +24,6 @@ FAST = [
     "callbacks.held_out_eval=null",
     "callbacks.sample_table=null",
     "print_config=false",
-]
-OPD_METRICS = [
-    "train/opd/reward",
-    "train/opd/kl",
-    "train/opd/is_weight_mean",
-    "train/opd/is_weight_max",
-    "train/opd/is_truncated_fraction",
-    "train/opd/eos_rate",
 ]
 
 

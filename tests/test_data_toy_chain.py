@@ -9,6 +9,9 @@ from lightning_gkd.data.toy.chain import (
     final_answer,
     final_answer_match,
     first_error_position,
+    operand_order,
+    prompt_operands,
+    valid_completions,
 )
 from lightning_gkd.data.toy.tasks import TOY_TASKS, toy_task
 
@@ -76,3 +79,23 @@ def test_the_tasks_registry_names_both_tasks():
     assert toy_task("chain").rows is chain_rows and toy_task("chain").max_new_tokens > 31
     with pytest.raises(ValueError, match="Unknown toy task 'nope'"):
         toy_task("nope")
+
+
+def test_valid_completions_are_every_order_and_orders_are_named():
+    row = chain_row([32, 7, 52, 8], "forward")
+    operands = prompt_operands(row)
+    assert operands == [32, 7, 52, 8]
+    valid = valid_completions(operands)
+    assert len(valid) == 24 and set(row["answers"]) < set(valid)
+    blended = chain_steps([8, 7, 52, 32])  # starts backward, then takes the forward order's second operand
+    assert blended in valid and first_error_position(blended, row["answers"]) == 2  # "8+" then 7, not 25
+    assert first_error_position(blended, valid) is None
+    assert operand_order(row["answers"][0], operands) == "forward"
+    assert operand_order(row["answers"][1], operands) == "backward"
+    assert operand_order(blended, operands) == "other"
+    assert operand_order("8+25=06,06+8=", operands) == "invalid"  # 8 taken twice, 7 never
+    # the first operand's units digit with the last one's tens digit, and the other way round: a digit-level blend
+    # of the two orders whose final sum is still right
+    blend = "82+91=74,74+65=301,301+96=271"
+    assert operand_order(blend, [68, 19, 56, 29]) == "blend" and final_answer(blend) == "271" == str(172)[::-1]
+    assert operand_order("garbage", operands) == "invalid"

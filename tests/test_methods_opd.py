@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 from helpers.fake_vllm_server import FakeVLLMServer
+from helpers.opd_metrics import OPD_METRICS
 from helpers.tiny_registry import build_tiny, tiny_config
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
@@ -242,12 +243,7 @@ def by_step(rows, key) -> dict[int, float]:
 
 
 OPD_KEYS = [
-    "train/opd/reward",
-    "train/opd/kl",
-    "train/opd/is_weight_mean",
-    "train/opd/is_weight_max",
-    "train/opd/is_truncated_fraction",
-    "train/opd/eos_rate",
+    *OPD_METRICS,
     "train/completion_length",
     "train/loss",
 ]

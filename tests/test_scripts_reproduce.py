@@ -33,3 +33,38 @@ def test_fast_mode_runs_every_method_and_writes_the_report(tmp_path):
     # the report can be re-rendered from results.json alone, identically
     assert script.main(["--rerender", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "results.md").read_text() == report
+
+
+def test_chain_fast_mode_scores_every_method_per_position_and_against_compute(tmp_path):
+    script = load_script()
+    assert script.main(["--task", "chain", "--fast", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "results_chain.json").read_text())
+    assert [m["name"] for m in saved["methods"]] == [m.name for m in script.CHAIN_METHODS]
+    assert {"OPD", "GKD β=1", "SeqKD", "Supervised KD"} <= {m["name"] for m in saved["methods"]}
+    runs = saved["runs"]
+    assert {r["arm"] for r in runs} == {"full", "low-data"}
+    assert len([r for r in runs if r["arm"] == "full"]) == len(script.CHAIN_METHODS)  # one seed, one rate
+    low_data = {r["method"] for r in runs if r["arm"] == "low-data"}
+    assert low_data == set(saved["args"]["low_data_methods"]) and {"SFT", "Supervised KD", "OPD"} < low_data
+    assert len(low_data) in (3, 4)  # and the best on-policy method of the full arm (unless that is OPD)
+    for run in runs:
+        assert [step for step, _ in run["curve"]] == [3, 6] == [step for step, _, _ in run["compute"]]
+        flops = [f for _, f, _ in run["compute"]]
+        assert 0 < flops[0] < flops[1] and run["compute"][1][2] > 0
+        assert len(run["first_errors"]) == len(run["first_errors_sampled"]) == 64
+        assert 0.0 <= run["test_sampled_accuracy"] <= 1.0
+        tokens = run["diagnostics"]
+        # supervised runs never sample; SeqKD (the teacher), GKD λ=1 and OPD (the student) sample every step
+        if run["method"] in ("SFT", "Supervised KD"):
+            assert tokens["tokens_generated"] == 0
+        elif not run["method"].startswith("Mixed"):
+            assert tokens["tokens_generated"] > 0
+        assert (tokens["tokens_teacher_scored"] == 0) == (run["method"] == "SFT")
+    opd = next(r for r in runs if r["method"] == "OPD")
+    assert "train_opd_reward" in opd["diagnostics"] and opd["diagnostics"]["train_opd_is_weight_mean"] > 0
+    report = (tmp_path / "results.md").read_text()
+    assert "| OPD |" in report and "Compute-matched" in report and "<!-- task:chain -->" in report
+    for plot in ("chain_accuracy.png", "chain_error_position.png"):
+        assert (tmp_path / plot).stat().st_size > 10_000
+    assert script.main(["--task", "chain", "--rerender", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == report

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from itertools import permutations
 
 from lightning_gkd.data.toy.addition import reversed_digits
 
@@ -124,3 +125,40 @@ def first_error_position(prediction: str, answers: Sequence[str]) -> int | None:
             common += 1
         best = max(best, common)
     return best
+
+
+def prompt_operands(row: dict) -> list[int]:
+    """The operands of a chain row's question, in the order given."""
+    return [int(v[::-1]) for v in row["messages"][0]["content"].rstrip("=").split("+")]
+
+
+def valid_completions(operands: Sequence[int]) -> list[str]:
+    """Every correct step-by-step completion: the operands added in any order (the teacher's two orders among
+    them). A model that blends the two orders (e.g. starts with the last operand, then takes the second) writes one
+    of the others."""
+    return sorted({chain_steps(order) for order in permutations(operands)})
+
+
+def _place_digits(numbers: Sequence[int]) -> list[list[int]]:
+    """The sorted units, tens, hundreds, ... digits of ``numbers``, place by place."""
+    width = max((len(str(n)) for n in numbers), default=0)
+    return [sorted(n // 10**place % 10 for n in numbers) for place in range(width)]
+
+
+def operand_order(text: str, operands: Sequence[int]) -> str:
+    """Which order a completion adds ``operands`` in: "forward", "backward", "other" (another permutation), "blend"
+    (the numbers it adds are not the operands but their digits shuffled within each place, e.g. the first operand's
+    units digit with the last one's tens digit: the two orders mixed digit by digit; the sum is unchanged), or
+    "invalid" (a miscopied number, a missing one)."""
+    try:
+        steps = [step.split("=")[0].split("+") for step in text.split(",")]
+        used = [int(steps[0][0][::-1])] + [int(step[1][::-1]) for step in steps]
+    except (IndexError, ValueError):
+        return "invalid"
+    if used == list(operands):
+        return "forward"
+    if used == list(reversed(operands)):
+        return "backward"
+    if sorted(used) == sorted(operands):
+        return "other"
+    return "blend" if _place_digits(used) == _place_digits(operands) else "invalid"
