@@ -12,8 +12,9 @@ Each row's reference uses one order, drawn at random, so a model trained on the 
 random: its distribution is bimodal at the first answer token and, given that token, nearly deterministic. The
 answer runs 23–31 tokens with the defaults (one character each with the toy tokenizer); one wrong digit in a
 partial sum is copied into every later step, so early mistakes compound into a wrong final sum.
-``final_answer_match`` scores the number after the last ``=``, whichever order was used; ``answers`` holds both
-valid completions (per-position error rates).
+``final_answer_match`` scores the number after the last ``=``, whichever order was used; ``answers`` holds the
+teacher's two orders, ``valid_completions`` every order's completion (``first_error_position`` against those shows
+where a model's answer first goes wrong).
 
 Splits are drawn from one fixed-seed stream, test first, then val, then train, and no operand tuple repeats across
 splits, so growing train never changes the held-out sets.
