@@ -4,6 +4,7 @@ default."""
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import re
 from functools import partial
@@ -19,7 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_gkd import DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy.preference import addition_preference_rows
-from lightning_gkd.training.checkpoint_io import CheckpointError, SafeCheckpointIO, use_safe_checkpoint_io
+from lightning_gkd.training.checkpoint_io import (
+    CheckpointError,
+    SafeCheckpointIO,
+    use_safe_checkpoint_io,
+    write_folder_atomically,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_gkd"
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -148,3 +154,16 @@ def test_an_interrupted_export_keeps_the_previous_model(student, teacher, tokeni
     assert (target / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]  # no half-written folder left
     assert AutoModelForCausalLM.from_pretrained(target).config.hidden_size == 64
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_folders_written_atomically_follow_the_umask(tmp_path, umask):
+    """An export folder is as readable as any folder the user makes (shared clusters: group/others can read it under
+    umask 022), not mkdtemp's owner-only 0700."""
+    before = os.umask(umask)
+    try:
+        target = write_folder_atomically(tmp_path / "export", lambda staging: (staging / "f.txt").write_text("x"))
+    finally:
+        os.umask(before)
+    assert target.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (target / "f.txt").read_text() == "x"

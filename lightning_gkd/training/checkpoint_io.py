@@ -110,6 +110,13 @@ def use_safe_checkpoint_io(trainer: L.Trainer) -> bool:
     return True
 
 
+def current_umask() -> int:
+    """The process's file-mode creation mask (reading it means setting it: set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_folder_atomically(target: str | Path, write: Callable[[Path], None], *, replace: bool = True) -> Path:
     """``write(staging)`` fills a new folder beside ``target``, which is then renamed into place, so no reader ever
     sees a half-written folder. ``replace=True``: an existing ``target`` is swapped out only once the new one is
@@ -118,6 +125,7 @@ def write_folder_atomically(target: str | Path, write: Callable[[Path], None], *
     target = Path(target).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o777 & ~current_umask())  # mkdtemp makes it 0700: readable by its owner only on shared clusters
     try:
         write(staging)
         if replace and target.exists():
