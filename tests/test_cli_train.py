@@ -1,6 +1,7 @@
 """The Hydra entry point, composed in-process and run as a real command in a temp dir."""
 
 import csv
+import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -128,6 +129,33 @@ def test_command_line_entry_points(tmp_path, launcher):
     card = (tmp_path / "run" / "student" / "README.md").read_text()  # the model card of the default run
     assert "## Method: GKDModule" in card and "- lmbda: `1.0`" in card and "- steps: 4" in card
     assert (tmp_path / "run" / "logs" / "metrics.csv").is_file()
+
+
+def test_the_console_script_imports_modules_from_the_folder_it_was_started_in(tmp_path):
+    """A user's metric (or formatting_func, callback, any _target_) in the launch folder imports without
+    PYTHONPATH=., as under ``python -m``."""
+    (tmp_path / "my_metrics.py").write_text("def half(predictions, references):\n    return 0.5\n")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "lightning-gkd"),
+            "experiment=debug",
+            "+method.metrics.half._target_=my_metrics.half",
+            "+method.metrics.half._partial_=true",
+            "callbacks.held_out_eval=null",
+            "callbacks.sample_table=null",
+            "export=false",
+            f"paths.cache_dir={tmp_path}/c",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "val/half: 0.5000" in result.stdout
 
 
 def test_float32_matmul_precision_holds_for_the_run_and_is_restored(tmp_path, monkeypatch):

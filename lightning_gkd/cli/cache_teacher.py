@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_gkd.conf  # noqa: F401  (registers the ${asset:...} resolver for configs composed here)
+from lightning_gkd.cli import put_launch_folder_on_path
 from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
@@ -124,6 +125,7 @@ def print_report(report: CacheBuildReport) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="cache_teacher")
 def main(cfg: DictConfig) -> None:
+    put_launch_folder_on_path()  # before anything is instantiated from the config
     run(cfg)
 
 

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_gkd.conf  # noqa: E402,F401  (registers the ${asset:...} resolver for configs composed here)
+from lightning_gkd.cli import put_launch_folder_on_path
 from lightning_gkd.cli.hub import check_push_settings, push_folder
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.model_card import describe_data
@@ -214,6 +215,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    put_launch_folder_on_path()  # before anything is instantiated from the config
     if run(cfg).get("teacher_unavailable"):
         raise SystemExit(1)  # a failed run for schedulers and shells; the summary says how to resume
 
