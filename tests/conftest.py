@@ -28,3 +28,9 @@ def teacher(tokenizer) -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def toy_rows() -> dict[str, list[dict]]:
     return {"train": addition_rows("train", 64), "val": addition_rows("val", 16)}
+
+
+@pytest.fixture()
+def hub_reachable(monkeypatch):
+    """For tests that fake ``from_pretrained`` with a hub id: the hub counts as reachable (no network is used)."""
+    monkeypatch.setattr("lightning_gkd.models.loading.hub_reachable", lambda timeout=3.0: True)

@@ -119,7 +119,7 @@ def test_quantization_group_puts_a_bitsandbytes_config_on_the_frozen_model_only(
     assert "quantization_config" not in trainable.init_kwargs
 
 
-def test_a_plain_quantization_mapping_reaches_from_pretrained_as_a_config(monkeypatch):
+def test_a_plain_quantization_mapping_reaches_from_pretrained_as_a_config(monkeypatch, hub_reachable):
     calls = []
     monkeypatch.setattr(
         AutoModelForCausalLM, "from_pretrained", lambda name, **kw: calls.append(kw) or torch.nn.Linear(1, 1)

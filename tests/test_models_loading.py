@@ -42,7 +42,7 @@ def test_local_folder_loads_through_from_pretrained_with_init_kwargs(student, tm
     assert all(torch.equal(v, reference[k]) for k, v in loaded.state_dict().items())
 
 
-def test_hub_id_passes_init_kwargs_and_never_trusts_remote_code_by_default(monkeypatch):
+def test_hub_id_passes_init_kwargs_and_never_trusts_remote_code_by_default(monkeypatch, hub_reachable):
     calls = []
     monkeypatch.setattr(
         AutoModelForCausalLM, "from_pretrained", lambda name, **kw: calls.append((name, kw)) or torch.nn.Linear(1, 1)
@@ -97,3 +97,25 @@ def test_disable_dropout_also_zeroes_functional_dropout_rates():
     disable_dropout(model)
     assert model.config.dropout == 0.0 and model.model.decoder.dropout == 0.0
     assert torch.equal(logits(), logits())
+
+
+def test_a_mistyped_relative_folder_fails_at_once_naming_the_missing_folder(monkeypatch, tmp_path):
+    """'models/studnet' is no folder here: with the hub out of reach (offline here, or HF_HUB_OFFLINE) it is refused
+    in well under a second, the missing folder named first, not after the hub client's retries."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("lightning_gkd.models.loading.hub_reachable", lambda timeout=3.0: False)
+    started = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=r"^student: no local folder 'models/studnet' \(relative to "):
+        load_causal_lm("models/studnet", role="student")
+    assert time.perf_counter() - started < 1.0
+
+
+def test_the_hub_is_unreachable_under_hf_hub_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    from lightning_gkd.models.loading import hub_reachable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub_reachable() is False

@@ -45,7 +45,7 @@ def test_auto_dtype_keeps_a_bfloat16_folder_in_bfloat16(student, teacher, tmp_pa
     assert dtypes(module.teacher) == {torch.bfloat16}
 
 
-def test_quantization_config_mapping_reaches_from_pretrained(student, teacher, tokenizer, monkeypatch):
+def test_quantization_config_mapping_reaches_from_pretrained(student, teacher, tokenizer, monkeypatch, hub_reachable):
     calls = []
 
     def fake_from_pretrained(name, **kwargs):

@@ -84,11 +84,50 @@ def load_causal_lm(
             f"{role}: model folder {name!r} does not exist. Pass an existing folder written by "
             "save_pretrained, or a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'."
         )
+    else:
+        check_hub_id_reachable(role, name, kwargs.get("revision"))
     if "dtype" in kwargs:
         kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
     if isinstance(kwargs.get("quantization_config"), Mapping):
         kwargs["quantization_config"] = quantization_config_from_dict(kwargs["quantization_config"])
     return AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub can be reached now: HF_HUB_OFFLINE unset and a TCP connection to its endpoint
+    opens within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname or "huggingface.co", endpoint.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def check_hub_id_reachable(role: str, name: str, revision: str | None = None) -> None:
+    """A ``name`` that is no local folder is a hub id: unless that model is in the local hub cache, fail at once when
+    the hub cannot be reached (offline, or no network), naming the missing folder first, instead of the hub
+    client's retries and a long network traceback."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except ValueError:  # not a valid repo id either (e.g. two slashes, odd characters)
+        cached = None
+    if isinstance(cached, str) or hub_reachable():
+        return
+    raise FileNotFoundError(
+        f"{role}: no local folder {name!r} (relative to {Path.cwd()}); as a hub id it could not be reached "
+        "(HF_HUB_OFFLINE is set or the hub is unreachable) and is not in the local hub cache. Check the path, or "
+        "download the model first."
+    )
 
 
 def quantization_config_from_dict(spec: Mapping[str, Any]) -> Any:
