@@ -761,7 +761,7 @@ def chain_table(saved: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "method": method["name"],
                 "description": method["description"],
-                "on_policy": method["kind"] == "opd" or method["lmbda"] > 0,
+                "on_policy": Method(**{**method, "lrs": None}).on_policy,
                 "lr": full[0].lr,
                 "seeds": len(full),
                 "greedy": mean_std([r.test_accuracy for r in full]),
@@ -879,8 +879,6 @@ def chain_lines(saved: dict[str, Any], table: list[dict[str, Any]]) -> list[str]
     args, ref = saved["args"], saved["reference"]
     lr_notes = [f"{m['name']}: {list(m['lrs'])}" for m in saved["methods"] if m.get("lrs")]
     scores = reference_scores(saved)
-    if lr_notes:
-        args = {**args, "lrs": "the grids named here"}
     teacher, start = ref["teacher"], ref["student_init"]
     lines = [
         "## Task 2 (chain): built so that on-policy distillation should win",
@@ -897,7 +895,8 @@ def chain_lines(saved: dict[str, Any], table: list[dict[str, Any]]) -> list[str]
         f"greedy / {start['sampled']['accuracy']:.3f} at T=1.",
         f"- Budget: {args['steps']} optimizer steps of batch {args['batch_size']} for every method; seeds "
         f"{args['seeds']}; AdamW, 10% warmup then cosine decay; learning rate per method = best validation accuracy "
-        f"over {args['lrs']} on the first seed ({'; '.join(lr_notes) or 'every method'}). Sampling at temperature 1, "
+        f"over {args['lrs']} on the first seed ({'; '.join(lr_notes) or 'every method'}; the others: that grid). "
+        "Sampling at temperature 1, "
         f"at most {toy_task('chain').max_new_tokens} new tokens. Low-data arm: {args['low_data']:.0%} of the training "
         f"rows, at each method's chosen rate, every seed, for {', '.join(args.get('low_data_methods', [])) or '–'}.",
         "",

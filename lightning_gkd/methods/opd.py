@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.methods.gkd import GKDModule
@@ -243,7 +242,7 @@ class OPDModule(GKDModule):
                 f"sampled_logprobs {tuple(logprobs.shape)} must match input_ids {tuple(batch['input_ids'].shape)}: "
                 "the log-prob of each token at its own column (lightning_gkd.ops.sampling.completion_batch)."
             )
-        return F.pad(logprobs[:, 1:], (0, 1))[positions]
+        return next_tokens(logprobs, positions)  # each position's next column, as for the tokens themselves
 
     # -- logging --------------------------------------------------------------------------------------------------
     def log_opd(self, parts: list[_Part], labels: torch.Tensor) -> None:
