@@ -187,3 +187,198 @@ def test_dataloaders_shuffle_reproducibly_and_validate(tokenizer, toy_rows):
     val = list(dm.val_dataloader())
     assert len(val) == 1 and val[0]["input_ids"].shape[0] == 16
     assert ChatDataModule(tokenizer, toy_rows["train"]).val_dataloader() == []
+
+
+# --- truncate_prompts: a prompt that loses its beginning is an error unless the user opts in (issue 16 item 5) ---
+
+LONG = {"messages": [{"role": "user", "content": "What is 1+2? " * 3}, {"role": "assistant", "content": "3"}]}
+
+
+def test_cut_prompts_fail_at_setup_with_the_count_and_the_length_that_fits(tokenizer):
+    # ONE_TURN: 23 prompt + 3 completion tokens; LONG: 58 + 3 (its content is 35 characters longer than "1+2=")
+    assert len(tokenize_chat(tokenizer, LONG["messages"], 1024).ids) == 61
+    data = ChatDataModule(tokenizer, [ONE_TURN, LONG, ONE_TURN, LONG], max_length=30)
+    with pytest.raises(ValueError) as caught:
+        data.setup("fit")
+    assert str(caught.value).startswith(
+        "train_data: max_length=30 cuts the beginning off the prompt of 2 of 4 checked rows, so they would train "
+        "on prompts without their start. First: row 1, 58 prompt + 3 completion tokens, prompt starts "
+        "'What is 1+2? What is 1+2? What is 1+2? '. max_length=61 fits every checked row"
+    )
+    ChatDataModule(tokenizer, [ONE_TURN, LONG], max_length=61).setup("fit")  # the length it names fits
+
+
+def test_opting_in_warns_and_truncates_as_before(tokenizer):
+    data = ChatDataModule(tokenizer, [ONE_TURN, LONG], max_length=30, truncate_prompts=True, shuffle=False)
+    with pytest.warns(UserWarning, match=r"cuts the beginning off the prompt of 1 of 2 checked rows, first row 1"):
+        data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    full = tokenize_chat(tokenizer, LONG["messages"], 1024).ids
+    assert batch["input_ids"][1].tolist() == full[-30:]
+    assert batch["labels"][1].tolist() == [-100] * 27 + full[-3:]
+
+
+def test_a_row_setup_did_not_check_fails_when_collated_unless_opted_in(tokenizer):
+    rows = [ONE_TURN, LONG]
+    data = ChatDataModule(tokenizer, rows, max_length=30, length_check_rows=1, batch_size=2, shuffle=False)
+    data.setup("fit")  # row 0 only was checked
+    with pytest.raises(
+        ValueError,
+        match=r"^train_data row 1: max_length=30 cuts the beginning off this row's prompt "
+        r"\(58 prompt \+ 3 completion tokens; max_length=61 fits it\)",
+    ):
+        next(iter(data.train_dataloader()))
+    opted_in = ChatDataModule(
+        tokenizer, rows, max_length=30, length_check_rows=1, batch_size=2, truncate_prompts=True, shuffle=False
+    )
+    opted_in.setup("fit")
+    assert next(iter(opted_in.train_dataloader()))["input_ids"].shape == (2, 30)
+
+
+def test_test_rows_are_not_length_checked_and_the_bare_collator_still_truncates(tokenizer):
+    data = ChatDataModule(tokenizer, [ONE_TURN], test_data=[LONG], max_length=30)
+    data.setup("fit")
+    assert data.test_rows == [LONG]  # the evaluator generates from them with its own max_length
+    assert ChatMLCollator(tokenizer, max_length=30)([LONG])["input_ids"].shape == (1, 30)
+
+
+@pytest.mark.parametrize("data_config", ["toy", "toy_chain"])
+def test_the_shipped_toy_data_keeps_every_prompt_whole(tmp_path, tokenizer, data_config):
+    from helpers.hydra_compose import compose_train
+    from hydra.utils import instantiate
+
+    cfg = compose_train(tmp_path, [f"data={data_config}"])
+    assert cfg.data.truncate_prompts is False
+    data = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
+    data.setup("fit")  # the 1000-row samples of train and val: an error if any prompt were cut
+    lengths = [len(tokenize_chat(tokenizer, data.train_rows[i]["messages"], 1024).ids) for i in range(0, 2000, 7)]
+    assert max(lengths) <= cfg.data.max_length
+
+
+# --- assistant_turns="all": every assistant turn is trained on (issue 16 item 15) ---
+
+THREE_TURNS = [
+    {"role": "system", "content": "Add."},
+    {"role": "user", "content": "1+2"},
+    {"role": "assistant", "content": "3"},
+    {"role": "user", "content": "2+5"},
+    {"role": "assistant", "content": "7, so"},
+    {"role": "user", "content": "and 4+4?"},
+    {"role": "assistant", "content": "8"},
+]
+
+
+def labelled_spans(tokenizer, labels: list[int]) -> list[str]:
+    """The decoded runs of labelled tokens."""
+    spans, run = [], []
+    for label in [*labels, -100]:
+        if label != -100:
+            run.append(label)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    return spans
+
+
+def test_all_turns_label_each_assistant_content_and_its_end_of_turn(tokenizer):
+    batch = ChatMLCollator(tokenizer, assistant_turns="all")([{"messages": THREE_TURNS}])
+    labels = batch["labels"][0].tolist()
+    assert labelled_spans(tokenizer, labels) == ["3<|im_end|>\n", "7, so<|im_end|>\n", "8<|im_end|>\n"]
+    ids = batch["input_ids"][0].tolist()
+    assert all(label in (-100, token) for label, token in zip(labels, ids, strict=True))
+    # the prompt on-policy sampling continues is still the one before the LAST assistant turn
+    last = ChatMLCollator(tokenizer)([{"messages": THREE_TURNS}])
+    assert torch.equal(batch["prompts"], last["prompts"]) and torch.equal(batch["input_ids"], last["input_ids"])
+    assert labelled_spans(tokenizer, last["labels"][0].tolist()) == ["8<|im_end|>\n"]
+
+
+def test_all_turns_exact_ids_and_last_is_unchanged(tokenizer):
+    everything = ChatMLCollator(tokenizer, assistant_turns="all")([MULTI_TURN, ONE_TURN])
+    start_yo = len(turn(SYSTEM, [36, 71])) + len(turn(USER, [74, 75])) + 1 + len(ASSISTANT) + 1
+    expected = [-100] * len(MULTI_PROMPT) + MULTI_COMPLETION
+    expected[start_yo : start_yo + 4] = [91, 81, 2, NL]  # "yo<|im_end|>\n"
+    assert everything["labels"][0].tolist() == expected
+    assert ChatMLCollator(tokenizer, assistant_turns="last")([MULTI_TURN])["labels"][0].tolist() == (
+        [-100] * len(MULTI_PROMPT) + MULTI_COMPLETION
+    )
+    # a single-turn row is the same either way
+    assert everything["labels"][1].tolist() == ChatMLCollator(tokenizer)([MULTI_TURN, ONE_TURN])["labels"][1].tolist()
+
+
+def test_all_turns_sft_loss_is_the_mean_over_every_assistant_token(tokenizer, student):
+    from lightning_gkd import SFTModule
+
+    batch = ChatMLCollator(tokenizer, assistant_turns="all")([{"messages": THREE_TURNS}])
+    loss = SFTModule(student, tokenizer).completion_loss(batch)
+    ids, labels = batch["input_ids"][0], batch["labels"][0]
+    with torch.no_grad():
+        log_probs = torch.log_softmax(student(ids[None]).logits[0].float(), dim=-1)
+    positions = [t for t in range(1, len(ids)) if labels[t] != -100]
+    assert len(positions) == 1 + 5 + 1 + 3 * 2  # contents "3", "7, so", "8" + <|im_end|> "\n" each
+    by_hand = -sum(log_probs[t - 1, ids[t]] for t in positions) / len(positions)
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
+
+
+def test_all_turns_truncation_cuts_earlier_turns_with_the_prompt(tokenizer):
+    full = ChatMLCollator(tokenizer, assistant_turns="all")([{"messages": THREE_TURNS}])["labels"][0].tolist()
+    first_label = next(i for i, label in enumerate(full) if label != -100)
+    keep = len(full) - first_label - 2  # cut the first assistant turn's "3<|im_end|>" off, keep its "\n"
+    cut = ChatMLCollator(tokenizer, max_length=keep, assistant_turns="all")([{"messages": THREE_TURNS}])
+    assert cut["labels"][0].tolist() == full[-keep:]
+    assert labelled_spans(tokenizer, cut["labels"][0].tolist()) == ["\n", "7, so<|im_end|>\n", "8<|im_end|>\n"]
+
+
+def test_the_datamodule_trains_on_all_turns_and_validates_on_the_last(tokenizer):
+    data = ChatDataModule(
+        tokenizer, [{"messages": THREE_TURNS}], val_data=[{"messages": THREE_TURNS}], assistant_turns="all"
+    )
+    train = next(iter(data.train_dataloader()))
+    assert len(labelled_spans(tokenizer, train["labels"][0].tolist())) == 3
+    val = next(iter(data.val_dataloader()))
+    assert labelled_spans(tokenizer, val["labels"][0].tolist()) == ["8<|im_end|>\n"]
+    with pytest.raises(ValueError, match=r"assistant_turns must be 'last' .* or 'all' .*, got 'every'"):
+        ChatDataModule(tokenizer, [ONE_TURN], assistant_turns="every")
+
+
+def test_all_turns_needs_a_template_that_renders_prefixes_as_the_start_of_the_whole(tokenizer):
+    from lightning_gkd.data.tokenizer import CHATML_TEMPLATE, build_chatml_tokenizer
+
+    tok = build_chatml_tokenizer()
+    # like templates that drop the reasoning of earlier turns: the final assistant message renders differently
+    tok.chat_template = CHATML_TEMPLATE.replace(
+        "message['content'] +", "message['content'] + ('!' if loop.last and message['role'] == 'assistant' else '') +"
+    )
+    with pytest.raises(ValueError, match=r"up to assistant message 2 differently .* Use assistant_turns='last'"):
+        tokenize_chat(tok, THREE_TURNS, 1024, assistant_turns="all")
+    assert tokenize_chat(tok, THREE_TURNS, 1024).ids  # the last turn alone is still found
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+def test_all_turns_matches_trl_assistant_only_loss(tokenizer, student, tmp_path):
+    """TRL's SFTTrainer(assistant_only_loss=True) as the oracle: it needs {% generation %} markers, so it gets the
+    same ChatML with markers around each assistant turn's content and end-of-turn tokens (the same rendered text)."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
+    marked = build_chatml_tokenizer()
+    marked.chat_template = (
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+        "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' + '\n' }}"
+        "{% endgeneration %}{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+        "'<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    rows = [{"messages": THREE_TURNS}, MULTI_TURN]
+    assert [marked.apply_chat_template(r["messages"], tokenize=False) for r in rows] == [
+        tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in rows
+    ]
+    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, report_to=[], max_length=None, use_cpu=True)
+    trl = SFTTrainer(
+        model=student, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=marked
+    ).train_dataset
+    for index, row in enumerate(rows):
+        ours = ChatMLCollator(tokenizer, assistant_turns="all")([row])
+        assert ours["input_ids"][0].tolist() == trl[index]["input_ids"]
+        assert ours["labels"][0].tolist() == trl[index]["labels"]

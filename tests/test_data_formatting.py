@@ -120,3 +120,84 @@ def test_formatting_func_from_the_config(tmp_path, tokenizer, toy_rows, override
         plain = ChatDataModule(tokenizer, toy_rows["train"][:8], shuffle=False, max_length=64)
         plain.setup("fit")
         same_batches(data, plain)
+
+
+# --- native rows without a formatting_func, as TRL's SFT/GKD data takes them (issue 16 item 9) ---
+
+PROMPT_COMPLETION = [
+    {"prompt": "1+2=", "completion": "3"},
+    {"prompt": [{"role": "system", "content": "Be"}, {"role": "user", "content": "hi"}], "completion": "yo"},
+    {
+        "prompt": [{"role": "user", "content": "ok"}],
+        "completion": [{"role": "assistant", "content": "k"}],
+        "teacher": "a",
+    },
+    {"prompt": "only a prompt"},
+]
+AS_MESSAGES = [
+    {"messages": [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"},
+        ]
+    },
+    {"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "k"}], "teacher": "a"},
+    {"messages": [{"role": "user", "content": "only a prompt"}]},
+]
+
+
+def test_prompt_completion_rows_are_read_as_chat_rows(tokenizer, tmp_path):
+    native = ChatDataModule(tokenizer, PROMPT_COMPLETION, batch_size=4, shuffle=False)
+    native.setup("fit")
+    assert isinstance(native.train_rows, FormattedRows)  # converted lazily, as read
+    assert [dict(row) for row in native.train_rows] == AS_MESSAGES  # other columns ("teacher") are kept
+    same_batches(native, ChatDataModule(tokenizer, AS_MESSAGES, batch_size=4, shuffle=False))
+    # a file of text prompt/completion rows, one prompt-only (its completion column is null there)
+    path = tmp_path / "pc.jsonl"
+    path.write_text("\n".join(json.dumps(PROMPT_COMPLETION[i]) for i in (0, 3)))
+    from_file = ChatDataModule(tokenizer, str(path), batch_size=2, shuffle=False)
+    from_file.setup("fit")
+    assert [row["messages"] for row in from_file.train_rows] == [AS_MESSAGES[i]["messages"] for i in (0, 3)]
+
+
+def test_rows_with_messages_are_left_as_they_are(tokenizer, toy_rows):
+    data = ChatDataModule(tokenizer, toy_rows["train"][:4])
+    data.setup("fit")
+    assert data.train_rows == toy_rows["train"][:4]
+
+
+def test_mixed_rows_in_an_arrow_file_read_null_fields_as_absent(tokenizer, tmp_path):
+    import datasets
+
+    # one column per field, null where a row has none: what a parquet/arrow file of mixed rows holds
+    messages = AS_MESSAGES[0]["messages"]
+    table = {"messages": [messages, None, None], "prompt": [None, "1+2=", None], "completion": [None, "3", None]}
+    table["text"] = [None, None, "hello"]
+    datasets.Dataset.from_dict(table).to_parquet(str(tmp_path / "mixed.parquet"))
+    data = ChatDataModule(tokenizer, str(tmp_path / "mixed.parquet"))
+    with pytest.raises(
+        ValueError, match=r"^train_data row 2: missing field 'messages' \(fields present: \['text'\]\)\. Each row needs"
+    ):
+        data.setup("fit")
+    good = datasets.Dataset.from_dict({key: value[:2] for key, value in table.items()})
+    data = ChatDataModule(tokenizer, good)
+    data.setup("fit")
+    assert data.train_rows[0]["messages"] == data.train_rows[1]["messages"] == messages
+
+
+def test_preference_rows_point_to_dpo(tokenizer):
+    pair = {"prompt": "Q: 2+2=", "chosen": " 4", "rejected": " 17"}
+    for rows in ([pair], [{"prompt_input_ids": [5], "chosen_input_ids": [6], "rejected_input_ids": [7]}]):
+        with pytest.raises(
+            ValueError,
+            match=r"^train_data row 0 has 'chosen' and 'rejected' fields: these look like preference rows, .* "
+            r"`method=dpo data=preference_files` \(Python: PreferenceDataModule with DPOModule\)",
+        ):
+            ChatDataModule(tokenizer, rows).setup("fit")
+
+
+def test_a_prompt_of_another_type_is_named(tokenizer):
+    with pytest.raises(ValueError, match=r"^train_data row 0: 'prompt' must be a string or a list of .*, got int\.$"):
+        ChatDataModule(tokenizer, [{"prompt": 7, "completion": "x"}]).setup("fit")

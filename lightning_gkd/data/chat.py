@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import datasets
@@ -13,107 +13,38 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.formatting import FormattedRows, FormattingFuncSpec, resolve_formatting_func
+from lightning_gkd.data.chat_tokens import (  # tokenize_chat, left_pad: also imported from here
+    AssistantTurns,
+    TokenizedChat,
+    check_assistant_turns,
+    left_pad,
+    tokenize_chat,
+)
+from lightning_gkd.data.formatting import FormattingFuncSpec, chat_rows, resolve_formatting_func
 from lightning_gkd.data.loader import resolve_steps_per_generation
 from lightning_gkd.data.rows import ROW_INDEX, RowsDataModule
 from lightning_gkd.data.sources import DataSource, load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.validation import (
     check_completions,
-    check_rows_tokenize,
+    check_prompt_truncation,
     rows_without_completion,
     validate_chat_rows,
 )
 from lightning_gkd.ops.losses import IGNORE_INDEX
 
 
-@dataclass(frozen=True)
-class TokenizedChat:
-    """One conversation as token ids; ``ids[:num_prompt_tokens]`` is the prompt, the rest the completion."""
-
-    ids: list[int]
-    num_prompt_tokens: int
-
-
-def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
-) -> str:
-    text = tokenizer.apply_chat_template(
-        [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-    if not isinstance(text, str):
-        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not the rendered text.")
-    return text
-
-
-def tokenize_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], max_length: int
-) -> TokenizedChat:
-    """Tokenize a conversation, splitting prompt from completion.
-
-    If the last message is the assistant's, it is the completion (its end-of-turn tokens included) and the prompt
-    is the template of the earlier messages with the generation prompt added; otherwise the row is prompt-only.
-    The boundary is found on the text (the prompt text must prefix the full text) and mapped to tokens through
-    offsets, so prompt + completion tokens are exactly the tokens of the full conversation. Truncation keeps the
-    last ``max_length`` tokens.
-    """
-    has_completion = messages[-1]["role"] == "assistant"
-    prompt_messages = list(messages[:-1]) if has_completion else list(messages)
-    prompt_text = _render(tokenizer, prompt_messages, add_generation_prompt=True)
-    full_text = _render(tokenizer, messages) if has_completion else prompt_text
-    if not full_text.startswith(prompt_text):
-        raise ValueError(
-            "The chat template renders the prompt (with the generation prompt) differently from the "
-            "start of the full conversation, so the completion cannot be located. Use a chat "
-            f"template whose prompt is a prefix of the conversation. Prompt ends {prompt_text[-60:]!r}, "
-            f"conversation has {full_text[len(prompt_text) - 60 : len(prompt_text)]!r} there."
-        )
-    ids, num_prompt = _split_at_text_boundary(tokenizer, full_text, len(prompt_text))
-    if len(ids) > max_length:
-        num_completion = len(ids) - num_prompt
-        if num_completion >= max_length:
-            raise ValueError(
-                f"max_length={max_length} truncates away the whole prompt: the completion alone has "
-                f"{num_completion} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
-                "completion. "
-                f"Prompt starts {prompt_text[:60]!r}."
-            )
-        ids, num_prompt = ids[-max_length:], max_length - num_completion
-    return TokenizedChat(ids=ids, num_prompt_tokens=num_prompt)
-
-
-def _split_at_text_boundary(tokenizer: PreTrainedTokenizerBase, text: str, boundary: int) -> tuple[list[int], int]:
-    if tokenizer.is_fast:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(encoding["input_ids"])
-        num_prompt = sum(1 for start, _ in encoding["offset_mapping"] if start < boundary)
-        return ids, num_prompt
-    # Slow tokenizers have no offsets: require that the prompt tokenizes to a prefix of the conversation.
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompt_ids = tokenizer(text[:boundary], add_special_tokens=False)["input_ids"]
-    if ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError(
-            "The tokenizer merges tokens across the prompt/completion boundary and has no offsets to "
-            "split them; use a fast tokenizer (use_fast=True)."
-        )
-    return ids, len(prompt_ids)
-
-
-def left_pad(sequences: Sequence[Sequence[int]], value: int) -> torch.Tensor:
-    """(B, max_len) long tensor, each sequence right-aligned and padded on the left with ``value``."""
-    width = max((len(s) for s in sequences), default=0)
-    out = torch.full((len(sequences), width), value, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if len(seq):
-            out[row, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
-    return out
-
-
 class ChatMLCollator:
     """Collate rows with ``messages`` into a left-padded batch.
 
     Emits ``input_ids``, ``attention_mask``, ``labels`` (prompt and padding = -100) for the whole conversation,
-    and ``prompts``, ``prompt_attention_mask`` for the prompt alone (what on-policy sampling continues).
+    and ``prompts``, ``prompt_attention_mask`` for the prompt alone (what on-policy sampling continues: the
+    conversation before its last assistant turn, whatever ``assistant_turns``).
+    ``assistant_turns``: ``"last"`` labels the last assistant turn only; ``"all"`` labels every assistant turn
+    (each one's content and end-of-turn tokens).
+    ``truncate_prompts``: whether a conversation longer than ``max_length`` may lose the beginning of its prompt
+    (``False``: ``ValueError``). True by default here, as the collator has always truncated (the held-out
+    evaluator and the teacher-cache builder collate with it); ``ChatDataModule`` passes its own (default False).
     A row that cannot be used raises ``ValueError``, naming ``f"{name} row {row['row_index']}"`` when rows carry
     their index (ChatDataModule's do). ``columns``: row columns carried into the batch as lists of the rows'
     values (e.g. ``teacher`` for multi-teacher routing).
@@ -126,6 +57,8 @@ class ChatMLCollator:
         *,
         name: str = "data",
         columns: Sequence[str] = (),
+        assistant_turns: AssistantTurns = "last",
+        truncate_prompts: bool = True,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; ChatDataModule sets it to EOS, or set one yourself.")
@@ -133,12 +66,14 @@ class ChatMLCollator:
         self.max_length = max_length
         self.name = name
         self.columns = list(columns)
+        self.assistant_turns = check_assistant_turns(assistant_turns)
+        self.truncate_prompts = truncate_prompts
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chats = [self._tokenize(row) for row in rows]
         pad_id = self.tokenizer.pad_token_id
         full = [chat.ids for chat in chats]
-        labels = [[IGNORE_INDEX] * chat.num_prompt_tokens + chat.ids[chat.num_prompt_tokens :] for chat in chats]
+        labels = [chat.labels() for chat in chats]
         prompts = [chat.ids[: chat.num_prompt_tokens] for chat in chats]
         batch: dict[str, Any] = {
             "input_ids": left_pad(full, pad_id),
@@ -152,7 +87,13 @@ class ChatMLCollator:
 
     def _tokenize(self, row: Mapping[str, Any]) -> TokenizedChat:
         try:
-            return tokenize_chat(self.tokenizer, row["messages"], self.max_length)
+            return tokenize_chat(
+                self.tokenizer,
+                row["messages"],
+                self.max_length,
+                assistant_turns=self.assistant_turns,
+                truncate_prompts=self.truncate_prompts,
+            )
         except ValueError as error:
             if ROW_INDEX in row:  # name the row: this may be hours into a run, on a row setup did not sample
                 raise ValueError(f"{self.name} row {row[ROW_INDEX]}: {error}") from None
@@ -193,8 +134,9 @@ class ChatDataModule(RowsDataModule):
 
     Args:
         tokenizer: a tokenizer with a chat template (or a folder / hub id to load one from).
-        train_data, val_data, test_data: a ``datasets.Dataset``, a list of ``{"messages": [...]}`` dicts, a local
-            ``.json``/``.jsonl``/``.parquet`` file or dataset folder, or a hub dataset id. ``test_data`` is the
+        train_data, val_data, test_data: a ``datasets.Dataset``, a list of row dicts (see below), a local
+            ``.jsonl``/``.json``/``.parquet``/``.arrow`` file (or ``.csv``/``.tsv`` of text columns, e.g. prompt
+            and completion), a dataset folder, or a hub dataset id. ``test_data`` is the
             held-out set that ``HeldOutEvaluation`` scores by generation before and after training.
             ``val_data`` may also be a dict ``{name: source}`` of several validation sets: ``val_dataloader``
             then returns one loader per name (in order, listed in ``val_names``) and the modules log
@@ -217,9 +159,26 @@ class ChatDataModule(RowsDataModule):
             The training loader shards rows by rank itself (whole groups per rank) and is resumable: a run resumed
             from a mid-epoch checkpoint continues with the next micro-batch.
         length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
-            to fail early, naming the row, when ``max_length`` would truncate a prompt away. Rows not checked
-            raise the same error, with their index, when their batch is collated.
+            to fail early when ``max_length`` would cut into a prompt (see ``truncate_prompts``) or truncate one
+            away. Rows not checked raise the same error, with their index, when their batch is collated.
+        truncate_prompts: a conversation longer than ``max_length`` keeps its last ``max_length`` tokens, so its
+            prompt loses its beginning. False (default): that is an error at setup (with the count of such rows,
+            the first one and the ``max_length`` that fits them) or, for a row setup did not check, at collation.
+            True: a warning with the count, and those rows train on their prompts' last tokens. A prompt truncated
+            away entirely is an error either way.
+        assistant_turns: ``"last"`` (default) trains on the last assistant turn of each conversation; ``"all"``
+            on every assistant turn (each turn's content and end-of-turn tokens; TRL's assistant-only loss).
+            Training batches only: validation batches label the last turn (the completion the generation metrics
+            compare with), and on-policy steps sample a completion of the last turn's prompt (``prompts``), so
+            with ``"all"`` only off-policy steps (dataset completions) train on the earlier turns.
+
+    Rows are ``{"messages": [...]}``; or, as TRL takes them, ``{"prompt": ..., "completion": ...}`` (strings:
+    prompt -> a user turn, completion -> an assistant turn; or message lists) and prompt-only ``{"prompt": ...}``
+    rows (for on-policy runs), converted lazily as they are read.
     """
+
+    #: The rows it holds (matched against a method's ``data_format``: ``methods.base.check_data_format``).
+    data_format = "chat"
 
     def __init__(
         self,
@@ -242,7 +201,10 @@ class ChatDataModule(RowsDataModule):
         formatting_func: FormattingFuncSpec | None = None,
         steps_per_generation: int | None = None,
         generation_batch_size: int | None = None,
+        truncate_prompts: bool = False,
+        assistant_turns: AssistantTurns = "last",
     ) -> None:
+        assistant_turns = check_assistant_turns(assistant_turns)
         super().__init__(
             prepare_tokenizer(tokenizer, chat_template),
             train_data,
@@ -261,13 +223,20 @@ class ChatDataModule(RowsDataModule):
             batch_size, steps_per_generation, generation_batch_size
         )
         self.test_source, self.test_split = test_data, test_split
+        self.assistant_turns, self.truncate_prompts = assistant_turns, truncate_prompts
         self.formatting_func = resolve_formatting_func(formatting_func)
         #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
         self.val_names: list[str] | None = _val_names(val_data)
         #: Row columns the collators carry into batches (``carry_columns``).
         self.columns: list[str] = []
-        self.collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="train_data")
-        self.val_collator = ChatMLCollator(self.tokenizer, max_length=max_length, name="val_data")
+        self.collator = ChatMLCollator(
+            self.tokenizer,
+            max_length=max_length,
+            name="train_data",
+            assistant_turns=assistant_turns,
+            truncate_prompts=truncate_prompts,
+        )
+        self.val_collator = self._val_collator("val_data")
         # val_rows: the only (or the first named) validation set
         self.val_sets: dict[str, Sequence[Mapping[str, Any]]] | None = None  # name -> rows, when named
         self.test_rows: Sequence[Mapping[str, Any]] | None = None
@@ -328,18 +297,32 @@ class ChatDataModule(RowsDataModule):
     def _load(
         self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
     ) -> Sequence[Mapping[str, Any]]:
-        rows = load_rows(source, split=split, name=name)
-        if self.formatting_func is not None:
-            rows = FormattedRows(rows, self.formatting_func, name=name)
+        rows = chat_rows(load_rows(source, split=split, name=name), self.formatting_func, name=name)
         validate_chat_rows(rows, name=name)
         if check_lengths:
-            check_rows_tokenize(
+            check_prompt_truncation(
                 rows,
-                lambda row: tokenize_chat(self.tokenizer, row["messages"], self.max_length),
+                self._untruncated_lengths,
                 name=name,
+                max_length=self.max_length,
+                truncate_prompts=self.truncate_prompts,
                 max_rows=self.length_check_rows,
             )
         return rows
+
+    def _untruncated_lengths(self, row: Mapping[str, Any]) -> tuple[int, int]:
+        chat = tokenize_chat(self.tokenizer, row["messages"], sys.maxsize)
+        return chat.num_prompt_tokens, len(chat.ids) - chat.num_prompt_tokens
+
+    def _val_collator(self, name: str) -> ChatMLCollator:
+        # the last assistant turn whatever assistant_turns: the generation metrics take it as the reference
+        return ChatMLCollator(
+            self.tokenizer,
+            max_length=self.max_length,
+            name=name,
+            columns=self.columns,
+            truncate_prompts=self.truncate_prompts,
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets."""
@@ -349,13 +332,7 @@ class ChatDataModule(RowsDataModule):
         if self.val_sets is None:
             return self.val_loader(self.val_rows, self.val_collator)
         return [
-            self.val_loader(
-                rows,
-                ChatMLCollator(
-                    self.tokenizer, max_length=self.max_length, name=f"val_data[{name!r}]", columns=self.columns
-                ),
-            )
-            for name, rows in self.val_sets.items()
+            self.val_loader(rows, self._val_collator(f"val_data[{name!r}]")) for name, rows in self.val_sets.items()
         ]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -23,11 +25,37 @@ def validate_chat_row(row: Any, *, index: int, name: str = "train_data") -> None
         raise ValueError(f"{where}: expected a dict with a 'messages' field, got {type(row).__name__}.")
     messages = row.get("messages")
     if messages is None:
+        if looks_like_preference(row):
+            raise ValueError(preference_rows_error(where))
+        present = sorted(key for key, value in row.items() if value is not None)  # Arrow rows hold nulls
         raise ValueError(
-            f"{where}: missing field 'messages' (fields present: {sorted(row)}). Each row needs "
-            f"'messages': a list of {{'role', 'content'}} dicts."
+            f"{where}: missing field 'messages' (fields present: {present}). Each row needs 'messages' (a list of "
+            "{'role', 'content'} dicts) or 'prompt' (and 'completion'), each a string or a list of messages; "
+            "convert other fields with formatting_func (Hydra: data.formatting_func=my_module.to_messages)."
+        )
+    if isinstance(messages, str):
+        raise ValueError(
+            f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts, got a string: "
+            f"{messages!r:.60}. A CSV cell holds only text: store message lists in a .jsonl/.json/.parquet file, or "
+            "give 'prompt' and 'completion' columns."
         )
     check_messages(messages, f"{where}: 'messages'", turns=f"{where}: messages")
+
+
+def looks_like_preference(row: Mapping[str, Any]) -> bool:
+    """A row with ``chosen`` and ``rejected`` (text, messages or token ids) and no ``messages``: a preference pair."""
+    return row.get("messages") is None and any(
+        row.get(f"chosen{suffix}") is not None and row.get(f"rejected{suffix}") is not None
+        for suffix in ("", "_input_ids")
+    )
+
+
+def preference_rows_error(where: str) -> str:
+    return (
+        f"{where} has 'chosen' and 'rejected' fields: these look like preference rows, which chat data does not "
+        "train on. Train on them with DPO: `method=dpo data=preference_files` (Python: PreferenceDataModule with "
+        "DPOModule); for chat data give 'messages', or 'prompt' and 'completion'."
+    )
 
 
 def check_messages(messages: Any, name: str, *, turns: str | None = None) -> None:
@@ -97,3 +125,95 @@ def check_rows_tokenize(
             tokenize(rows[index])
         except ValueError as error:
             raise ValueError(f"{name} row {index}: {error}") from None
+
+
+def whole_prompt_truncated(max_length: int, num_completion: int) -> str:
+    """The error text for a row whose completion alone fills ``max_length``: truncation keeps no prompt token."""
+    return (
+        f"max_length={max_length} truncates away the whole prompt: the completion alone has {num_completion} "
+        "tokens. Raise max_length (Hydra: data.max_length) or shorten the completion."
+    )
+
+
+def prompt_start(row: Any, width: int = 60) -> str:
+    """The first ``width`` characters of a row's prompt as a user wrote it (the first message's content for
+    ``messages`` or a message-list ``prompt``, the ``prompt`` string itself), for error messages; '' if none."""
+    if not isinstance(row, Mapping):
+        return ""
+    prompt = row.get("messages") if row.get("messages") is not None else row.get("prompt")
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)) and prompt:
+        prompt = prompt[0].get("content") if isinstance(prompt[0], Mapping) else None
+    return prompt[:width] if isinstance(prompt, str) else ""
+
+
+def prompt_cut(max_length: int, num_prompt: int, num_completion: int, start: str) -> str:
+    """The error text for one row whose prompt would lose its beginning (the collators' check of a row that setup
+    did not sample)."""
+    return (
+        f"max_length={max_length} cuts the beginning off this row's prompt ({num_prompt} prompt + {num_completion} "
+        f"completion tokens; max_length={num_prompt + num_completion} fits it), so it would train on a prompt "
+        f"without its start (prompt starts {start!r}). Setup checks only length_check_rows rows. Raise max_length "
+        "(Hydra: data.max_length), shorten the prompt, or set truncate_prompts=True (Hydra: "
+        "data.truncate_prompts=true) to train on the prompt's last tokens."
+    )
+
+
+def check_prompt_truncation(
+    rows: Sequence[Mapping[str, Any]],
+    lengths: Callable[[Mapping[str, Any]], tuple[int, int]],
+    *,
+    name: str,
+    max_length: int,
+    truncate_prompts: bool,
+    max_rows: int | None,
+) -> None:
+    """Check that ``max_length`` keeps every prompt whole, on up to ``max_rows`` rows spread evenly (all when None).
+
+    ``lengths(row)`` gives a row's untruncated ``(prompt_tokens, completion_tokens)`` (a ``ValueError`` it raises is
+    re-raised naming the row). Truncation keeps the last ``max_length`` tokens, so a row with
+    ``prompt + completion > max_length`` loses the beginning of its prompt. Raises ``ValueError`` naming the first row
+    whose completion alone fills ``max_length`` (no prompt token would remain), whatever ``truncate_prompts``; then,
+    when some checked rows lose the beginning of their prompt, raises with their count, the first one and the
+    ``max_length`` that fits every checked row, or with ``truncate_prompts`` only warns with the count.
+    """
+    indices = evenly_spaced(len(rows), max_rows)
+    cut: list[tuple[int, int, int]] = []  # (row, prompt tokens, completion tokens)
+    needed = 0
+    for index in indices:
+        row = rows[index]
+        try:
+            num_prompt, num_completion = lengths(row)
+        except ValueError as error:
+            raise ValueError(f"{name} row {index}: {error}") from None
+        total = num_prompt + num_completion
+        needed = max(needed, total)
+        if total <= max_length:
+            continue
+        if num_completion >= max_length:
+            raise ValueError(
+                f"{name} row {index}: {whole_prompt_truncated(max_length, num_completion)} "
+                f"Prompt starts {prompt_start(row)!r}."
+            )
+        cut.append((index, num_prompt, num_completion))
+    if not cut:
+        return
+    index, num_prompt, num_completion = cut[0]
+    checked = f"{len(cut)} of {len(indices)} checked rows"
+    sample = len(indices) < len(rows)
+    if sample:
+        checked += f" (a sample of the {len(rows)} rows: length_check_rows={max_rows})"
+    fits = f"max_length={needed} fits every checked row" + (" (rows not checked may need more)" if sample else "")
+    if truncate_prompts:
+        rank_zero_warn(
+            f"{name}: max_length={max_length} cuts the beginning off the prompt of {checked}, first row {index} "
+            f"({num_prompt} prompt + {num_completion} completion tokens); truncate_prompts=True, so they train on "
+            f"their prompts' last tokens. {fits}."
+        )
+        return
+    raise ValueError(
+        f"{name}: max_length={max_length} cuts the beginning off the prompt of {checked}, so they would train on "
+        f"prompts without their start. First: row {index}, {num_prompt} prompt + {num_completion} completion "
+        f"tokens, prompt starts {prompt_start(rows[index])!r}. {fits}: raise max_length (Hydra: "
+        f"data.max_length={needed}), shorten those prompts, or set truncate_prompts=True (Hydra: "
+        "data.truncate_prompts=true) to train on the prompts' last tokens."
+    )
