@@ -80,6 +80,23 @@ def batch_time_truncation(ctx: Ctx) -> None:
     next(iter(data.train_dataloader()))
 
 
+LONG_PROMPT = {"messages": [{"role": "user", "content": "1+2+3+4+5+6+7+8+9="}, {"role": "assistant", "content": "45"}]}
+
+
+def batch_time_prompt_cut(ctx: Ctx) -> None:
+    # Setup checks only a sample of rows (length_check_rows); the collator names a row it did not sample.
+    data = ChatDataModule(
+        ctx.tokenizer, [GOOD, LONG_PROMPT], max_length=30, length_check_rows=1, batch_size=2, shuffle=False
+    )
+    next(iter(data.train_dataloader()))
+
+
+def chat_file(ctx: Ctx, name: str, content: str) -> None:
+    path = ctx.tmp_path / name
+    path.write_text(content)
+    chat_setup(ctx, str(path))  # type: ignore[arg-type]  # a path is a data source too
+
+
 def vocab_mismatch(ctx: Ctx) -> None:
     gkd(ctx, teacher=load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": 300}}))
 
@@ -170,10 +187,71 @@ CASES: list[tuple[str, Callable[[Ctx], Any], type[BaseException], str]] = [
         r"train_data row 1: max_length=30 truncates away the whole prompt",
     ),
     (
-        "preference prompt truncated away",
-        lambda c: PreferenceDataModule(c.tokenizer, [{**PAIR, "chosen": "x" * 40}], max_length=20).setup("fit"),
+        "prompt loses its beginning (setup)",
+        lambda c: chat_setup(c, [GOOD, LONG_PROMPT, GOOD], max_length=30),
+        ValueError,
+        r"train_data: max_length=30 cuts the beginning off the prompt of 1 of 3 checked rows, so they would train "
+        r"on prompts without their start\. First: row 1, 37 prompt \+ 4 completion tokens, prompt starts "
+        r"'1\+2\+3\+4\+5\+6\+7\+8\+9='\. max_length=41 fits every checked row: raise max_length \(Hydra: "
+        r"data\.max_length=41\), shorten those prompts, or set truncate_prompts=True "
+        r"\(Hydra: data\.truncate_prompts=true\)",
+    ),
+    (
+        "prompt loses its beginning (batch)",
+        batch_time_prompt_cut,
+        ValueError,
+        r"train_data row 1: max_length=30 cuts the beginning off this row's prompt \(37 prompt \+ 4 completion tokens; "
+        r"max_length=41 fits it\).*set truncate_prompts=True \(Hydra: data\.truncate_prompts=true\)",
+    ),
+    (
+        "empty data file",
+        lambda c: chat_file(c, "train.jsonl", ""),
+        ValueError,
+        r"train_data: data file '.*train\.jsonl' is empty: it has no rows\. Write at least one row into it; a "
+        r"\.jsonl file holds JSON Lines",
+    ),
+    (
+        "unsupported data file",
+        lambda c: chat_file(c, "train.txt", "1+2=3"),
+        ValueError,
+        r"train_data: '.*train\.txt' is a \.txt file, which is not a supported data file\. Supported: \.jsonl, "
+        r"\.json, \.parquet, \.arrow, \.csv, \.tsv",
+    ),
+    (
+        "preference rows as chat data",
+        lambda c: chat_setup(c, [PAIR]),
+        ValueError,
+        r"train_data row 0 has 'chosen' and 'rejected' fields: these look like preference rows.*"
+        r"`method=dpo data=preference_files` \(Python: PreferenceDataModule with DPOModule\)",
+    ),
+    (
+        "messages in a CSV cell",
+        lambda c: chat_file(c, "train.csv", 'messages\n"[{""role"": ""user"", ""content"": ""hi""}]"\n'),
+        ValueError,
+        r"train_data row 0: 'messages' must be a non-empty list of \{'role', 'content'\} dicts, got a string: "
+        r"'\[\{\"role\".*A CSV cell holds only text: store message lists in a \.jsonl/\.json/\.parquet file, or give "
+        r"'prompt' and 'completion' columns\.",
+    ),
+    (
+        "unknown assistant_turns",
+        lambda c: ChatDataModule(c.tokenizer, [GOOD], assistant_turns="every"),
+        ValueError,
+        r"assistant_turns must be 'last' \(train on the last assistant turn\) or 'all' \(every assistant turn\), "
+        r"got 'every'",
+    ),
+    (
+        "preference prompt truncated away (keep_end)",
+        lambda c: PreferenceDataModule(
+            c.tokenizer, [{**PAIR, "chosen": "x" * 40}], max_length=20, truncation_mode="keep_end"
+        ).setup("fit"),
         ValueError,
         r"train_data row 0: max_length=20 truncates away the whole prompt",
+    ),
+    (
+        "preference prompt leaves no completion (keep_start)",
+        lambda c: PreferenceDataModule(c.tokenizer, [{**PAIR, "prompt": "x" * 40}], max_length=20).setup("fit"),
+        ValueError,
+        r"train_data row 0: max_length=20 leaves no completion token: the prompt alone has",
     ),
     (
         "no chat template",

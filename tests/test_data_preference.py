@@ -76,13 +76,83 @@ def test_pretokenized_rows_pass_untouched(tokenizer):
     assert batch["ref_chosen_logps"].tolist() == [-1.25] and batch["ref_rejected_logps"].tolist() == [-3.5]
 
 
-def test_truncation_keeps_last_tokens_and_rejects_a_lost_prompt(tokenizer):
-    row = {"prompt_input_ids": list(range(10, 20)), "chosen_input_ids": [1, 2], "rejected_input_ids": [3, 4, 5]}
-    batch = PreferenceCollator(tokenizer, max_length=6)([row])
+ROW = {"prompt_input_ids": list(range(10, 20)), "chosen_input_ids": [1, 2], "rejected_input_ids": [3, 4, 5]}
+
+
+def test_truncation_keeps_the_first_tokens_by_default_as_trl(tokenizer):
+    batch = PreferenceCollator(tokenizer, max_length=12)([ROW])
+    assert real(batch["input_ids"][0], batch["attention_mask"][0]) == [*range(10, 20), 1, 2]
+    assert real(batch["input_ids"][1], batch["attention_mask"][1]) == [*range(10, 20), 3, 4]  # lost its end
+    assert batch["labels"][1][batch["labels"][1] != -100].tolist() == [3, 4]
+    message = (
+        r"max_length=10 leaves no completion token: the prompt alone has 10 tokens .*TRL drops such rows.*"
+        r"max_length=13 keeps this pair whole, 11 at least one completion token.*data.truncation_mode=keep_end"
+    )
+    with pytest.raises(ValueError, match=message):
+        PreferenceCollator(tokenizer, max_length=10)([ROW])
+
+
+def test_keep_end_keeps_the_last_tokens_only_with_truncate_prompts(tokenizer):
+    collate = PreferenceCollator(tokenizer, max_length=6, truncation_mode="keep_end", truncate_prompts=True)
+    batch = collate([ROW])
     assert real(batch["input_ids"][0], batch["attention_mask"][0]) == [16, 17, 18, 19, 1, 2]
     assert real(batch["input_ids"][1], batch["attention_mask"][1]) == [17, 18, 19, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"max_length=6 cuts the beginning off this row's prompt \(10 prompt \+ 3"):
+        PreferenceCollator(tokenizer, max_length=6, truncation_mode="keep_end")([{**ROW, "row_index": 4}])
     with pytest.raises(ValueError, match="max_length=3 truncates away the whole prompt"):
-        PreferenceCollator(tokenizer, max_length=3)([row])
+        PreferenceCollator(tokenizer, max_length=3, truncation_mode="keep_end", truncate_prompts=True)([ROW])
+    with pytest.raises(ValueError, match=r"truncation_mode must be one of \('keep_start', 'keep_end'\), got 'left'"):
+        PreferenceCollator(tokenizer, truncation_mode="left")
+
+
+LONG_PAIRS = [
+    {
+        "prompt": [{"role": "user", "content": "What is 12+30? Answer briefly."}],
+        "chosen": [{"role": "assistant", "content": "It is 42, the sum."}],
+        "rejected": [{"role": "assistant", "content": "17"}],
+    },
+    {
+        "prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a prime."}],
+        "chosen": [{"role": "assistant", "content": "Seven is a prime number."}],
+        "rejected": [{"role": "assistant", "content": "Nine, I think, or maybe twelve."}],
+    },
+]
+LONG_TEXT = [
+    {"prompt": "Q: what is 12+30?", "chosen": " A: 42 exactly", "rejected": " A: 17"},
+    {"prompt": "Q: name a prime", "chosen": " 7", "rejected": " nine or twelve"},
+]
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+@pytest.mark.parametrize("rows, max_length", [(LONG_PAIRS, 64), (LONG_TEXT, 20)])
+def test_truncated_token_ids_equal_trls(tokenizer, rows, max_length, mode):
+    from helpers.trl_dpo import trl_preference_sequences
+
+    trl = trl_preference_sequences(tokenizer, rows, max_length=max_length, truncation_mode=mode)
+    batch = PreferenceCollator(tokenizer, max_length=max_length, truncation_mode=mode, truncate_prompts=True)(rows)
+    mask = batch["attention_mask"].bool()
+    ours = [row[m].tolist() for row, m in zip(batch["input_ids"], mask, strict=True)]
+    completion = [(row[m] != -100).long().tolist() for row, m in zip(batch["labels"], mask, strict=True)]
+    assert trl is not None and (ours, completion) == trl
+    assert max(len(ids) for ids in ours) == max_length  # the rows did need truncation
+
+
+def test_keep_start_prompt_filling_max_length_fails_at_setup_where_trl_drops_the_row(tokenizer):
+    from helpers.trl_dpo import trl_preference_sequences
+
+    rows = [LONG_TEXT[1], LONG_TEXT[0]]  # prompts of 15 and 17 tokens
+    assert trl_preference_sequences(tokenizer, rows[1:], max_length=17, truncation_mode="keep_start") is None
+    with pytest.raises(ValueError, match=r"train_data row 1: max_length=17 leaves no completion token.*'Q: what is"):
+        PreferenceDataModule(tokenizer, rows, max_length=17).setup()
+
+
+def test_keep_end_cut_prompts_fail_at_setup_unless_truncate_prompts(tokenizer):
+    rows = [*LONG_TEXT, {"prompt": "hi", "chosen": " yes", "rejected": " no"}]
+    with pytest.raises(ValueError, match=r"train_data: max_length=20 cuts the beginning off the prompt of 2 of 3"):
+        PreferenceDataModule(tokenizer, rows, max_length=20, truncation_mode="keep_end").setup()
+    data = PreferenceDataModule(tokenizer, rows, max_length=20, truncation_mode="keep_end", truncate_prompts=True)
+    with pytest.warns(UserWarning, match=r"max_length=20 cuts the beginning off the prompt of 2 of 3 checked rows"):
+        data.setup()
 
 
 @pytest.mark.parametrize(
@@ -98,6 +168,12 @@ def test_truncation_keeps_last_tokens_and_rejects_a_lost_prompt(tokenizer):
         ({"prompt_input_ids": [1], "chosen_input_ids": [], "rejected_input_ids": [2]}, "'chosen_input_ids' is empty"),
         ({**TEXT, "ref_chosen_logps": -1.0}, "has 'ref_chosen_logps' but not its partner"),
         ("not a dict", "row 1: expected a dict, got str"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}]},
+            r"row 1: missing field 'prompt' \(fields present: \['messages'\]\); the row looks like a chat row "
+            r"\('messages'\): DPO needs prompt/chosen/rejected pairs; for chat data use method=gkd or method=sft "
+            "with data=chat_files",
+        ),
     ],
 )
 def test_bad_rows_name_the_row_and_field(row, message):

@@ -45,6 +45,20 @@ TRL_ARGUMENTS = [
     "hub_model_id",
 ]
 
+# DPOConfig / DPOTrainer arguments that change what DPO trains (TRL 1.16).
+TRL_DPO_ARGUMENTS = [
+    "ref_model",
+    "loss_type",
+    "label_smoothing",
+    "truncation_mode",
+    "precompute_ref_log_probs",
+    "f_divergence_type",
+    "ld_alpha",
+    "use_weighting",
+    "loss_weights",
+    "sync_ref_model",
+]
+
 
 def rows() -> list[list[str]]:
     lines = (ROOT / "docs" / "from_trl.md").read_text().splitlines()
@@ -56,6 +70,11 @@ def test_every_trl_argument_has_a_row():
     first_cells = " ".join(row[0] for row in rows())
     missing = [name for name in TRL_ARGUMENTS if f"`{name}`" not in first_cells]
     assert missing == []
+
+
+def test_every_trl_dpo_argument_has_a_row():
+    first_cells = " ".join(row[0] for row in rows())
+    assert [name for name in TRL_DPO_ARGUMENTS if f"`{name}`" not in first_cells] == []
 
 
 def test_supported_rows_name_tests_that_exist():

@@ -153,12 +153,36 @@ def test_logits_only_for_completion_positions_give_the_same_logps(student, token
     assert lengths.tolist() == (batch["labels"] != -100).sum(1).tolist()
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+GOLDEN_PAIR_LOSSES = {  # logps c=-1, r=-2, refs -1.5/-1.5, β=0.1 (z = βΔ = 0.1), lengths 2/4, ε=0.1 where read
+    "sigmoid": 0.6443966600735709,
+    "hinge": 0.9,
+    "ipo": 21.390625,
+    "cdpo": 0.9 * 0.6443966600735709 + 0.1 * 0.7443966600735709,  # -(1-ε)logσ(z) - ε logσ(-z)
+    "robust": (0.9 * 0.6443966600735709 - 0.1 * 0.7443966600735709) / 0.8,
+    "exo_pair": math.exp(-0.6443966600735709) * (-0.6443966600735709 - math.log(0.9))
+    + math.exp(-0.7443966600735709) * (-0.7443966600735709 - math.log(0.1)),
+}
+
+
+@pytest.mark.parametrize("loss_type", list(GOLDEN_PAIR_LOSSES))
 def test_pair_loss_is_the_configured_preference_loss(student, tokenizer, loss_type):
-    module = make_module(student, tokenizer, beta=0.1, loss_type=loss_type)
-    c, r, rc, rr = (torch.tensor([v]) for v in (-1.0, -2.0, -1.5, -1.5))
-    expected = {"sigmoid": 0.6443966600735709, "hinge": 0.9, "ipo": 21.390625}[loss_type]
-    assert module.pair_loss(c, r, rc, rr, torch.tensor([2]), torch.tensor([4])).item() == pytest.approx(expected)
+    smoothing = 0.1 if loss_type in ("cdpo", "robust", "exo_pair") else 0.0
+    module = make_module(student, tokenizer, beta=0.1, loss_type=loss_type, label_smoothing=smoothing)
+    c, r, rc, rr = (torch.tensor([v], dtype=torch.float64) for v in (-1.0, -2.0, -1.5, -1.5))
+    loss = module.pair_loss(c, r, rc, rr, torch.tensor([2]), torch.tensor([4])).item()
+    assert loss == pytest.approx(GOLDEN_PAIR_LOSSES[loss_type], abs=1e-12)
+
+
+def test_label_smoothing_with_sigmoid_warns_and_trains_plain_dpo_as_trl_1_16(student, tokenizer):
+    with pytest.warns(UserWarning, match=r"label_smoothing=0.1 has no effect with loss_type='sigmoid'.*loss_type=cdpo"):
+        module = make_module(student, tokenizer, beta=0.1, label_smoothing=0.1)
+    c, r, rc, rr = (torch.tensor([v], dtype=torch.float64) for v in (-1.0, -2.0, -1.5, -1.5))
+    lengths = torch.tensor([2])
+    assert module.pair_loss(c, r, rc, rr, lengths, lengths).item() == pytest.approx(0.6443966600735709, abs=1e-12)
+    with pytest.raises(ValueError, match=r"loss_type='exo_pair' needs label_smoothing > 0"):
+        make_module(student, tokenizer, loss_type="exo_pair")
+    with pytest.raises(ValueError, match=r"loss_type must be one of .*'cdpo'.*got 'kto'"):
+        make_module(student, tokenizer, loss_type="kto")
 
 
 def test_peft_policy_uses_itself_with_adapters_disabled_as_reference(student, tokenizer, pairs, tmp_path):

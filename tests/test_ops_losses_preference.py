@@ -1,4 +1,5 @@
-"""preference_loss (sigmoid / hinge / IPO) and sequence_logps: golden values, formulas, oracles."""
+"""preference_loss (sigmoid / hinge / IPO / cDPO / robust / EXO) and sequence_logps: golden values, formulas, TRL 1.16
+as the oracle."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.trl_dpo import trl_dpo_loss
 
 from lightning_gkd import preference_loss
-from lightning_gkd.ops.losses import sequence_logps
+from lightning_gkd.ops.losses import PREFERENCE_LOSS_TYPES, sequence_logps, unused_label_smoothing
 
 
 def pair(*values: float) -> list[torch.Tensor]:
@@ -46,10 +48,77 @@ def test_beta_multiplies_the_whole_difference():
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_label_smoothing(eps):
+def test_cdpo_is_conservative_dpo(eps):
     z = 0.1  # β·Δ of GOLDEN
     expected = -(1 - eps) * math.log(1 / (1 + math.exp(-z))) - eps * math.log(1 / (1 + math.exp(z)))
-    assert preference_loss(*GOLDEN, beta=0.1, label_smoothing=eps).item() == pytest.approx(expected, abs=1e-14)
+    cdpo = preference_loss(*GOLDEN, beta=0.1, loss_type="cdpo", label_smoothing=eps).item()
+    assert cdpo == pytest.approx(expected, abs=1e-14)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge"])
+def test_sigmoid_and_hinge_ignore_label_smoothing_as_trl_1_16(loss_type):
+    # TRL <= 0.24 (and this project before) gave conservative DPO here: 0.6443966600735709 + 0.1 * 0.1.
+    plain = {"sigmoid": 0.6443966600735709, "hinge": 0.9}[loss_type]
+    smoothed = preference_loss(*GOLDEN, beta=0.1, loss_type=loss_type, label_smoothing=0.1).item()
+    assert smoothed == pytest.approx(plain, abs=1e-15)
+
+
+def test_unused_label_smoothing_names_the_loss_that_reads_it():
+    assert unused_label_smoothing("sigmoid", 0.0) is None
+    assert all(unused_label_smoothing(loss, 0.1) is None for loss in ("cdpo", "robust", "exo_pair"))
+    sigmoid = unused_label_smoothing("sigmoid", 0.1)
+    assert sigmoid is not None and sigmoid.startswith(
+        "label_smoothing=0.1 has no effect with loss_type='sigmoid': as in TRL 1.16, only cdpo, robust, exo_pair"
+    )
+    assert "set loss_type=cdpo (Hydra: method.loss_type=cdpo)" in sigmoid
+    hinge = unused_label_smoothing("hinge", 0.2)
+    assert hinge is not None and "loss_type='hinge'" in hinge and "cdpo (Hydra" not in hinge
+
+
+def random_pairs(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logps = [-8 * torch.rand(5, generator=g, dtype=torch.float64) for _ in range(4)]
+    return logps, torch.tensor([3, 1, 7, 2, 9]), torch.tensor([2, 5, 1, 4, 9])
+
+
+# Every loss we share with TRL 1.16, with ε 0 and 0.1 (exo_pair refuses ε = 0, as TRL does).
+SHARED = [(t, eps) for t in PREFERENCE_LOSS_TYPES if t != "cdpo" for eps in (0.0, 0.1) if (t, eps) != ("exo_pair", 0.0)]
+
+
+@pytest.mark.parametrize("loss_type, eps", SHARED)
+def test_parity_with_trl(loss_type, eps):
+    logps, chosen_lengths, rejected_lengths = random_pairs(0)
+    for beta in (0.1, 0.5):
+        ours = preference_loss(
+            *logps,
+            beta=beta,
+            loss_type=loss_type,
+            label_smoothing=eps,
+            chosen_lengths=chosen_lengths,
+            rejected_lengths=rejected_lengths,
+        )
+        trl = trl_dpo_loss(
+            *logps,
+            loss_type=loss_type,
+            beta=beta,
+            label_smoothing=eps,
+            chosen_lengths=chosen_lengths.tolist(),
+            rejected_lengths=rejected_lengths.tolist(),
+        )
+        assert ours.mean().item() == pytest.approx(trl.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_cdpo_parity_with_trl_aot_on_single_pairs(eps):
+    # TRL 1.16 has no cDPO; its `aot` loss is the same formula on sorted log-ratios, i.e. cDPO for one pair.
+    logps, lengths, _ = random_pairs(1)
+    for i in range(len(lengths)):
+        pair = [t[i : i + 1] for t in logps]
+        ours = preference_loss(*pair, beta=0.1, loss_type="cdpo", label_smoothing=eps)
+        trl = trl_dpo_loss(
+            *pair, loss_type="aot", beta=0.1, label_smoothing=eps, chosen_lengths=[1], rejected_lengths=[1]
+        )
+        assert ours.item() == pytest.approx(trl.item(), abs=1e-6)
 
 
 def test_per_pair_output_and_gradient_direction():
@@ -75,7 +144,7 @@ def test_hinge_is_flat_past_the_margin():
         ({"loss_type": "kto"}, "loss_type must be one of"),
         ({"beta": 0.0}, "beta must be > 0"),
         ({"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
-        ({"loss_type": "hinge", "label_smoothing": 0.1}, "sigmoid' only"),
+        ({"loss_type": "exo_pair"}, r"exo_pair' needs label_smoothing > 0.*1e-3"),
         ({"loss_type": "ipo"}, "pass chosen_lengths and rejected_lengths"),
     ],
 )

@@ -10,12 +10,23 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat import left_pad, prepare_tokenizer, tokenize_chat
+from lightning_gkd.data.chat import prepare_tokenizer
+from lightning_gkd.data.chat_tokens import left_pad, tokenize_chat
 from lightning_gkd.data.preference_validation import REF_FIELDS, pair_format, validate_preference_rows
 from lightning_gkd.data.rows import ROW_INDEX, RowsDataModule
 from lightning_gkd.data.sources import DataSource, load_rows
-from lightning_gkd.data.validation import check_rows_tokenize
+from lightning_gkd.data.validation import (
+    check_prompt_truncation,
+    check_rows_tokenize,
+    prompt_cut,
+    prompt_start,
+    whole_prompt_truncated,
+)
 from lightning_gkd.ops.losses import IGNORE_INDEX
+
+#: How a pair longer than ``max_length`` is cut: ``keep_start`` (TRL 1.16's default) keeps the first tokens of
+#: prompt + completion, ``keep_end`` the last.
+TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass(frozen=True)
@@ -62,27 +73,72 @@ def tokenize_pair(tokenizer: PreTrainedTokenizerBase, row: Mapping[str, Any]) ->
     return TokenizedPair(list(prompt), *completions)
 
 
-def truncate(prompt: list[int], completion: list[int], max_length: int) -> tuple[list[int], list[int]]:
-    """Keep the last ``max_length`` tokens of prompt + completion; at least one prompt token must remain."""
+def check_truncation_mode(truncation_mode: str) -> None:
+    """ValueError unless ``truncation_mode`` is one of ``TRUNCATION_MODES``."""
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(
+            f"truncation_mode must be one of {TRUNCATION_MODES}, got {truncation_mode!r}: keep_start (TRL's default) "
+            "keeps the first max_length tokens of prompt + completion, keep_end the last."
+        )
+
+
+def truncate(
+    prompt: list[int], completion: list[int], max_length: int, truncation_mode: str = "keep_start"
+) -> tuple[list[int], list[int]]:
+    """Prompt + completion cut to ``max_length`` tokens as TRL 1.16 cuts them: ``keep_start`` keeps the first tokens
+    (the completion loses its end), ``keep_end`` the last (the prompt loses its beginning). ``ValueError`` when no
+    completion token (``keep_start``) or no prompt token (``keep_end``) would remain."""
+    check_truncation_mode(truncation_mode)
     overflow = len(prompt) + len(completion) - max_length
     if overflow <= 0:
         return prompt, completion
+    if truncation_mode == "keep_start":
+        if len(prompt) >= max_length:
+            raise ValueError(
+                f"max_length={max_length} leaves no completion token: the prompt alone has {len(prompt)} tokens and "
+                "truncation_mode=keep_start keeps the first max_length tokens."
+            )
+        return prompt, completion[: max_length - len(prompt)]
     if overflow >= len(prompt):
-        raise ValueError(
-            f"max_length={max_length} truncates away the whole prompt: the completion alone has "
-            f"{len(completion)} tokens. Raise max_length (Hydra: data.max_length) or shorten the "
-            "completion."
-        )
+        raise ValueError(whole_prompt_truncated(max_length, len(completion)))
     return prompt[overflow:], completion
 
 
 def truncated_pair(
-    tokenizer: PreTrainedTokenizerBase, row: Mapping[str, Any], max_length: int
+    tokenizer: PreTrainedTokenizerBase,
+    row: Mapping[str, Any],
+    max_length: int,
+    truncation_mode: str = "keep_start",
+    truncate_prompts: bool = False,
 ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
-    """``((prompt, chosen), (prompt, rejected))`` token ids of a validated row, each side truncated to
-    ``max_length`` (``ValueError`` when a prompt would be truncated away)."""
+    """``((prompt, chosen), (prompt, rejected))`` token ids of a validated row, each side cut by ``truncate``.
+
+    ``ValueError`` (saying which ``max_length`` fits) when a side would keep no completion token (``keep_start``)
+    or no prompt token (``keep_end``), or, unless ``truncate_prompts``, when ``keep_end`` would cut the beginning
+    off the prompt.
+    """
     pair = tokenize_pair(tokenizer, row)
-    return truncate(pair.prompt, pair.chosen, max_length), truncate(pair.prompt, pair.rejected, max_length)
+    longest = max(len(pair.chosen), len(pair.rejected))
+    fits = len(pair.prompt) + longest
+    if fits > max_length:
+        start = prompt_start(row)
+        if truncation_mode == "keep_start" and len(pair.prompt) >= max_length:
+            raise ValueError(
+                f"max_length={max_length} leaves no completion token: the prompt alone has {len(pair.prompt)} tokens "
+                "and truncation_mode=keep_start keeps the first max_length tokens (TRL drops such rows). "
+                f"max_length={fits} keeps this pair whole, {len(pair.prompt) + 1} at least one completion token: "
+                "raise max_length (Hydra: data.max_length), shorten or drop the row, or set "
+                f"truncation_mode=keep_end (Hydra: data.truncation_mode=keep_end). Prompt starts {start!r}."
+            )
+        if truncation_mode == "keep_end":
+            if longest >= max_length:
+                raise ValueError(f"{whole_prompt_truncated(max_length, longest)} Prompt starts {start!r}.")
+            if not truncate_prompts:
+                raise ValueError(prompt_cut(max_length, len(pair.prompt), longest, start))
+    return (
+        truncate(pair.prompt, pair.chosen, max_length, truncation_mode),
+        truncate(pair.prompt, pair.rejected, max_length, truncation_mode),
+    )
 
 
 class PreferenceCollator:
@@ -92,22 +148,33 @@ class PreferenceCollator:
     ``(2B, L)``, all left-padded to one length so a single forward covers both halves; ``prompts`` and
     ``prompt_attention_mask`` ``(B, P)`` for generation; ``index`` ``(B,)`` when rows carry ``row_index``; and
     ``ref_chosen_logps``/``ref_rejected_logps`` ``(B,)`` when every row carries them (precomputed reference).
-    Sequences longer than ``max_length`` keep their last ``max_length`` tokens.
+    Sequences longer than ``max_length`` are cut as TRL 1.16 cuts them (``truncated_pair``): ``keep_start`` (default)
+    keeps their first ``max_length`` tokens, ``keep_end`` their last; with ``keep_end`` a prompt that would lose its
+    beginning is a ``ValueError`` unless ``truncate_prompts``.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int = 1024,
+        truncation_mode: str = "keep_start",
+        truncate_prompts: bool = False,
+    ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError(
                 "The tokenizer has no pad token; PreferenceDataModule sets it to EOS, or set one yourself."
             )
+        check_truncation_mode(truncation_mode)
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.truncation_mode = truncation_mode
+        self.truncate_prompts = truncate_prompts
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chosen, rejected = [], []
         for row in rows:
             try:
-                pair = truncated_pair(self.tokenizer, row, self.max_length)
+                pair = truncated_pair(self.tokenizer, row, self.max_length, self.truncation_mode, self.truncate_prompts)
             except ValueError as error:
                 if ROW_INDEX in row:  # name the row: this may be hours into a run
                     raise ValueError(f"row {row[ROW_INDEX]}: {error}") from None
@@ -156,7 +223,13 @@ class PreferenceDataModule(RowsDataModule):
             log-probs computed elsewhere.
         batch_size: pairs per training batch (the model sees ``2 * batch_size`` sequences); ``val_batch_size``
             defaults to it.
-        max_length: prompt + completion longer than this keeps its last ``max_length`` tokens.
+        max_length: prompt + completion longer than this is cut to ``max_length`` tokens, by ``truncation_mode``.
+        truncation_mode: ``"keep_start"`` (TRL 1.16's default): keep the first ``max_length`` tokens, so the prompt
+            stays whole and the completion loses its end; a prompt of ``max_length`` tokens or more is a
+            ``ValueError`` naming the row and the ``max_length`` that fits (TRL drops such rows silently).
+            ``"keep_end"``: keep the last ``max_length`` tokens, so the prompt loses its beginning: a
+            ``ValueError`` naming the row unless ``truncate_prompts`` (then a warning with the count).
+        truncate_prompts: with ``keep_end``, train on prompts whose beginning is cut instead of failing.
         chat_template: overrides the tokenizer's chat template.
         collator: your own ``rows -> batch`` function instead of ``PreferenceCollator``; rows are then not
             validated (your collator owns the format) and each row comes with its index under ``row_index``.
@@ -164,9 +237,12 @@ class PreferenceDataModule(RowsDataModule):
         seed: seeds the shuffling of training rows. The training loader is ChatDataModule's (``GroupedBatches``
             with one micro-batch per group): it shards rows by rank itself and resumes mid-epoch exactly.
         length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
-            to fail early, naming the row, when ``max_length`` would truncate a prompt away. Rows not checked
-            raise the same error, with their index, when their batch is collated.
+            to fail early, naming the row, when ``max_length`` would cut a pair as described above. Rows not
+            checked raise the same error, with their index, when their batch is collated.
     """
+
+    #: The rows it holds (matched against a method's ``data_format``: ``methods.base.check_data_format``).
+    data_format = "preference"
 
     def __init__(
         self,
@@ -177,6 +253,8 @@ class PreferenceDataModule(RowsDataModule):
         batch_size: int = 8,
         val_batch_size: int | None = None,
         max_length: int = 1024,
+        truncation_mode: str = "keep_start",
+        truncate_prompts: bool = False,
         chat_template: str | None = None,
         collator: Collator | None = None,
         train_split: str = "train",
@@ -200,8 +278,12 @@ class PreferenceDataModule(RowsDataModule):
             seed=seed,
             length_check_rows=length_check_rows,
         )
+        check_truncation_mode(truncation_mode)
+        self.truncation_mode, self.truncate_prompts = truncation_mode, truncate_prompts
         self.custom_collator = collator is not None
-        self.collator: Collator = collator or PreferenceCollator(self.tokenizer, max_length=max_length)
+        self.collator: Collator = collator or PreferenceCollator(
+            self.tokenizer, max_length=max_length, truncation_mode=truncation_mode, truncate_prompts=truncate_prompts
+        )
 
     def _load(self, source: DataSource, split: str, name: str) -> Sequence[Mapping[str, Any]]:
         rows = load_rows(source, split=split, name=name)
@@ -213,10 +295,28 @@ class PreferenceDataModule(RowsDataModule):
                     "with PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...), "
                     "e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE."
                 )
+            self._check_lengths(rows, name)
+        return rows
+
+    def _check_lengths(self, rows: Sequence[Mapping[str, Any]], name: str) -> None:
+        if self.truncation_mode == "keep_start":  # the prompt stays whole; only a prompt filling max_length fails
             check_rows_tokenize(
                 rows,
-                lambda row: truncated_pair(self.tokenizer, row, self.max_length),
+                lambda row: truncated_pair(self.tokenizer, row, self.max_length, "keep_start"),
                 name=name,
                 max_rows=self.length_check_rows,
             )
-        return rows
+            return
+
+        def lengths(row: Mapping[str, Any]) -> tuple[int, int]:
+            pair = tokenize_pair(self.tokenizer, row)
+            return len(pair.prompt), max(len(pair.chosen), len(pair.rejected))  # the longer side cuts more
+
+        check_prompt_truncation(
+            rows,
+            lengths,
+            name=name,
+            max_length=self.max_length,
+            truncate_prompts=self.truncate_prompts,
+            max_rows=self.length_check_rows,
+        )

@@ -84,6 +84,12 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
         return kind
     missing = [field for field in TEXT_FIELDS if row.get(field) is None]
     if missing:
+        if "prompt" in missing and row.get("messages") is not None:
+            raise ValueError(
+                f"{where}: missing field 'prompt' (fields present: {sorted(row)}); the row looks like a chat row "
+                "('messages'): DPO needs prompt/chosen/rejected pairs; for chat data use method=gkd or method=sft "
+                "with data=chat_files."
+            )
         raise ValueError(f"{where}: missing field {missing[0]!r} (fields present: {sorted(row)}). {_ROW_HELP}")
     if kind == "text":
         for field in TEXT_FIELDS:

@@ -1,4 +1,4 @@
-"""DPOModule: direct preference optimisation (and hinge / IPO) of a policy against a frozen reference."""
+"""DPOModule: direct preference optimisation (and its variants) of a policy against a frozen reference."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -19,7 +20,13 @@ from lightning_gkd.ops.hf import (
     is_peft_model,
     position_ids_from_mask,
 )
-from lightning_gkd.ops.losses import IGNORE_INDEX, check_preference_args, preference_loss, sequence_logps
+from lightning_gkd.ops.losses import (
+    IGNORE_INDEX,
+    check_preference_args,
+    preference_loss,
+    sequence_logps,
+    unused_label_smoothing,
+)
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels")
 _CHECKPOINT_KEY = "dpo_reference_logps"
@@ -29,8 +36,11 @@ class DPOModule(CausalLMModule):
     """Train a policy (``self.model``) on preference pairs against a frozen reference (Rafailov et al., DPO).
 
     Each batch holds ``B`` pairs as ``2B`` sequences, ``[prompt+chosen; prompt+rejected]`` (``PreferenceDataModule``
-    builds it); one policy forward covers both halves. The loss is ``preference_loss`` (``loss_type`` ``"sigmoid"``
-    = DPO, ``"hinge"``, ``"ipo"``) averaged over the pairs; override ``pair_loss`` for a new objective.
+    builds it); one policy forward covers both halves. The loss is ``preference_loss`` averaged over the pairs:
+    ``loss_type`` ``"sigmoid"`` (DPO), ``"hinge"``, ``"ipo"``, ``"robust"``, ``"exo_pair"`` (TRL 1.16's losses and
+    values) or ``"cdpo"`` (conservative DPO). ``label_smoothing`` ε is read by ``cdpo``, ``robust`` and ``exo_pair``
+    only, as in TRL 1.16 (a warning says so when it is set for another loss). Override ``pair_loss`` for a new
+    objective.
 
     The reference, in order of precedence:
 
@@ -50,6 +60,7 @@ class DPOModule(CausalLMModule):
     """
 
     model_role = "policy"
+    data_format = "preference"  # prompt/chosen/rejected pairs (PreferenceDataModule)
 
     def __init__(
         self,
@@ -73,10 +84,8 @@ class DPOModule(CausalLMModule):
         frozen_dtype: str = "auto",
     ) -> None:
         check_preference_args(beta, loss_type, label_smoothing)
-        if label_smoothing and loss_type != "sigmoid":
-            raise ValueError(
-                f"label_smoothing is for loss_type='sigmoid' only; got {label_smoothing} with loss_type={loss_type!r}."
-            )
+        if note := unused_label_smoothing(loss_type, label_smoothing):
+            rank_zero_warn(note)
         if isinstance(model, nn.Module) and reference is model:
             raise ValueError(
                 "reference is the policy object itself, so freezing it would freeze the policy. Pass a "

@@ -14,10 +14,12 @@ import torch.nn.functional as F
 __all__ = [
     "IGNORE_INDEX",
     "PREFERENCE_LOSS_TYPES",
+    "SMOOTHED_LOSS_TYPES",
     "check_preference_args",
     "generalized_jsd_loss",
     "preference_loss",
     "sequence_logps",
+    "unused_label_smoothing",
 ]
 
 #: Label value marking positions that do not contribute to the loss.
@@ -163,7 +165,12 @@ def generalized_jsd_loss(
 
 # --------------------------------------------------------------------------- preference tuning
 
-PREFERENCE_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+#: The preference losses ``preference_loss`` offers: TRL 1.16's ``sigmoid``, ``hinge``, ``ipo``, ``robust`` and
+#: ``exo_pair`` (same names, same values), and ``cdpo``, conservative DPO (TRL <= 0.24's ``sigmoid`` with
+#: ``label_smoothing``), which TRL 1.16 no longer offers.
+PREFERENCE_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "cdpo", "robust", "exo_pair")
+#: The losses that read ``label_smoothing``; the others ignore it, as TRL 1.16 does.
+SMOOTHED_LOSS_TYPES = ("cdpo", "robust", "exo_pair")
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -201,11 +208,40 @@ def check_preference_args(beta: float, loss_type: str, label_smoothing: float = 
     """The one check of the preference-loss options (``preference_loss`` and ``DPOModule``): ValueError naming the
     option and its value."""
     if loss_type not in PREFERENCE_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}.")
+        raise ValueError(
+            f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}. TRL's other DPO losses "
+            "(nca_pair, bco_pair, sppo_hard, aot, apo_zero, apo_down, discopop, sft, sigmoid_norm) are not offered; "
+            "subclass DPOModule and override pair_loss for one of them."
+        )
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta!r}.")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}.")
+    if loss_type == "exo_pair" and label_smoothing == 0.0:
+        raise ValueError(
+            "loss_type='exo_pair' needs label_smoothing > 0 (its target puts ε on the rejected completion; "
+            "log 0 is infinite). The EXO paper recommends label_smoothing=1e-3."
+        )
+
+
+def unused_label_smoothing(loss_type: str, label_smoothing: float) -> str | None:
+    """The warning to give when ``label_smoothing`` is set for a loss that ignores it, else None.
+
+    TRL 1.16 ignores ε everywhere but ``robust`` and ``exo_pair``; TRL <= 0.24 (and this project before it matched
+    TRL 1.16) applied it to ``sigmoid`` as conservative DPO, so a ported config would silently train another loss.
+    """
+    if not label_smoothing or loss_type in SMOOTHED_LOSS_TYPES:
+        return None
+    message = (
+        f"label_smoothing={label_smoothing} has no effect with loss_type={loss_type!r}: as in TRL 1.16, only "
+        f"{', '.join(SMOOTHED_LOSS_TYPES)} use it."
+    )
+    if loss_type == "sigmoid":
+        message += (
+            " TRL <= 0.24 applied it to sigmoid as conservative DPO; for that loss set loss_type=cdpo "
+            "(Hydra: method.loss_type=cdpo)."
+        )
+    return message + " Set label_smoothing=0 to silence this."
 
 
 def preference_loss(
@@ -221,34 +257,37 @@ def preference_loss(
 ) -> torch.Tensor:
     r"""Per-pair preference loss (DPO and variants) from sequence log-probs of policy and reference.
 
-    With the log-ratios :math:`r_c = \pi_c - \text{ref}_c`, :math:`r_r = \pi_r - \text{ref}_r` and
-    :math:`\Delta = r_c - r_r` (β multiplies the whole difference):
+    With the log-ratios :math:`r_c = \pi_c - \text{ref}_c`, :math:`r_r = \pi_r - \text{ref}_r`,
+    :math:`\Delta = r_c - r_r` and :math:`z = \beta\Delta` (β multiplies the whole difference), ε =
+    ``label_smoothing``:
 
-    - ``"sigmoid"`` (DPO): :math:`-(1-\varepsilon)\log\sigma(\beta\Delta) - \varepsilon\log\sigma(-\beta\Delta)`,
-      ε = ``label_smoothing`` (conservative DPO; 0 gives plain DPO, ln 2 when policy == reference).
-    - ``"hinge"`` (SLiC): :math:`\max(0,\ 1 - \beta\Delta)`.
+    - ``"sigmoid"`` (DPO): :math:`-\log\sigma(z)`; ln 2 when policy == reference. Ignores ε, as TRL 1.16 does.
+    - ``"hinge"`` (SLiC): :math:`\max(0,\ 1 - z)`. Ignores ε.
     - ``"ipo"``: :math:`(r_c / |c| - r_r / |r| - \tfrac{1}{2\beta})^2` with completion lengths :math:`|c|, |r|`
-      (the length-normalised form TRL uses).
+      (the length-normalised form TRL uses). Ignores ε.
+    - ``"cdpo"`` (conservative DPO, labels flipped with probability ε):
+      :math:`-(1-\varepsilon)\log\sigma(z) - \varepsilon\log\sigma(-z)`; TRL <= 0.24's ``sigmoid``.
+    - ``"robust"`` (robust DPO, an unbiased loss under label noise ε):
+      :math:`\big(-(1-\varepsilon)\log\sigma(z) + \varepsilon\log\sigma(-z)\big) / (1 - 2\varepsilon)`.
+    - ``"exo_pair"`` (EXO): :math:`\mathrm{KL}\big((\sigma(z), \sigma(-z))\,\|\,(1-\varepsilon, \varepsilon)\big)`,
+      ε > 0.
 
-    The implicit rewards are ``beta * (logps - ref_logps)``.
+    Values equal TRL 1.16's ``DPOTrainer`` losses of the same names. The implicit rewards are
+    ``beta * (logps - ref_logps)``.
 
     Args:
         chosen_logps, rejected_logps: ``(B,)`` policy sequence log-probs of the chosen / rejected completions.
         ref_chosen_logps, ref_rejected_logps: ``(B,)`` the same under the reference model (no gradient needed).
         beta: ``> 0``, the strength of the implicit KL penalty.
-        loss_type: one of ``"sigmoid"``, ``"hinge"``, ``"ipo"``.
-        label_smoothing: ε in ``[0, 0.5)``, for ``"sigmoid"`` only.
+        loss_type: one of ``PREFERENCE_LOSS_TYPES``.
+        label_smoothing: ε in ``[0, 0.5)``, read by ``"cdpo"``, ``"robust"`` and ``"exo_pair"`` only
+            (``unused_label_smoothing`` gives the warning for the others).
         chosen_lengths, rejected_lengths: ``(B,)`` completion token counts, required for ``"ipo"``.
 
     Returns:
         ``(B,)`` losses, one per pair (take ``.mean()`` for the batch loss).
     """
     check_preference_args(beta, loss_type, label_smoothing)
-    if label_smoothing and loss_type != "sigmoid":
-        raise ValueError(
-            f"label_smoothing applies to loss_type='sigmoid' only; got loss_type={loss_type!r} with "
-            f"label_smoothing={label_smoothing}. Set label_smoothing=0."
-        )
     shapes = {tuple(t.shape) for t in (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)}
     if len(shapes) != 1 or chosen_logps.dim() != 1:
         raise ValueError(f"The four log-prob tensors must all have shape (B,), got {sorted(shapes)}.")
@@ -265,6 +304,15 @@ def preference_loss(
         ) - rejected_ratio / rejected_lengths.clamp(min=1).to(rejected_ratio.dtype)
         return (delta - 1.0 / (2.0 * beta)) ** 2
     logits = beta * (chosen_ratio - rejected_ratio)
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(logits)
     if loss_type == "hinge":
         return torch.relu(1.0 - logits)
-    return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    if loss_type == "cdpo":
+        return -(1.0 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    if loss_type == "robust":
+        return (-(1.0 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1.0 - 2.0 * eps)
+    # exo_pair: the KL from the model's pairwise preference (σ(z), σ(-z)) to the smoothed target (1 - ε, ε)
+    log_p, log_q = F.logsigmoid(logits), F.logsigmoid(-logits)
+    return log_p.exp() * (log_p - math.log1p(-eps)) + log_q.exp() * (log_q - math.log(eps))
