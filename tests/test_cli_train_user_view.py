@@ -5,7 +5,11 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import re
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -17,6 +21,7 @@ from test_cli_train import FAST
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.callbacks.sample_table import SampleTable, top1_agreement
 from lightning_gkd.cli.train import run
+from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.data.toy.preference import addition_preference_rows
 from lightning_gkd.ops.sampling import completion_batch, position_ids_from_mask
 
@@ -97,19 +102,91 @@ def test_sample_table_compares_dpo_against_its_reference(student, tokenizer, tmp
     assert len(table.history) == 2 and "top-1 agreement with reference" in capsys.readouterr().out
 
 
-def test_default_run_prints_the_sample_table_and_the_summary(tmp_path, capsys):
+def test_default_run_prints_the_sample_table_progress_lines_and_the_summary(tmp_path, capsys):
     result = run(compose_train(tmp_path, ["model=tiny", "experiment=debug", "print_config=false"]))
     out = capsys.readouterr().out
     assert "Samples at step 2 (greedy)" in out and "Samples at step 4 (greedy)" in out
+    # stdout is no terminal here (as in a SLURM log): a line per logged step (log_every_n_steps=1), the
+    # learning rate among its metrics, and one per validation
+    train_lines = re.findall(r"^step (\d)/4 \((\d+)%\) \| .* elapsed, .* left \| train/loss=\S+ train/lr=", out, re.M)
+    assert train_lines == [("1", "25"), ("2", "50"), ("3", "75"), ("4", "100")]
+    assert re.findall(r"^step (\d)/4 validation \| val/loss=\S+ val/accuracy=", out, re.M) == ["2", "4"]
     summary = out[out.index("== lightning_gkd summary ==") :]
     assert (
         f"steps: 4  fit time: {result['fit_seconds']:.1f}s  throughput: {result['tokens_per_sec']:.0f} tokens/s"
         f" ({result['trained_tokens']} completion tokens trained)" in summary
     )
-    assert summary.index("train/loss:") < summary.index("train/on_policy:")  # losses first
+    assert summary.index("train/loss:") < summary.index("train/on_policy_fraction:")  # losses first
+    # the last batch's 0/1 coin (train/on_policy) and the schedule's last rate are no results
+    assert "train/on_policy:" not in summary and "train/lr" not in summary
     assert "held-out accuracy (student after)" in summary
     assert f"trained model exported to: {tmp_path / 'run' / 'student'}" in summary
     assert result["trained_tokens"] > 0 and (tmp_path / "run" / "samples.jsonl").is_file()
+    with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:
+        rates = [float(row["train/lr"]) for row in csv.DictReader(handle) if row.get("train/lr")]
+    # experiment=debug: cosine with 20 warmup steps (of 4): 0, then lr/20 more each step
+    assert rates == pytest.approx([0.0, 5e-5, 1e-4, 1.5e-4])
+
+
+def test_a_run_shorter_than_val_check_interval_still_validates_and_checkpoints_at_its_end(tmp_path, capsys):
+    overrides = [*FAST, "model=tiny", "trainer.val_check_interval=50", "data.val_batch_size=8", "export=false"]
+    overrides += ["callbacks.held_out_eval=null", "callbacks.sample_table=null"]
+    result = run(compose_train(tmp_path, overrides))
+    out = capsys.readouterr().out
+    assert (
+        "trainer.val_check_interval=50 is more than trainer.max_steps=3: validating (and checkpointing) at step 3 "
+        "instead." in out
+    )
+    assert "val/loss" in result["metrics"] and re.search(r"^step 3/3 validation \| val/loss=", out, re.M)
+    with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:
+        assert [row["val/loss"] for row in csv.DictReader(handle) if row.get("val/loss")]
+    assert (tmp_path / "run" / "checkpoints" / "step3.ckpt").is_file()
+
+
+# What a default run printed before (each from a run of `lightning-gkd` on a log file): Lightning's _pytree
+# deprecation, its eval-mode warning for the teacher, its litlogger/litmodels tips, its log_every_n_steps warning
+# for a short epoch, datasets' and transformers' progress bars.
+SILENCED = (
+    "LeafSpec",
+    "module(s) in eval mode",
+    "💡 Tip",
+    "smaller than the logging interval",
+    "Generating train split",
+    "Loading weights",
+    "Writing model shards",
+)
+
+
+def test_a_run_on_a_log_file_prints_no_expected_noise(tmp_path):
+    rows = addition_rows("train", 8)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"messages": row["messages"]}) + "\n" for row in rows))
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "lightning-gkd"),
+            "model=tiny",
+            "data=chat_files",
+            f"data.train_data={data}",
+            f"data.val_data={data}",
+            "data.batch_size=4",  # an epoch of 2 steps, shorter than log_every_n_steps (4 after the clamp)
+            "trainer.max_steps=4",
+            "trainer.limit_val_batches=1",
+            "method.max_new_tokens=4",
+            "print_config=false",
+            "callbacks.sample_table=null",
+            f"paths.cache_dir={tmp_path}/c",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
+    assert [message for message in SILENCED if message in printed] == []
+    assert "step 4/4 (100%)" in result.stdout and "step 4/4 validation | val/loss=" in result.stdout
+    assert "GPU available: False, used: False" in printed  # Lightning's other information stays
 
 
 def test_tensorboard_logger_from_config(tmp_path):

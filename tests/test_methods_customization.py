@@ -69,8 +69,8 @@ def test_optimizer_scheduler_callbacks_and_metrics_from_config(tmp_path, capsys)
     # LearningRateMonitor names the column after the optimizer class; StepLR halves the rate every 2 steps.
     assert csv_column(tmp_path, "lr-SGD") == pytest.approx([0.04, 0.04, 0.02, 0.02])
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in printed if "train/loss=" in line] == [f"step {i}" for i in (1, 2, 3, 4)]
-    assert any(line.startswith("step 4: val/") and "val/rewards/accuracies=" in line for line in printed)
+    assert [line.split(" (")[0] for line in printed if "train/loss=" in line] == [f"step {i}/4" for i in (1, 2, 3, 4)]
+    assert any(line.startswith("step 4/4 validation | val/") and "val/rewards/accuracies=" in line for line in printed)
     assert 0.0 <= result["metrics"]["val/exact_match"] <= 1.0
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()  # the default callbacks are still there
 
