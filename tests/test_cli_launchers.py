@@ -1,4 +1,5 @@
-"""Scale-out launchers: Hydra's submitit launcher (hydra/launcher=slurm|local) and scripts/slurm/train.sbatch.
+"""Scale-out launchers: Hydra's submitit launcher (hydra/launcher=slurm|local) and the shipped sbatch script
+(lightning_gkd/assets/slurm/train.sbatch, what `lightning-gkd-sbatch` prints).
 
 No SLURM cluster here: the SLURM launcher is checked through the sbatch script submitit renders from our config,
 the local launcher by a real multirun, and the sbatch script by running it with a fake `srun` (runs its
@@ -23,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
 ROOT = Path(__file__).parents[1]
-SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+SBATCH = ROOT / "lightning_gkd" / "assets" / "slurm" / "train.sbatch"
 FAST = [
     "trainer.max_steps=2",
     "trainer.val_check_interval=2",
@@ -93,7 +94,7 @@ def submitit_conf():
 
 
 @pytest.mark.multiprocess
-def test_local_submitit_multirun_runs_every_job(tmp_path):
+def test_local_submitit_multirun_runs_every_job(tmp_path, monkeypatch):
     result = subprocess.run(
         [
             sys.executable,
@@ -113,8 +114,8 @@ def test_local_submitit_multirun_runs_every_job(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
-    jobs = sorted(path for path in sweep.iterdir() if path.name.isdigit())
-    assert [job.name for job in jobs] == ["0", "1"]
+    jobs = sorted(path for path in sweep.iterdir() if (path / ".hydra").is_dir())
+    assert [job.name for job in jobs] == ["0_method.beta=0", "1_method.beta=1"]  # named by the swept key
     for job, beta in zip(jobs, [0, 1], strict=True):
         assert OmegaConf.load(job / ".hydra" / "config.yaml").method.beta == beta
         assert (job / "student" / "model.safetensors").is_file()
@@ -122,10 +123,19 @@ def test_local_submitit_multirun_runs_every_job(tmp_path):
         assert (job / "checkpoints" / "last.ckpt").is_file()
     submitted = sorted(sweep.glob(".submitit/*/*_submitted.pkl"))
     assert len(submitted) == 2  # each sweep point ran as its own submitit job
+    # each job wrote its result in its own process; the launching process summarized and printed them
+    with open(sweep / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["job"], row["method.beta"], row["status"], row["steps"]) for row in rows] == [
+        ("0", "0", "finished", "2"),
+        ("1", "1", "finished", "2"),
+    ]
+    assert "== lightning_gkd sweep summary" in result.stdout and "| 1 | 1 | finished | 2 |" in result.stdout
 
     # A requeued job re-runs its pickled submission later: it must land in the same job directory (the sweep
     # dir's ${now:...} was resolved at submission and its cache travels in the pickle).
     time.sleep(1.1)
+    monkeypatch.chdir(tmp_path)  # where the requeued job runs (the sweep folder's multirun.yaml names the swept keys)
     from hydra.core.singleton import Singleton
     from hydra.core.utils import setup_globals
 

@@ -242,12 +242,11 @@ def test_sigterm_and_resume_with_sampler_vllm_repeats_the_uninterrupted_run(tmp_
     run(compose("a_full", []))
     sigterm = ["+callbacks.sigterm._target_=test_training_exact_resume.SigtermAt", "+callbacks.sigterm.step=3"]
     run(compose("b_stopped", sigterm))
-    run(compose("c_resumed", ["ckpt_path=last"]))
     runs = tmp_path / "outputs" / "runs"
+    assert sorted(per_step(runs / "b_stopped", "train/loss")) == [0, 1, 2]
+    run(compose("c_resumed", ["ckpt_path=last"]))  # continues in b_stopped, its run folder
     for key in ("train/loss", "train/on_policy"):
-        first, resumed = per_step(runs / "b_stopped", key), per_step(runs / "c_resumed", key)
-        assert sorted(first) == [0, 1, 2] and sorted(resumed) == [3, 4, 5]
-        assert {**first, **resumed} == per_step(runs / "a_full", key), key
+        assert per_step(runs / "b_stopped", key) == per_step(runs / "a_full", key), key
     assert 0 < sum(per_step(runs / "a_full", "train/on_policy").values()) < 6  # both sources occur
 
 

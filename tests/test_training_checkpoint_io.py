@@ -134,7 +134,12 @@ def test_no_pickle_loading_anywhere_in_the_package():
             r"torch\.load\((?![^)]*"
             r"weights_only\s*=\s*True)",
         ):
-            offending += [f"{path.name}: {m.group(0)}" for m in re.finditer(pattern, text)]
+            offending += [
+                f"{path.name}: {m.group(0)}"
+                for m in re.finditer(pattern, text)
+                # saving the full state (Trainer.save_checkpoint(..., weights_only=False)) is not loading
+                if "save_checkpoint(" not in text[text.rfind("\n", 0, m.start()) + 1 : m.start()]
+            ]
     assert offending == []
 
 

@@ -1,7 +1,11 @@
 """Lightning callbacks, one file each; add them from Hydra with ``callbacks=[default,<name>]``.
 
-- ``PrintMetricsCallback`` (print_metrics): the logged metrics on the console.
-- ``SignalCheckpoint`` (in ``default``): on SIGTERM/SIGUSR1, finish the step, save, stop cleanly.
+- ``StepProgressBar`` (in ``default``): a bar in optimizer steps on a terminal, ``PrintMetricsCallback``'s lines
+  elsewhere (``print_metrics``: on a terminal too).
+- ``PrintMetricsCallback``: progress and the logged metrics as plain lines.
+- ``LearningRateLogger`` (in ``default``): ``train/lr``, at the logged steps.
+- ``SignalCheckpoint`` (in ``default``): on SIGTERM/SIGUSR1 or a first Ctrl-C, finish the step, save, stop cleanly
+  (a second Ctrl-C aborts at once).
 - ``HeldOutEvaluation`` (in ``default``): greedy held-out scores of the teacher and the student before/after.
 - ``SampleTable`` (in ``default``): greedy samples and teacher agreement every few steps.
 - ``HFExportCallback`` (hf_export): a Hugging Face export beside each checkpoint.
@@ -9,15 +13,18 @@
 
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
 from lightning_gkd.callbacks.hf_export import HFExportCallback
+from lightning_gkd.callbacks.learning_rate import LearningRateLogger
 from lightning_gkd.callbacks.print_metrics import PrintMetricsCallback
 from lightning_gkd.callbacks.sample_table import SampleTable
 from lightning_gkd.callbacks.signal_checkpoint import SignalCheckpoint
+from lightning_gkd.callbacks.step_progress import StepProgressBar
 
 __all__ = [
     "HFExportCallback",
     "HeldOutEvaluation",
+    "LearningRateLogger",
     "PrintMetricsCallback",
     "SampleTable",
-    "SamplerShutdown",
     "SignalCheckpoint",
+    "StepProgressBar",
 ]
