@@ -123,7 +123,7 @@ def test_command_line_entry_points(tmp_path, launcher):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "== lightning_gkd summary ==" in result.stdout and "train/on_policy: 1.0000" in result.stdout
+    assert "== lightning_gkd summary ==" in result.stdout and "train/on_policy_fraction: 1.0000" in result.stdout
     assert "seed: 42" in result.stdout and "lmbda: 1.0" in result.stdout  # the composed config is printed
     assert (tmp_path / "run" / "student" / "model.safetensors").is_file()
     card = (tmp_path / "run" / "student" / "README.md").read_text()  # the model card of the default run

@@ -341,7 +341,7 @@ def test_the_datamodule_trains_on_all_turns_and_validates_on_the_last(tokenizer)
 
 
 def test_all_turns_needs_a_template_that_renders_prefixes_as_the_start_of_the_whole(tokenizer):
-    from lightning_gkd.data.tokenizer import CHATML_TEMPLATE, build_chatml_tokenizer
+    from lightning_gkd.data.tokenizer import CHATML_TEMPLATE
 
     tok = build_chatml_tokenizer()
     # like templates that drop the reasoning of earlier turns: the final assistant message renders differently
@@ -382,3 +382,15 @@ def test_all_turns_matches_trl_assistant_only_loss(tokenizer, student, tmp_path)
         ours = ChatMLCollator(tokenizer, assistant_turns="all")([row])
         assert ours["input_ids"][0].tolist() == trl[index]["input_ids"]
         assert ours["labels"][0].tolist() == trl[index]["labels"]
+
+
+def test_a_chat_template_can_be_a_jinja_file(tmp_path, toy_rows):
+    from lightning_gkd.data.tokenizer import CHATML_TEMPLATE
+
+    bare = build_chatml_tokenizer()
+    bare.chat_template = None
+    (tmp_path / "chatml.jinja").write_text(CHATML_TEMPLATE)
+    data = ChatDataModule(bare, toy_rows["train"], chat_template=str(tmp_path / "chatml.jinja"))
+    assert data.tokenizer.chat_template == CHATML_TEMPLATE
+    with pytest.raises(FileNotFoundError, match=r"chat_template file '.*missing.jinja' does not exist"):
+        ChatDataModule(build_chatml_tokenizer(), toy_rows["train"], chat_template=str(tmp_path / "missing.jinja"))

@@ -119,3 +119,33 @@ def test_the_hub_is_unreachable_under_hf_hub_offline(monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert hub_reachable() is False
+
+
+def test_source_vocab_size_reads_the_config_without_loading_weights(student, tmp_path, monkeypatch):
+    from lightning_gkd.models.loading import source_vocab_size
+
+    student.save_pretrained(tmp_path / "student")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    size = student.get_output_embeddings().weight.shape[0]
+    assert source_vocab_size({"name_or_path": str(tmp_path / "student")}) == size
+    assert source_vocab_size(str(tmp_path / "student")) == size
+    assert source_vocab_size(student) == size
+    assert source_vocab_size({"config": {"model_type": "llama", "vocab_size": 50}}) == 50
+    assert source_vocab_size({"config": {"model_type": "gpt2"}}) == 50257  # the family's default
+    assert source_vocab_size(str(tmp_path / "missing")) is None  # load_causal_lm names the missing folder
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_training(tokenizer, student):
+    from lightning_gkd import SFTModule
+    from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+    from lightning_gkd.models.loading import check_tokenizer_fits
+
+    check_tokenizer_fits(tokenizer, len(tokenizer))  # equal: fine
+    check_tokenizer_fits(tokenizer, len(tokenizer) + 100)  # a padded vocabulary: fine
+    bigger = build_chatml_tokenizer()
+    bigger.add_tokens(["<tool>", "</tool>", "<think>"])
+    with pytest.raises(ValueError, match=r"has 262 tokens but the student's vocabulary has 259: token ids 259 and up"):
+        check_tokenizer_fits(bigger, 259)
+    # The module says so at construction instead of an IndexError in the sanity check.
+    with pytest.raises(ValueError, match=r"has 262 tokens but the model's vocabulary has 259"):
+        SFTModule(student, bigger)

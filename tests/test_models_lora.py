@@ -199,11 +199,12 @@ def test_a_frozen_model_sharing_the_students_lora_spec_is_the_base_model(tmp_pat
     from helpers.hydra_compose import compose_train
     from hydra.utils import instantiate
 
+    from lightning_gkd.cli import tokenizer_source
     from lightning_gkd.data.tokenizer import load_tokenizer
 
     cfg = compose_train(tmp_path, ["method=dpo", "model.student.lora.r=4"])
     assert cfg.method.reference.lora.r == 4  # the spec really is shared
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_source(cfg.model))
     module = instantiate(cfg.method, tokenizer=tokenizer, _convert_="all")
     assert any("lora_" in name for name, _ in module.model.named_parameters())
     assert not any("lora_" in name for name, _ in module.reference.named_parameters())

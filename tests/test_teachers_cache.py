@@ -172,6 +172,8 @@ def test_the_reader_refuses_what_does_not_match(tmp_path, built, tokenizer, rows
         match=r"over 96 rows \(training, then validation\) of fingerprint [0-9a-f]{32}; the data has 95 rows",
     ):
         cache.check_datamodule(ChatDataModule(tokenizer, rows[1:], max_length=MAX_LENGTH))
+    with pytest.raises(ValueError, match=r"last assistant turn, but data.assistant_turns='all' trains on every"):
+        cache.check_datamodule(ChatDataModule(tokenizer, rows, max_length=MAX_LENGTH, assistant_turns="all"))
     edited = [*rows[:-1], {"messages": [*rows[-1]["messages"][:-1], {"role": "assistant", "content": "0"}]}]
     with pytest.raises(ValueError, match="the data has 96 rows of fingerprint"):
         cache.check_datamodule(ChatDataModule(tokenizer, edited, max_length=MAX_LENGTH))

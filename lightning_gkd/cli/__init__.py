@@ -1,5 +1,8 @@
 """Command-line entry points: ``lightning-gkd`` (Hydra: build -> fit -> finish) and the hub push."""
 
+from collections.abc import Mapping
+from typing import Any
+
 
 def put_launch_folder_on_path() -> None:
     """Make modules in the folder a command was started from importable, as ``python -m`` does: a console script
@@ -11,3 +14,17 @@ def put_launch_folder_on_path() -> None:
     folder = os.getcwd()
     if folder not in sys.path and "" not in sys.path:
         sys.path.insert(0, folder)
+
+
+def tokenizer_source(model: Mapping[str, Any]) -> str:
+    """The tokenizer of a ``model:`` config: ``model.tokenizer``, or when it is null the student's own folder or hub id
+    (so overriding ``model.student.name_or_path`` alone never pairs the new student with the old model's tokenizer)."""
+    if model.get("tokenizer"):
+        return str(model["tokenizer"])
+    student = model.get("student")
+    if isinstance(student, Mapping) and student.get("name_or_path"):
+        return str(student["name_or_path"])
+    raise ValueError(
+        "model.tokenizer is null and the student has no name_or_path to take its tokenizer from (it is built from a "
+        "config): set model.tokenizer=<tokenizer folder or hub id>."
+    )

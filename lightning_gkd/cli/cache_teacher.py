@@ -18,12 +18,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_gkd.conf  # noqa: F401  (registers the ${asset:...} resolver for configs composed here)
-from lightning_gkd.cli import put_launch_folder_on_path
+from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
 from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import load_frozen_causal_lm
-from lightning_gkd.teachers.cache import data_fingerprint, teacher_identity
+from lightning_gkd.teachers.cache import data_fingerprint, refuse_every_assistant_turn, teacher_identity
 from lightning_gkd.teachers.cache_build import CacheBuildReport, build_teacher_cache_report
 from lightning_gkd.teachers.teacher_completions import cached_teacher_completions, teacher_completion_rows
 
@@ -46,7 +46,8 @@ def run(cfg: DictConfig) -> CacheBuildReport:
     check_cache_config(cfg.cache)
     if cfg.model.get("build"):
         instantiate(cfg.model.build)
-    datamodule = instantiate(cfg.data, tokenizer=load_tokenizer(cfg.model.tokenizer), _convert_="all")
+    datamodule = instantiate(cfg.data, tokenizer=load_tokenizer(tokenizer_source(cfg.model)), _convert_="all")
+    refuse_every_assistant_turn(datamodule)
     datamodule.setup("fit")
     trainer = instantiate(
         cfg.trainer, callbacks=[], logger=False, enable_checkpointing=False, use_distributed_sampler=False

@@ -5,6 +5,7 @@ lightning-gkd [overrides...]      # or: python -m lightning_gkd.cli.train [overr
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,20 +13,28 @@ from typing import Any
 
 import hydra
 import lightning as L
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_gkd.conf  # noqa: E402,F401  (registers the ${asset:...} resolver for configs composed here)
-from lightning_gkd.cli import put_launch_folder_on_path
+from lightning_gkd.callbacks.signal_checkpoint import SIGINT_EXIT_STATUS
+from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
 from lightning_gkd.cli.hub import check_push_settings, push_folder
+from lightning_gkd.cli.sweep import in_multirun, record_job
+from lightning_gkd.cli.toy_defaults import warn_toy_defaults
+from lightning_gkd.cli.trainer_setup import check_logger_packages, close_loggers, prepare_trainer
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.model_card import describe_data
+from lightning_gkd.methods.base import check_data_format
+from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
 from lightning_gkd.ops.hf import float32_matmul_precision, is_peft_model
 from lightning_gkd.teachers.base import TeacherUnavailable
-from lightning_gkd.training.checkpoint_io import require_checkpoint, use_safe_checkpoint_io
-from lightning_gkd.training.resume import resolve_ckpt_path
+from lightning_gkd.training.checkpoint_io import use_safe_checkpoint_io
+from lightning_gkd.training.quiet import quiet_run
+from lightning_gkd.training.resume import checkpoint_step, continue_csv_logs, fold_launch_folder, plan_resume
+from lightning_gkd.training.run_record import RunRecord
 
 
 @rank_zero_only
@@ -58,22 +67,37 @@ class Run:
     module: Any  # a CausalLMModule (GKDModule, DPOModule, SFTModule or a user's subclass)
     trainer: L.Trainer
     ckpt_path: str | None
+    record: RunRecord | None = None  # <run>/run.json: written when the fit starts and ends (training/run_record.py)
+
+
+def build_data(cfg: DictConfig) -> Any:
+    """The tokenizer (``model.tokenizer``, else the student's own) and the datamodule, loaded and checked before any
+    model loads, and before the loggers set up their folders (the CSV logger deletes an old metrics.csv there): the
+    rows against the method's kind (chat or preference), the tokenizer against the student's vocabulary (its
+    config.json only). Warns first about toy-tuned values meeting a real student."""
+    if cfg.model.get("build"):
+        instantiate(cfg.model.build)
+    warn_toy_defaults(cfg)
+    datamodule = instantiate(cfg.data, tokenizer=load_tokenizer(tokenizer_source(cfg.model)), _convert_="all")
+    check_data_format(get_object(cfg.method._target_), datamodule)
+    datamodule.setup("fit")
+    trained = cfg.method.get("student") or cfg.method.get("model")
+    if isinstance(trained, DictConfig):
+        trained = OmegaConf.to_container(trained, resolve=True)
+    if isinstance(trained, (str, dict)):
+        check_tokenizer_fits(datamodule.tokenizer, source_vocab_size(trained, role="student"))
+    return datamodule
 
 
 def build(cfg: DictConfig) -> Run:
     """Check what can be checked before any model loads, then instantiate data, method, trainer and callbacks."""
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)  # "last": the latest earlier run
-    if ckpt_path:
-        require_checkpoint(ckpt_path)  # before loading any model
-        print(f"resuming from {ckpt_path}", flush=True)
+    # ckpt_path=last (checked against the run's record), and a resume continues in the checkpoint's run folder
+    ckpt_path, record = plan_resume(cfg)
     if cfg.get("push_to_hub"):
         if not cfg.get("export"):
             raise ValueError("push_to_hub=true uploads the exported student: set export=true.")
         check_push_settings(cfg.get("hub_model_id"))  # before training, not after
-    if cfg.model.get("build"):
-        instantiate(cfg.model.build)
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
-    datamodule = instantiate(cfg.data, tokenizer=tokenizer, _convert_="all")
+    datamodule = build_data(cfg)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(
         cfg.method,
@@ -82,28 +106,37 @@ def build(cfg: DictConfig) -> Run:
         scheduler=scheduler,
         _convert_="all",
     )
-    # Load and check the data now: an error raised inside fit comes after the loggers have set up their folders
-    # (the CSV logger deletes an old metrics.csv there).
-    datamodule.setup("fit")
     if hasattr(module, "check_datamodule"):
         module.check_datamodule(datamodule)
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    logger = prepare_trainer(cfg)  # val_check_interval/log_every_n_steps clamped to max_steps; the loggers
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=logger)
     use_safe_checkpoint_io(trainer)  # weights-only loading, atomic checkpoint writes, clear errors
-    return Run(datamodule, module, trainer, ckpt_path)
+    return Run(datamodule, module, trainer, ckpt_path, record)
 
 
 def fit(run: Run) -> dict[str, Any]:
-    """``trainer.fit``; a SIGTERM/SIGUSR1 stop (the step finished and SignalCheckpoint saved it) is an outcome,
-    not an error. Returns the run's figures and what its callbacks report (``run_summary()``)."""
+    """``trainer.fit``; a SIGTERM/SIGUSR1/Ctrl-C stop (the step finished and SignalCheckpoint saved it) is an
+    outcome, not an error. Records the fit in the run's ``run.json``. Returns the run's figures and what its
+    callbacks report (``run_summary()``)."""
     started = time.perf_counter()
+    if run.record is not None:
+        run.record.started()
+    if run.ckpt_path:  # resuming into a run folder: its metrics.csv continues
+        continue_csv_logs(run.trainer.loggers, checkpoint_step(run.ckpt_path))
+    status = "interrupted"  # a second Ctrl-C (Lightning exits) unless one of the outcomes below
     try:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path, weights_only=True)
-        stopped_by_signal, teacher_unavailable = False, None
+        stopped_by_signal, teacher_unavailable, status = False, None, "finished"
     except SIGTERMException:
-        stopped_by_signal, teacher_unavailable = True, None
+        stopped_by_signal, teacher_unavailable, status = True, None, "stopped"
     except TeacherUnavailable as error:  # TeacherOutage saved checkpoints/last.ckpt at the last finished step
-        stopped_by_signal, teacher_unavailable = False, str(error)
+        stopped_by_signal, teacher_unavailable, status = False, str(error), "stopped"
+    except Exception:
+        status = "failed"
+        raise
+    finally:
+        if run.record is not None:
+            run.record.ended(status, run.trainer.global_step)
     result: dict[str, Any] = {
         "metrics": {key: float(value) for key, value in run.trainer.callback_metrics.items()},
         "global_step": run.trainer.global_step,
@@ -117,6 +150,8 @@ def fit(run: Run) -> dict[str, Any]:
         "teacher_unavailable": teacher_unavailable,
         "resumed_from": run.ckpt_path,
         "resume_from": None,
+        "stop_signal": None,
+        "run_dir": str(run.record.run_dir) if run.record is not None else None,
         "held_out": {},
     }
     for callback in run.trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
@@ -149,12 +184,20 @@ def finish(cfg: DictConfig, run: Run, result: dict[str, Any]) -> dict[str, Any]:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says (build -> fit -> finish); return the final metrics and where the student went."""
+    check_logger_packages(cfg.get("logger"))  # logger=wandb|mlflow without its package: before any model loads
     if cfg.get("print_config"):
         print_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    with float32_matmul_precision(cfg.get("float32_matmul_precision")):  # restored after the run (tests, notebooks)
+    # Both restored after the run (tests, notebooks); quiet_run drops the warnings and bars a run expects.
+    with float32_matmul_precision(cfg.get("float32_matmul_precision")), quiet_run():
         built = build(cfg)
-        return finish(cfg, built, fit(built))
+        failed = True
+        try:
+            result = finish(cfg, built, fit(built))
+            failed = False
+            return result
+        finally:
+            close_loggers(built.trainer.loggers, failed=failed)  # a W&B run ends with its job
 
 
 def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
@@ -179,6 +222,11 @@ def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
+# Not in the summary: the throughput line has it; a schedule's last value; GKD's last-batch coin (the fraction is
+# shown).
+SUMMARY_HIDDEN = {"train/tokens_per_sec", "train/lr", "train/on_policy"}
+
+
 @rank_zero_only
 def print_summary(result: dict[str, Any]) -> None:
     """Steps, time, throughput, final losses and metrics, held-out scores, and where the student went."""
@@ -190,7 +238,7 @@ def print_summary(result: dict[str, Any]) -> None:
     metrics = {
         name: value
         for name, value in result["metrics"].items()
-        if not name.startswith("test/") and name != "train/tokens_per_sec"
+        if not name.startswith("test/") and name not in SUMMARY_HIDDEN
     }
     losses = sorted(name for name in metrics if name.endswith("/loss"))
     lines += [f"{name}: {metrics[name]:.4f}" for name in losses + sorted(set(metrics) - set(losses))]
@@ -200,10 +248,14 @@ def print_summary(result: dict[str, Any]) -> None:
     if result.get("teacher_unavailable"):
         lines.append(f"stopped: the teacher server stayed unavailable ({result['teacher_unavailable']}); not exported")
     if result["stopped_by_signal"]:
-        lines.append("stopped by a signal before the end: not exported")
+        signal_name = result.get("stop_signal") or "a signal"
+        how = "Ctrl-C (SIGINT)" if signal_name == "SIGINT" else signal_name
+        lines.append(f"stopped by {how} after step {result['global_step']}, before the end: not exported")
     if result["stopped_by_signal"] or result.get("teacher_unavailable"):
         if result["resume_from"]:
-            lines.append(f"resume with: ckpt_path={result['resume_from']}")
+            lines.append(f"resume with: ckpt_path={result['resume_from']}  (or ckpt_path=last)")
+    if result.get("resumed_from"):
+        lines.append(f"resumed from: {result['resumed_from']} (run folder: {result.get('run_dir')})")
     if result["student_dir"]:
         lines.append(f"trained model exported to: {result['student_dir']}")
     if result.get("merged_dir"):
@@ -214,10 +266,26 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """The ``lightning-gkd`` command. Exit status: 0 when trained (or stopped by SIGTERM/SIGUSR1 with a checkpoint
+    saved), 130 after a Ctrl-C (a checkpoint saved on the first one), 1 when the teacher server stayed down or the
+    run failed. Returns ``run``'s result (a multirun's SweepSummary reads it)."""
     put_launch_folder_on_path()  # before anything is instantiated from the config
-    if run(cfg).get("teacher_unavailable"):
-        raise SystemExit(1)  # a failed run for schedulers and shells; the summary says how to resume
+    launched_in = Path(cfg.paths.output_dir)  # the folder Hydra made; a resume moves the run to its own folder
+    try:
+        result = run(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before training started (inside fit, Lightning and SignalCheckpoint see it)
+        print("\nCtrl-C before training started: stopped; nothing to save.", file=sys.stderr, flush=True)
+        record_job(error=KeyboardInterrupt("Ctrl-C before training started"))
+        raise SystemExit(SIGINT_EXIT_STATUS) from None
+    if not in_multirun():
+        fold_launch_folder(launched_in, Path(cfg.paths.output_dir))  # Hydra's files of a resume join the run
+    if result.get("stop_signal") == "SIGINT" or result.get("teacher_unavailable"):
+        record_job(result)  # a multirun job: Hydra does not see this end as a job's end
+        # Ctrl-C: 130, as shells report it, so `lightning-gkd ... && next-step` stops; a teacher outage is a failed
+        # run for schedulers and shells. The summary says how to resume either.
+        raise SystemExit(SIGINT_EXIT_STATUS if result.get("stop_signal") == "SIGINT" else 1)
+    return result
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import datasets
@@ -103,20 +104,31 @@ class ChatMLCollator:
 log = logging.getLogger(__name__)
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as its Jinja text, or as the path of a ``.jinja`` file holding it."""
+    if value.endswith(".jinja"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"chat_template file {value!r} does not exist.")
+        return path.read_text()
+    return value
+
+
 def prepare_tokenizer(
     tokenizer: PreTrainedTokenizerBase | str, chat_template: str | None = None, *, require_chat_template: bool = True
 ) -> PreTrainedTokenizerBase:
-    """Load the tokenizer if given by name, set ``chat_template`` if given, and fall back to EOS for padding.
-    ``require_chat_template=False`` (preference data, whose rows may be plain text) skips the template check."""
+    """Load the tokenizer if given by name, set ``chat_template`` if given (the Jinja text, or the path of a
+    ``.jinja`` file holding it), and fall back to EOS for padding. ``require_chat_template=False`` (preference data,
+    whose rows may be plain text) skips the template check."""
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)
     if chat_template is not None:
-        tokenizer.chat_template = chat_template
+        tokenizer.chat_template = read_chat_template(chat_template)
     if require_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"The tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has "
-            "no chat template. Pass one with ChatDataModule(chat_template=...) "
-            "(Hydra: data.chat_template=...), e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE."
+            "no chat template. Pass one with ChatDataModule(chat_template=...), e.g. "
+            "lightning_gkd.data.tokenizer.CHATML_TEMPLATE (Hydra: data.chat_template=<a .jinja file>)."
         )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:

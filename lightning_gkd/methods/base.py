@@ -20,10 +20,12 @@ from lightning_gkd.evaluation.model_card import describe_source
 from lightning_gkd.methods.legacy import LegacyLossHook
 from lightning_gkd.models.loading import (
     ModelSource,
+    check_tokenizer_fits,
     dtype_chosen,
     enable_gradient_checkpointing,
     load_causal_lm,
     load_frozen_causal_lm,
+    vocab_size,
 )
 from lightning_gkd.models.loading import disable_dropout as disable_dropout_in
 from lightning_gkd.models.precision import check_frozen_dtype, frozen_model_dtype, is_quantized
@@ -34,11 +36,13 @@ from lightning_gkd.training.export import export_module
 from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFinitePolicy
 from lightning_gkd.training.normalization import LossNormalization, StepTokenNormalizer, supervised_positions
 from lightning_gkd.training.optimizers import adamw, amp_clipping, build_optimizer
+from lightning_gkd.training.quiet import ignore_frozen_eval_warning
 from lightning_gkd.training.throughput import TokenThroughput
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "CausalLMModule",
+    "check_data_format",
     "NonFinitePolicy",
     "OptimizerFactory",
     "SchedulerFactory",
@@ -48,6 +52,31 @@ __all__ = [
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+_DATA_FORMATS = {
+    "chat": "chat rows (ChatDataModule: 'messages', or 'prompt'/'completion'; Hydra: data=chat_files, data=hub)",
+    "preference": "preference pairs (PreferenceDataModule: 'prompt', 'chosen', 'rejected'; Hydra: "
+    "data=preference_files, data=toy_preference)",
+}
+_METHODS_FOR = {"chat": "method=gkd, method=opd or method=sft", "preference": "method=dpo"}
+
+
+def check_data_format(method: Any, datamodule: Any) -> None:
+    """The method (a module or its class) and the datamodule must agree on the kind of rows: ``data_format``
+    ``"chat"`` (GKD, OPD, SFT) or ``"preference"`` (DPO). A datamodule that declares none is not checked.
+    ValueError naming both and what to use instead: GKD would otherwise train on both sides of each preference pair,
+    and DPO fail at its first step."""
+    needed = getattr(method, "data_format", None)
+    given = getattr(datamodule, "data_format", None)
+    if needed is None or given is None or needed == given:
+        return
+    name = method.__name__ if isinstance(method, type) else type(method).__name__
+    raise ValueError(
+        f"{name} trains on {_DATA_FORMATS.get(needed, needed)}, but the datamodule "
+        f"({type(datamodule).__name__}) holds {_DATA_FORMATS.get(given, given)}. Use {_METHODS_FOR.get(given, '')} "
+        f"for this data, or data for {name}: {_DATA_FORMATS.get(needed, needed)}."
+    )
 
 
 def require_lm_module(pl_module: L.LightningModule, user: str) -> CausalLMModule:
@@ -84,6 +113,8 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
 
     frozen_names: tuple[str, ...] = ()
     model_role = "model"  # what errors call the trainable model ("student", "policy")
+    #: The rows this method trains on, matched against a datamodule's ``data_format`` (``check_data_format``).
+    data_format = "chat"
     loss_hook = "completion_loss"  # the name of the method's loss on a batch's completions (GKD: distillation_loss)
     causal_lm_logits = staticmethod(causal_lm_logits)
 
@@ -114,6 +145,7 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         # from_pretrained returns eval-mode models; Lightning keeps module modes as found, so set train mode here.
         self.model: nn.Module = load_causal_lm(model, trust_remote_code=trust_remote_code, role=self.model_role).train()
+        check_tokenizer_fits(self.tokenizer, vocab_size(self.model), role=self.model_role)
         if disable_dropout:
             disable_dropout_in(self.model)
         if gradient_checkpointing:
@@ -208,25 +240,30 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
 
     # -- checks before training -----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        # The frozen models' dtype for every stage: trainer.validate/test score with the teacher training used.
+        dtype = frozen_model_dtype(self.frozen_dtype, str(self.trainer.precision), self.trainer.strategy.root_device)
+        for name, model in self.frozen_models().items():
+            chosen = self.frozen_dtype == "auto" and name not in self._frozen_dtype_open
+            if dtype is not None and not chosen and not is_quantized(model):
+                model.to(dtype)
         if stage != "fit":
             return
         self.nonfinite_guard.check_world_size(self.trainer.world_size)
         datamodule = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
         if datamodule is not None:
             self.check_datamodule(datamodule)
-        dtype = frozen_model_dtype(self.frozen_dtype, str(self.trainer.precision), self.trainer.strategy.root_device)
-        for name, model in self.frozen_models().items():
-            chosen = self.frozen_dtype == "auto" and name not in self._frozen_dtype_open
-            if dtype is not None and not chosen and not is_quantized(model):
-                model.to(dtype)
         self.nonfinite_guard.watch({self.model_role: self.model, **self.frozen_models()})
+        ignore_frozen_eval_warning(self)  # Lightning's "N module(s) in eval mode": exactly our frozen models' N
 
     def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
         """The data checks that depend on this module's settings (a datamodule with ``check_completions``, as
         ``ChatDataModule``); ``setup`` runs them. Call it before ``trainer.fit`` to fail before the trainer creates
         any output."""
+        if datamodule is self._checked_datamodule:
+            return
+        check_data_format(self, datamodule)
         check = getattr(datamodule, "check_completions", None)
-        if not callable(check) or datamodule is self._checked_datamodule:
+        if not callable(check):
             return
         datamodule.setup("fit")
         check(self.completion_requirement())

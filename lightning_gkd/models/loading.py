@@ -203,6 +203,62 @@ def check_same_vocab(student: nn.Module, teacher: nn.Module, *, teacher_role: st
         )
 
 
+def source_vocab_size(source: ModelSource, *, role: str = "model") -> int | None:
+    """The vocabulary size ``source`` will have once loaded, read without loading any weights: a module's output
+    rows, a config's ``vocab_size``, or the ``config.json`` of a folder or hub id (the hub's small config file only;
+    an unreachable hub id fails as ``load_causal_lm`` would). None when it cannot be told."""
+    if isinstance(source, nn.Module):
+        return vocab_size(source)
+    config: Any = source
+    trust_remote_code, revision = False, None
+    if isinstance(source, Mapping):
+        config = source.get("config")
+        trust_remote_code = bool(source.get("trust_remote_code", False))
+        revision = (source.get("init_kwargs") or {}).get("revision")
+        if config is None:
+            config = source.get("name_or_path")
+        elif isinstance(config, Mapping):
+            config = dict(config)
+            if "vocab_size" in config:
+                return int(config["vocab_size"])
+            if "model_type" not in config:
+                return None
+            config = AutoConfig.for_model(config.pop("model_type"), **config)
+    if isinstance(config, (str, os.PathLike)):
+        name = str(config)
+        folder = Path(name).expanduser()
+        if folder.is_dir():
+            if not (folder / "config.json").is_file():
+                return None
+            name = str(folder)
+        elif name.startswith((".", "/", "~")) or name.count("/") > 1:
+            return None  # load_causal_lm raises the missing-folder error itself
+        else:
+            check_hub_id_reachable(role, name, revision)
+        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    if not isinstance(config, PretrainedConfig):
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text_config, "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+def check_tokenizer_fits(tokenizer: Any, model_vocab_size: int | None, *, role: str = "student") -> None:
+    """Every token id the tokenizer can produce must index a row of the model's embeddings: ``len(tokenizer)`` at
+    most the model's vocabulary size (a larger model vocabulary, padded for speed, is normal). ValueError otherwise."""
+    if model_vocab_size is None:
+        return
+    size = len(tokenizer)
+    if size > model_vocab_size:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(
+            f"The tokenizer ({name!r}) has {size} tokens but the {role}'s vocabulary has {model_vocab_size}: token "
+            f"ids {model_vocab_size} and up would index past its embeddings. Use the {role}'s own tokenizer (Hydra: "
+            "leave model.tokenizer null, it then comes from the student's folder or hub id), or a model whose "
+            "vocabulary covers this tokenizer."
+        )
+
+
 def dtype_chosen(source: ModelSource) -> bool:
     """Whether a model source fixes its own dtype: a built module, or a spec with a dtype other than ``auto``."""
     if isinstance(source, nn.Module):

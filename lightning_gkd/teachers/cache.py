@@ -350,7 +350,8 @@ class CacheTeacher:
 
     def check_datamodule(self, datamodule: Any) -> None:
         """The data must be what the cache was built over: ``max_length`` and the fingerprint of the training then
-        validation rows (``lightning_gkd.data.rows.fit_rows``)."""
+        validation rows (``lightning_gkd.data.rows.fit_rows``), each row's last assistant turn."""
+        refuse_every_assistant_turn(datamodule)
         max_length = getattr(datamodule, "max_length", None)
         if max_length != self.manifest["max_length"]:
             raise ValueError(
@@ -377,3 +378,14 @@ def _flat(table: pa.Table, column: str, depth: int) -> np.ndarray:
             chunk = chunk.flatten()
         chunks.append(chunk.to_numpy(zero_copy_only=False))
     return np.concatenate(chunks) if chunks else np.zeros(0)
+
+
+def refuse_every_assistant_turn(datamodule: Any) -> None:
+    """A cache holds the teacher's signal on each row's last assistant turn (what validation scores too); training on
+    every turn (``data.assistant_turns=all``) would find no teacher signal at the earlier turns."""
+    if getattr(datamodule, "assistant_turns", "last") != "last":
+        raise ValueError(
+            "teacher=cache holds the teacher's signal on each row's last assistant turn, but data.assistant_turns="
+            f"{datamodule.assistant_turns!r} trains on every assistant turn. Use data.assistant_turns=last with the "
+            "cache, or a teacher that scores any position (teacher=local or teacher=server)."
+        )
