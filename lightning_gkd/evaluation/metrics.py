@@ -62,20 +62,36 @@ def greedy_texts(
     """Greedy completions of the batch prompts, decoded up to EOS; through ``sampler.greedy`` when the sampler has
     one (a serving engine), else our KV-cache decoder."""
     eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
-    prompts = batch["prompts"]
     greedy = getattr(sampler, "greedy", None)
-    if callable(greedy):
-        out = greedy(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens)
-    else:
-        out = generate_completions(
-            model,
-            prompts,
-            batch["prompt_attention_mask"],
-            max_new_tokens=max_new_tokens,
-            pad_token_id=resolve_pad_token_id(tokenizer),
-            eos_token_id=eos,
-            do_sample=False,
-        )
+    if not callable(greedy):
+        return completion_texts(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    prompts = batch["prompts"]
+    out = greedy(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens)
+    return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
+
+
+def completion_texts(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    eos_token_id: EosTokenId | None = None,
+    **sampling: Any,
+) -> list[str]:
+    """Completions of the batch prompts by our KV-cache decoder (``generate_completions``), decoded up to EOS:
+    greedy, or sampled with ``sampling`` (``do_sample=True``, ``temperature``, ``top_k``, ``top_p``, ``seed``)."""
+    eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
+    prompts = batch["prompts"]
+    out = generate_completions(
+        model,
+        prompts,
+        batch["prompt_attention_mask"],
+        max_new_tokens=max_new_tokens,
+        pad_token_id=resolve_pad_token_id(tokenizer),
+        eos_token_id=eos,
+        **{"do_sample": False, **sampling},
+    )
     return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
 
 

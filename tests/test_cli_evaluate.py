@@ -1,0 +1,184 @@
+"""lightning-gkd-eval: a trained run's exported student and its checkpoint, evaluated without training, report what
+the run reported; the loss it chooses; errors raised before any model loads."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.hydra_compose import compose_train
+
+from lightning_gkd.cli.evaluate import run
+from lightning_gkd.cli.train import run as train
+from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.training.checkpoint_io import CheckpointError
+
+ROWS = ["+data.val_data.num_rows=8", "+data.test_data.num_rows=32"]
+FAST = [
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "method.max_new_tokens=4",
+    "print_config=false",
+    "callbacks.sample_table=null",
+    "~logger",
+]
+
+
+def compose_eval(tmp_path: Path, overrides: list[str]):
+    """conf/evaluate.yaml composed as ``lightning-gkd-eval`` would, writing to tmp_path/eval."""
+    return compose_train(tmp_path, overrides, config="evaluate", run_dir="eval")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step GKD run of the default toy job: its result (held-out scores, exported student) and run folder."""
+    tmp = tmp_path_factory.mktemp("trained")
+    result = train(compose_train(tmp, [*FAST, *ROWS]))
+    return result, tmp / "run"
+
+
+def test_the_exported_student_scores_what_the_run_printed_for_student_after(trained, tmp_path):
+    result, run_dir = trained
+    out = run(compose_eval(tmp_path, [*ROWS, f"eval.model={result['student_dir']}"]))
+    assert out["kind"] == "folder" and out["method"] == "GKDModule" and out["loss"] == "method"
+    assert out["tokenizer"] == result["student_dir"]  # the folder's own tokenizer
+    metrics = out["metrics"]
+    assert metrics["test/accuracy"] == result["held_out"]["after"]["accuracy"]  # the same greedy decoding
+    assert metrics["val/accuracy"] == pytest.approx(result["metrics"]["val/accuracy"])
+    assert metrics["val/loss"] == pytest.approx(result["metrics"]["val/loss"], abs=1e-6)  # GKD's, against the teacher
+    assert metrics["val/perplexity"] == pytest.approx(torch.tensor(metrics["val/cross_entropy"]).exp().item())
+    assert out["num_rows"] == {"val": 8, "test": 32}
+    assert out["held_out"] == {"eval": {"accuracy": metrics["test/accuracy"]}}  # a multirun summary's column
+    written = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert written["metrics"] == metrics
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [s["split"] for s in samples] == ["val"] * 8 + ["test"] * 32
+    test = [s for s in samples if s["split"] == "test"]
+    assert sum(s["scores"]["accuracy"] for s in test) / 32 == metrics["test/accuracy"]
+    first = test[0]
+    assert first["prompt"][-1]["role"] == "user" and first["prompt"][-1]["content"].endswith("=")
+    assert first["scores"]["accuracy"] == float(first["completion"].strip() == first["reference"].strip())
+
+
+def test_the_last_checkpoint_scores_as_the_exported_student(trained, tmp_path):
+    result, run_dir = trained
+    out = run(compose_eval(tmp_path, [*ROWS, f"eval.model={run_dir / 'checkpoints' / 'last.ckpt'}"]))
+    assert out["kind"] == "checkpoint"
+    assert out["metrics"]["test/accuracy"] == result["held_out"]["after"]["accuracy"]
+    exported = run(compose_eval(tmp_path, [*ROWS, f"eval.model={result['student_dir']}", "eval.loss=cross_entropy"]))
+    untrained = run(compose_eval(tmp_path, [*ROWS, "eval.loss=cross_entropy"]))  # model.student as configured
+    assert untrained["kind"] == "config"
+    assert out["metrics"]["val/cross_entropy"] == pytest.approx(exported["metrics"]["val/cross_entropy"], abs=1e-6)
+    assert abs(out["metrics"]["val/cross_entropy"] - untrained["metrics"]["val/cross_entropy"]) > 1e-3
+
+
+def test_without_a_teacher_the_loss_is_the_cross_entropy_sft_reports(tmp_path):
+    teacher, rows = asset_path("toy/teacher"), ["+data.val_data.num_rows=8", "+data.test_data.num_rows=16"]
+    out = run(compose_eval(tmp_path, [*rows, f"eval.model={teacher}", "model.teacher=null"]))
+    assert out["loss"] == "cross_entropy" and "no teacher configured" in out["loss_reason"]
+    assert out["method"] == "SFTModule" and "val/loss" not in out["metrics"]
+    assert out["metrics"]["test/accuracy"] >= 0.9  # the toy teacher: 97.9% on the whole test split
+    sft = run(compose_eval(tmp_path, [*rows, f"eval.model={teacher}", "method=sft", "eval.loss=method"]))
+    assert sft["metrics"]["val/loss"] == pytest.approx(out["metrics"]["val/cross_entropy"])
+    assert sft["metrics"]["val/cross_entropy"] == sft["metrics"]["val/loss"]
+    assert sft["metrics"]["test/accuracy"] == out["metrics"]["test/accuracy"]
+    none = run(compose_eval(tmp_path, [*rows, f"eval.model={teacher}", "eval.loss=none", "method.metrics=null"]))
+    assert none["metrics"] == {} and (tmp_path / "eval" / "samples.jsonl").read_text() == ""
+
+
+def test_dpo_reports_its_preference_loss_and_rewards(tmp_path):
+    """The policy is its own reference (method.reference: ${model.student} follows eval.model): the loss is ln 2."""
+    overrides = ["method=dpo", f"eval.model={asset_path('toy/teacher')}", "+metrics=exact_match"]
+    out = run(compose_eval(tmp_path, [*overrides, "+data.val_data.num_rows=8"]))
+    assert out["method"] == "DPOModule" and out["loss"] == "method"
+    assert out["metrics"]["val/loss"] == pytest.approx(math.log(2)) and out["metrics"]["val/rewards/margins"] == 0
+    assert out["metrics"]["val/exact_match"] >= 7 / 8  # the method's own greedy validation metric
+    assert "val/cross_entropy" not in out["metrics"] and out["samples"] == 0  # preference rows: no chat samples
+
+
+def _no_model_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error")
+
+    monkeypatch.setattr("lightning_gkd.models.loading.AutoModelForCausalLM.from_pretrained", refuse)
+
+
+def test_a_checkpoint_of_another_student_is_refused_before_any_model_loads(trained, tmp_path, monkeypatch):
+    _, run_dir = trained
+    other_run = tmp_path / "other_run"
+    (other_run / "checkpoints").mkdir(parents=True)
+    (other_run / ".hydra").mkdir()
+    (other_run / ".hydra" / "overrides.yaml").write_text("- method.lmbda=1.0\n")
+    shutil.copy(run_dir / "checkpoints" / "last.ckpt", other_run / "checkpoints" / "last.ckpt")
+    _no_model_loads(monkeypatch)
+    overrides = [
+        f"eval.model={other_run / 'checkpoints' / 'last.ckpt'}",
+        f"model.student.name_or_path={asset_path('toy/teacher')}",
+    ]
+    with pytest.raises(ValueError, match="does not fit model.student") as error:
+        run(compose_eval(tmp_path, overrides))
+    message = str(error.value)
+    assert "27 weights have other shapes (model.lm_head.weight: checkpoint (259, 64), model (259, 128);" in message
+    assert "24 of the model's weights are not in it (model.model.layers.2." in message
+    assert "started with: method.lmbda=1.0" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (
+            ["eval.model=outputs/no_such_run/student"],
+            FileNotFoundError,
+            "eval.model: 'outputs/no_such_run/student' does not exist",
+        ),
+        (["eval.model=no_such_run/last.ckpt"], CheckpointError, "does not exist"),
+        (["ckpt_path=x.ckpt"], ValueError, "to evaluate a checkpoint pass eval.model=x.ckpt"),
+        (["trainer.devices=2"], ValueError, "runs in one process: got trainer.devices=2"),
+        (["eval.loss=kl"], ValueError, "eval.loss must be one of auto, method, cross_entropy, none"),
+    ],
+)
+def test_settings_errors_before_any_model_loads(tmp_path, monkeypatch, overrides, error, match):
+    _no_model_loads(monkeypatch)
+    with pytest.raises(error, match=match):
+        run(compose_eval(tmp_path, overrides))
+
+
+def test_a_run_folder_points_at_its_exported_student(trained, tmp_path, monkeypatch):
+    _, run_dir = trained
+    _no_model_loads(monkeypatch)
+    with pytest.raises(FileNotFoundError, match=f"its exported model is {run_dir / 'student'}"):
+        run(compose_eval(tmp_path, [f"eval.model={run_dir}"]))
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "plain.ckpt")
+    with pytest.raises(CheckpointError, match="is not a checkpoint of a lightning-gkd run"):
+        run(compose_eval(tmp_path, [f"eval.model={tmp_path / 'plain.ckpt'}"]))
+
+
+def test_the_console_script_writes_to_outputs_eval(trained, tmp_path):
+    result, _ = trained
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "lightning-gkd-eval"]
+    assert script.value == "lightning_gkd.cli.evaluate:main"
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "lightning-gkd-eval"),
+            f"eval.model={result['student_dir']}",
+            "eval.loss=none",
+            "+data.val_data.num_rows=4",
+            "+data.test_data.num_rows=4",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (written,) = (tmp_path / "outputs" / "eval").glob("*/eval.json")
+    assert json.loads(written.read_text())["num_rows"] == {"val": 4, "test": 4}
+    assert "== lightning_gkd evaluation ==" in done.stdout and "test/accuracy: " in done.stdout
