@@ -62,3 +62,10 @@ def test_a_tokenizer_larger_than_the_students_vocabulary_fails_before_models_loa
     _bigger_tokenizer().save_pretrained(tmp_path / "tok")
     with pytest.raises(ValueError, match=r"has 262 tokens but the student's vocabulary has 259: token ids 259 and up"):
         build(compose_train(tmp_path, [f"model.tokenizer={tmp_path / 'tok'}"]))
+
+
+def test_a_mistyped_student_path_is_named_before_its_tokenizer_is_looked_for(tmp_path, no_weights, monkeypatch):
+    """The tokenizer comes from the student's folder: a mistyped one must still fail as a missing folder."""
+    monkeypatch.setattr("lightning_gkd.models.loading.hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(FileNotFoundError, match=r"student: no local folder 'models/studnet' \(relative to"):
+        build(compose_train(tmp_path, ["model.student.name_or_path=models/studnet"]))

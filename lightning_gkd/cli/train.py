@@ -77,15 +77,16 @@ def build_data(cfg: DictConfig) -> Any:
     config.json only). Warns first about toy-tuned values meeting a real student."""
     if cfg.model.get("build"):
         instantiate(cfg.model.build)
+    trained = cfg.method.get("student") or cfg.method.get("model")
+    if isinstance(trained, DictConfig):
+        trained = OmegaConf.to_container(trained, resolve=True)
+    # First: a mistyped student path fails here naming the missing folder (the tokenizer may come from it too).
+    vocab = source_vocab_size(trained, role="student") if isinstance(trained, (str, dict)) else None
     warn_toy_defaults(cfg)
     datamodule = instantiate(cfg.data, tokenizer=load_tokenizer(tokenizer_source(cfg.model)), _convert_="all")
     check_data_format(get_object(cfg.method._target_), datamodule)
     datamodule.setup("fit")
-    trained = cfg.method.get("student") or cfg.method.get("model")
-    if isinstance(trained, DictConfig):
-        trained = OmegaConf.to_container(trained, resolve=True)
-    if isinstance(trained, (str, dict)):
-        check_tokenizer_fits(datamodule.tokenizer, source_vocab_size(trained, role="student"))
+    check_tokenizer_fits(datamodule.tokenizer, vocab)
     return datamodule
 
 
