@@ -257,7 +257,8 @@ CASES: list[tuple[str, Callable[[Ctx], Any], type[BaseException], str]] = [
         "no chat template",
         no_chat_template,
         ValueError,
-        r"has no chat template\. Pass one with ChatDataModule\(chat_template=\.\.\.\) \(Hydra: data\.chat_template",
+        r"has no chat template\. Pass one with ChatDataModule\(chat_template=\.\.\.\), e\.g\. "
+        r"lightning_gkd\.data\.tokenizer\.CHATML_TEMPLATE \(Hydra: data\.chat_template=<a \.jinja file>\)",
     ),
     ("vocab mismatch", vocab_mismatch, ValueError, r"Student vocabulary size 259 differs from the teacher's 300"),
     ("lmbda > 1", lambda c: gkd(c, lmbda=1.5), ValueError, r"lmbda must be in \[0, 1\], got 1.5"),
