@@ -183,8 +183,8 @@ def start_server(work: Path) -> tuple[subprocess.Popen, str]:
         "float32",
         "--max-logprobs",
         str(TOP_K),
-        "--gpu-memory-utilization",
-        "0.08",
+        "--kv-cache-memory-bytes",  # explicit on CPU: the utilization fraction counts the server's own RSS
+        str(256 << 20),
         "--enforce-eager",
         "--max-model-len",
         "512",
