@@ -1,0 +1,285 @@
+r"""Distillation between a student and a teacher with different tokenizers: Universal Logit Distillation (ULD) and
+GOLD's hybrid loss, on completions aligned by UTF-8 byte spans.
+
+Both models score the same completion *text*, each tokenized its own way. Every completion token carries a byte span
+``(start, end)`` relative to the start of the completion's content (the text before the first EOS); end tokens (the
+EOS and anything after it, such as ChatML's trailing ``"\n"``) are zero-width at ``(content_len, content_len)``.
+``probs[k]`` is always a model's distribution *for* completion token ``k`` (from the logits of the position before
+it, the usual shift).
+
+One row's loss (``cross_tokenizer_row_loss``):
+
+1. ``softmax(z_s / τ_s)`` and ``softmax(z_t / τ_t)`` over the completion positions; with ``skip_*_eos`` a side's
+   trailing end tokens are dropped first.
+2. Alignment. ``"bytes"``: ``align_byte_spans`` groups the two token sequences at the byte boundaries both
+   tokenizers share (one student token to several teacher tokens, several to one, or several to several); group
+   pairs with an empty side are dropped. ``"positions"``: token ``k`` of one side is paired with token ``k`` of the
+   other, for the first ``min(N_s, N_t)`` tokens (the original ULD paper; TRL's ``use_extended_uld=False``).
+3. ``merge_group_probs`` turns each group into one (unnormalised) distribution: the distribution at one position of
+   the group times the probabilities the model gave the group's other actual tokens (the chain rule).
+4. ``uld_distance`` (sorted-probability L1, vocabulary-free) or ``hybrid_distance`` (a generalized JSD on the
+   columns whose token strings both vocabularies hold, ULD on the rest) per aligned group.
+
+The row's loss is the mean of the returned per-group values (as in TRL); how rows are combined is the caller's.
+
+Parity and differences with TRL 1.16's ``trl.experimental.gold.gold_trainer.ULDLoss`` (the test oracle; values
+agree within 1e-5 on the same inputs, see tests/test_ops_cross_tokenizer.py):
+
+- ``merge="observed"``: TRL slices the logits *at* the completion positions, so its ``probs[k]`` is the model's
+  distribution for token ``k + 1`` while the merged scalars read ``probs[j, id_j]``. Here ``probs[k]`` is the
+  distribution for token ``k`` under both strategies (TRL's ``"bayesian"`` already shifts this way); the parity
+  tests feed TRL logits shifted by one position so that its slice equals ours.
+- ``skip_*_eos`` drops a side's trailing zero-width end tokens (all of them: ``<|im_end|>`` and ChatML's ``"\n"``);
+  TRL drops the last supervised position of a row, whatever it is (a content token when a sample stopped at
+  ``max_new_tokens`` without an EOS). Equal whenever a side has exactly one end token, and under ``"bytes"``
+  alignment also with more (the extra end tokens form a tail group with an empty side, which both drop).
+- Half-precision logits are upcast: softmax, merging and distances run in float32 (TRL: in the logits' dtype).
+- Vocabularies without a shared token string give the hybrid weights (0, 1), i.e. plain ULD (TRL fails building
+  its mapping); ``matched_vocabulary`` keeps matched pairs one-to-one.
+- A merged group's product of token probabilities is computed as ``exp(Σ log)`` (the same value up to rounding).
+- A row without an aligned group gives an empty tensor (no term), where TRL averages a 0 into its batch mean.
+- Malformed spans, token ids outside the vocabulary and inconsistent lengths raise ``ValueError`` here.
+
+Nothing here imports Lightning or transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+from lightning_gkd.ops.token_alignment import (
+    MERGE_STRATEGIES,
+    Span,
+    align_byte_spans,
+    end_token_count,
+    merge_group_probs,
+    token_id_list,
+)
+from lightning_gkd.ops.uld import (
+    MATCHED_DIVERGENCES,
+    hybrid_distance,
+    hybrid_terms,
+    hybrid_weights,
+    matched_vocabulary,
+    uld_distance,
+)
+
+__all__ = [
+    "ALIGNMENTS",
+    "CROSS_TOKENIZER_LOSSES",
+    "MATCHED_DIVERGENCES",
+    "MERGE_STRATEGIES",
+    "CrossTokenizerLoss",
+    "CrossTokenizerTerms",
+    "align_byte_spans",
+    "cross_tokenizer_row_loss",
+    "cross_tokenizer_row_terms",
+    "end_token_count",
+    "hybrid_distance",
+    "hybrid_terms",
+    "matched_vocabulary",
+    "merge_group_probs",
+    "uld_distance",
+]
+
+CROSS_TOKENIZER_LOSSES = ("hybrid", "uld")
+ALIGNMENTS = ("bytes", "positions")
+
+
+# --------------------------------------------------------------------------- one row
+
+
+@dataclass(frozen=True)
+class CrossTokenizerLoss:
+    """The settings of the cross-tokenizer loss (TRL's ``GOLDConfig`` name in brackets).
+
+    Attributes:
+        loss: ``"hybrid"`` (``uld_use_hybrid_loss=True``; needs the matched vocabulary) or ``"uld"``.
+        alignment: ``"bytes"`` (``use_extended_uld=True``: byte-span groups, merged) or ``"positions"``
+            (``use_extended_uld=False``: token k with token k, no merging).
+        merge: ``"observed"`` or ``"bayesian"`` (``uld_token_merge_strategy``); see ``merge_group_probs``.
+        beta: the hybrid's generalized JSD β in ``[0, 1]`` (``beta``).
+        student_temperature, teacher_temperature: softmax temperatures, > 0 (``uld_*_temperature``).
+        skip_student_eos, skip_teacher_eos: drop that side's end tokens (``uld_skip_*_eos``).
+        matched_weight, unmatched_weight: the hybrid's weights, both or neither; None: adaptive
+            (``uld_hybrid_*_weight``).
+        matched_divergence: ``"clamped"`` (TRL's) or ``"renormalised"`` (not in TRL); see ``hybrid_terms``.
+    """
+
+    loss: Literal["hybrid", "uld"] = "hybrid"
+    alignment: Literal["bytes", "positions"] = "bytes"
+    merge: Literal["observed", "bayesian"] = "observed"
+    beta: float = 0.5
+    student_temperature: float = 1.0
+    teacher_temperature: float = 1.0
+    skip_student_eos: bool = True
+    skip_teacher_eos: bool = True
+    matched_weight: float | None = None
+    unmatched_weight: float | None = None
+    matched_divergence: Literal["clamped", "renormalised"] = "clamped"
+
+    def __post_init__(self) -> None:
+        choices = {
+            "loss": CROSS_TOKENIZER_LOSSES,
+            "alignment": ALIGNMENTS,
+            "merge": MERGE_STRATEGIES,
+            "matched_divergence": MATCHED_DIVERGENCES,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"cross_tokenizer.{name} must be one of {allowed}, got {value!r}.")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(
+                f"cross_tokenizer.beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {self.beta!r}."
+            )
+        for name in ("student_temperature", "teacher_temperature"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"cross_tokenizer.{name} must be a finite number > 0, got {value!r}.")
+        if (self.matched_weight is None) != (self.unmatched_weight is None):
+            raise ValueError(
+                "cross_tokenizer.matched_weight and cross_tokenizer.unmatched_weight go together: set both, or "
+                f"neither for the adaptive weights (matched share of the teacher's vocabulary); got "
+                f"matched_weight={self.matched_weight!r}, unmatched_weight={self.unmatched_weight!r}."
+            )
+        if self.matched_weight is not None and self.loss != "hybrid":
+            raise ValueError(
+                f"cross_tokenizer.matched_weight / unmatched_weight weigh the hybrid loss's two parts; with "
+                f"loss={self.loss!r} they have no effect. Set loss=hybrid or leave both null."
+            )
+        for name in ("matched_weight", "unmatched_weight"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"cross_tokenizer.{name} must be a finite number >= 0 (or null), got {value!r}.")
+
+
+class CrossTokenizerTerms(NamedTuple):
+    """One row's per-group values: ``loss`` ``[G]`` and, for the hybrid, its unweighted ``matched`` and
+    ``unmatched`` parts ``[G]`` (None for ULD)."""
+
+    loss: torch.Tensor
+    matched: torch.Tensor | None
+    unmatched: torch.Tensor | None
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.softmax(logits, dim=-1)
+
+
+def _check_side(logits: torch.Tensor, ids: list[int], spans: Sequence[Span], side: str) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"{side}_logits must be [N, V] (one row's completion positions), got {tuple(logits.shape)}.")
+    if not len(ids) == len(spans) == logits.size(0):
+        raise ValueError(
+            f"{side}: {logits.size(0)} logit rows, {len(ids)} token ids and {len(spans)} byte spans; each completion "
+            f"token needs one of each (logits shifted: row k is the distribution for token k)."
+        )
+
+
+def cross_tokenizer_row_terms(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_ids: Sequence[int] | torch.Tensor,
+    teacher_ids: Sequence[int] | torch.Tensor,
+    student_spans: Sequence[Span],
+    teacher_spans: Sequence[Span],
+    *,
+    settings: CrossTokenizerLoss,
+    matched: tuple[torch.Tensor, torch.Tensor] | None,
+    chunk_size: int | None = None,
+) -> CrossTokenizerTerms:
+    """``cross_tokenizer_row_loss`` with the hybrid's two parts as well (for logging)."""
+    s_ids, t_ids = token_id_list(student_ids), token_id_list(teacher_ids)
+    _check_side(student_logits, s_ids, student_spans, "student")
+    _check_side(teacher_logits, t_ids, teacher_spans, "teacher")
+    if settings.loss == "hybrid" and matched is None:
+        raise ValueError(
+            "cross_tokenizer.loss='hybrid' needs the matched vocabulary: pass matched=matched_vocabulary("
+            "student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()), or use loss='uld'."
+        )
+    n_s, n_t = len(s_ids), len(t_ids)
+    if settings.skip_student_eos:
+        n_s -= end_token_count(student_spans)
+    if settings.skip_teacher_eos:
+        n_t -= end_token_count(teacher_spans)
+
+    if settings.alignment == "bytes":
+        s_groups, t_groups = align_byte_spans(student_spans[:n_s], teacher_spans[:n_t])
+        pairs = [(sg, tg) for sg, tg in zip(s_groups, t_groups, strict=True) if sg and tg]
+        s_probs = _probs(student_logits[:n_s], settings.student_temperature)
+        t_probs = _probs(teacher_logits[:n_t], settings.teacher_temperature)
+        s_aligned = merge_group_probs(s_probs, [sg for sg, _ in pairs], s_ids[:n_s], settings.merge)
+        t_aligned = merge_group_probs(t_probs, [tg for _, tg in pairs], t_ids[:n_t], settings.merge)
+    else:
+        n = min(n_s, n_t)
+        s_aligned = _probs(student_logits[:n], settings.student_temperature)
+        t_aligned = _probs(teacher_logits[:n], settings.teacher_temperature)
+
+    if settings.loss == "uld":
+        return CrossTokenizerTerms(uld_distance(s_aligned, t_aligned, chunk_size=chunk_size), None, None)
+    assert matched is not None
+    student_matched, teacher_matched = matched
+    w_m, w_u = hybrid_weights(
+        teacher_matched.numel(), t_aligned.size(-1), settings.matched_weight, settings.unmatched_weight
+    )
+    matched_part, unmatched_part = hybrid_terms(
+        s_aligned,
+        t_aligned,
+        student_matched,
+        teacher_matched,
+        beta=settings.beta,
+        matched_divergence=settings.matched_divergence,
+        chunk_size=chunk_size,
+    )
+    return CrossTokenizerTerms(w_m * matched_part + w_u * unmatched_part, matched_part, unmatched_part)
+
+
+def cross_tokenizer_row_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_ids: Sequence[int] | torch.Tensor,
+    teacher_ids: Sequence[int] | torch.Tensor,
+    student_spans: Sequence[Span],
+    teacher_spans: Sequence[Span],
+    *,
+    settings: CrossTokenizerLoss,
+    matched: tuple[torch.Tensor, torch.Tensor] | None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The cross-tokenizer distance of one row's completion, per aligned group (the module docstring's steps 1-4).
+
+    Args:
+        student_logits: ``[N_s, V_s]``, shifted: row ``k`` gives the distribution for completion token ``k``.
+        teacher_logits: ``[N_t, V_t]``, the same for the teacher's tokenization of the same text.
+        student_ids, teacher_ids: the ``N_s`` / ``N_t`` completion token ids.
+        student_spans, teacher_spans: their UTF-8 byte spans relative to the content's start, end tokens
+            zero-width at the content's end. Also needed with ``alignment="positions"``: they mark the end tokens.
+        settings: the ``CrossTokenizerLoss``.
+        matched: ``matched_vocabulary(...)`` (required for ``loss="hybrid"``; ignored for ``"uld"``), on any device.
+        chunk_size: groups sorted at a time (see ``uld_distance``).
+
+    Returns:
+        ``[G]`` per aligned group (``G`` may be 0), float32 for half-precision logits, else the logits' dtype;
+        TRL's row loss is ``.mean()`` of it. Differentiable with respect to both logits.
+    """
+    return cross_tokenizer_row_terms(
+        student_logits,
+        teacher_logits,
+        student_ids,
+        teacher_ids,
+        student_spans,
+        teacher_spans,
+        settings=settings,
+        matched=matched,
+        chunk_size=chunk_size,
+    ).loss
