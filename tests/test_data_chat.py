@@ -1,3 +1,4 @@
+import io
 import json
 
 import datasets
@@ -6,8 +7,11 @@ import torch
 
 from lightning_gkd import ChatDataModule
 from lightning_gkd.data.chat import ChatMLCollator, tokenize_chat
+from lightning_gkd.data.loader import GENERATION_GROUP, GenerationGroup, shuffled_micro_batches
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.ops.sampling import completion_batch
 
 # Hand-checked ids of the project tokenizer: 0 pad, 1 <|im_start|>, 2 <|im_end|>, "\n" = 201, " " = 223,
 # and printable ASCII character c = ord(c) - 30 (the 256 byte symbols follow the 3 specials in sorted order).
@@ -394,3 +398,49 @@ def test_a_chat_template_can_be_a_jinja_file(tmp_path, toy_rows):
     assert data.tokenizer.chat_template == CHATML_TEMPLATE
     with pytest.raises(FileNotFoundError, match=r"chat_template file '.*missing.jinja' does not exist"):
         ChatDataModule(build_chatml_tokenizer(), toy_rows["train"], chat_template=str(tmp_path / "missing.jinja"))
+
+
+# --- prompt messages carried for a teacher with its own chat template (issue 17) ---
+
+
+def _assert_prompt_messages_render_the_prompts(tokenizer, batch):
+    assert len(batch["prompt_messages"]) == batch["prompts"].shape[0]
+    for messages, prompt, mask in zip(
+        batch["prompt_messages"], batch["prompts"], batch["prompt_attention_mask"], strict=True
+    ):
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert tokenizer(rendered, add_special_tokens=False)["input_ids"] == prompt[mask.bool()].tolist()
+
+
+def test_prompt_messages_are_carried_when_asked(tokenizer):
+    prompt_only = {"messages": [{"role": "user", "content": "q"}]}
+    rows = [ONE_TURN, MULTI_TURN, prompt_only]
+    assert "prompt_messages" not in ChatMLCollator(tokenizer, 256)(rows)
+    batch = ChatMLCollator(tokenizer, 256, carry_prompt_messages=True)(rows)
+    assert batch["prompt_messages"] == [ONE_TURN["messages"][:1], MULTI_TURN["messages"][:4], prompt_only["messages"]]
+    _assert_prompt_messages_render_the_prompts(tokenizer, batch)
+
+
+def test_grouped_and_sampled_micro_batches_keep_prompt_messages_with_their_rows(tokenizer):
+    """Grouped generation cuts a group (and its samples, shuffled) into micro-batches with select_rows: each row's
+    prompt messages stay with its row, and a checkpointed group plan keeps them (weights-only loadable)."""
+    rows = addition_rows("train", 12)
+    dm = ChatDataModule(tokenizer, rows, {"a": rows[:3]}, batch_size=2, steps_per_generation=3, max_length=64, seed=5)
+    dm.carry_prompt_messages()
+    items = list(dm.train_dataloader())
+    assert len(items) == 6
+    for item in items:
+        _assert_prompt_messages_render_the_prompts(tokenizer, item)
+        group = item[GENERATION_GROUP]
+        completions = torch.randint(3, 259, (group["prompts"].shape[0], 4), generator=torch.Generator().manual_seed(0))
+        sampled = {**group, **completion_batch(group["prompts"], group["prompt_attention_mask"], completions, 2)}
+        micro_batches = shuffled_micro_batches(sampled, 2, seed=7)
+        for micro in micro_batches:
+            _assert_prompt_messages_render_the_prompts(tokenizer, micro)
+    buffer = io.BytesIO()
+    torch.save(GenerationGroup([0, 0], "student", micro_batches).state(), buffer)
+    buffer.seek(0)
+    restored = GenerationGroup(**torch.load(buffer, weights_only=True))
+    assert [m["prompt_messages"] for m in restored.micro_batches] == [m["prompt_messages"] for m in micro_batches]
+    (val_loader,) = dm.val_dataloader()
+    _assert_prompt_messages_render_the_prompts(tokenizer, next(iter(val_loader)))

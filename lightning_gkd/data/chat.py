@@ -48,7 +48,9 @@ class ChatMLCollator:
     evaluator and the teacher-cache builder collate with it); ``ChatDataModule`` passes its own (default False).
     A row that cannot be used raises ``ValueError``, naming ``f"{name} row {row['row_index']}"`` when rows carry
     their index (ChatDataModule's do). ``columns``: row columns carried into the batch as lists of the rows'
-    values (e.g. ``teacher`` for multi-teacher routing).
+    values (e.g. ``teacher`` for multi-teacher routing). ``carry_prompt_messages``: also ``prompt_messages``, per row
+    the list of the messages ``prompts`` tokenizes (before the last assistant turn; whole, where ``prompts`` may have
+    lost its beginning to ``max_length``), for a teacher that renders them with its own chat template.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class ChatMLCollator:
         columns: Sequence[str] = (),
         assistant_turns: AssistantTurns = "last",
         truncate_prompts: bool = True,
+        carry_prompt_messages: bool = False,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; ChatDataModule sets it to EOS, or set one yourself.")
@@ -69,6 +72,7 @@ class ChatMLCollator:
         self.columns = list(columns)
         self.assistant_turns = check_assistant_turns(assistant_turns)
         self.truncate_prompts = truncate_prompts
+        self.carry_prompt_messages = carry_prompt_messages
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chats = [self._tokenize(row) for row in rows]
@@ -84,6 +88,11 @@ class ChatMLCollator:
             "prompt_attention_mask": left_pad([[1] * len(ids) for ids in prompts], 0),
             **{column: [row.get(column) for row in rows] for column in self.columns},
         }
+        if self.carry_prompt_messages:  # split as tokenize_chat splits: a last assistant message is the completion
+            chats_messages = [row["messages"] for row in rows]
+            batch["prompt_messages"] = [
+                [dict(m) for m in (ms[:-1] if ms[-1]["role"] == "assistant" else ms)] for ms in chats_messages
+            ]
         return batch
 
     def _tokenize(self, row: Mapping[str, Any]) -> TokenizedChat:
@@ -239,8 +248,9 @@ class ChatDataModule(RowsDataModule):
         self.formatting_func = resolve_formatting_func(formatting_func)
         #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
         self.val_names: list[str] | None = _val_names(val_data)
-        #: Row columns the collators carry into batches (``carry_columns``).
+        #: Row columns the collators carry into batches (``carry_columns``); ``carry_prompt_messages``.
         self.columns: list[str] = []
+        self.carries_prompt_messages = False
         self.collator = ChatMLCollator(
             self.tokenizer,
             max_length=max_length,
@@ -306,6 +316,14 @@ class ChatDataModule(RowsDataModule):
             if isinstance(collator, ChatMLCollator):
                 collator.columns = list(self.columns)
 
+    def carry_prompt_messages(self) -> None:
+        """Carry each row's prompt messages into every batch (``prompt_messages``, see ``ChatMLCollator``): a
+        teacher with another tokenizer renders them with its own chat template."""
+        self.carries_prompt_messages = True
+        for collator in (self.collator, self.val_collator):
+            if isinstance(collator, ChatMLCollator):
+                collator.carry_prompt_messages = True
+
     def _load(
         self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
     ) -> Sequence[Mapping[str, Any]]:
@@ -334,6 +352,7 @@ class ChatDataModule(RowsDataModule):
             name=name,
             columns=self.columns,
             truncate_prompts=self.truncate_prompts,
+            carry_prompt_messages=self.carries_prompt_messages,
         )
 
     def val_dataloader(self) -> DataLoader | list:
