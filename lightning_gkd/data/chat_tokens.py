@@ -46,7 +46,7 @@ class TokenizedChat:
         return TokenizedChat(self.ids[cut:], self.num_prompt_tokens - cut, turns)
 
 
-def _render(
+def render_chat(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
 ) -> str:
     text = tokenizer.apply_chat_template(
@@ -78,8 +78,8 @@ def tokenize_chat(
     """
     has_completion = messages[-1]["role"] == "assistant"
     prompt_messages = list(messages[:-1]) if has_completion else list(messages)
-    prompt_text = _render(tokenizer, prompt_messages, add_generation_prompt=True)
-    full_text = _render(tokenizer, messages) if has_completion else prompt_text
+    prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
+    full_text = render_chat(tokenizer, messages) if has_completion else prompt_text
     if not full_text.startswith(prompt_text):
         raise ValueError(
             "The chat template renders the prompt (with the generation prompt) differently from the "
@@ -113,8 +113,8 @@ def _earlier_turn_spans(
     for turn in range(len(messages) - 1):
         if messages[turn]["role"] != "assistant":
             continue
-        start = _render(tokenizer, messages[:turn], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: turn + 1])
+        start = render_chat(tokenizer, messages[:turn], add_generation_prompt=True)
+        through = render_chat(tokenizer, messages[: turn + 1])
         if not (through.startswith(start) and full_text.startswith(through)):
             raise ValueError(
                 f"The chat template renders the conversation up to assistant message {turn} differently from the "

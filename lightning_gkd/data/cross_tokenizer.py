@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat_tokens import _render, left_pad
+from lightning_gkd.data.chat_tokens import render_chat, left_pad
 from lightning_gkd.ops.losses import IGNORE_INDEX
 
 Span = tuple[int, int]
@@ -283,7 +283,7 @@ def teacher_batch(
     token_bytes = _TokenBytes(teacher_tokenizer)
     rows, labels, completion_ids, completion_spans = [], [], [], []
     for row, (messages, content) in enumerate(zip(prompt_messages, contents, strict=True)):
-        prompt = _render(teacher_tokenizer, messages, add_generation_prompt=True)
+        prompt = render_chat(teacher_tokenizer, messages, add_generation_prompt=True)
         ids = list(teacher_tokenizer(prompt + content, add_special_tokens=False)["input_ids"])
         num_prompt, spans = _split_content(token_bytes, ids, content.encode(), row)
         completion = [*ids[num_prompt:], eos]
