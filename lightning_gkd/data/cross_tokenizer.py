@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat_tokens import render_chat, left_pad
+from lightning_gkd.data.chat_tokens import left_pad, render_chat
 from lightning_gkd.ops.losses import IGNORE_INDEX
 
 Span = tuple[int, int]
