@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import cache, partial
@@ -211,10 +212,13 @@ def train_one(
     teacher: Any = None,
     task: ToyTask = ADDITION,
     arm: str = "full",
+    gkd_options: Mapping[str, Any] | None = None,
 ) -> Run:
     """One run of ``method`` on ``task``; ``teacher``: GKD's teacher argument (default the task's shipped teacher
-    folder), e.g. a teacher spec (scripts/sparse_teacher_accuracy.py). On the chain task the run is also scored at
-    temperature 1 and per position, and its compute is measured."""
+    folder), e.g. a teacher spec (scripts/sparse_teacher_accuracy.py); ``gkd_options``: more GKDModule arguments
+    (scripts/cross_tokenizer_accuracy.py: the teacher's tokenizer and the cross-tokenizer loss). On the chain task
+    the run is also scored at temperature 1 and per position, and its compute is measured; on addition, the wall time
+    of its training steps is kept (``diagnostics["train_seconds"]``)."""
     L.seed_everything(seed, workers=True)
     student = load_causal_lm(asset_path(f"{task.assets}/student_init"))
     teacher = asset_path(f"{task.assets}/teacher") if teacher is None else teacher
@@ -242,6 +246,7 @@ def train_one(
             seq_kd=method.seq_kd,
             **sampling,
             **common,
+            **dict(gkd_options or {}),
         )
     data = ChatDataModule(
         tokenizer,
@@ -272,7 +277,15 @@ def train_one(
     trainer.fit(module, datamodule=data)
     if task is ADDITION:
         test = evaluate_generations(module.model, tokenizer, rows["test"], max_new_tokens=8)["accuracy"]
-        return Run(method.name, seed, lr, test, curve.points, time.perf_counter() - started)
+        return Run(
+            method.name,
+            seed,
+            lr,
+            test,
+            curve.points,
+            time.perf_counter() - started,
+            diagnostics={"train_seconds": meter.seconds},
+        )
     greedy = score_completions(module.model, tokenizer, rows["test"], task)
     sampled = score_completions(module.model, tokenizer, rows["test"], task, sample_seed=seed)
     diagnostics = {

@@ -189,3 +189,13 @@ def test_ddp_with_accumulation_on_top_equals_one_process_with_the_whole_step(ddp
     assert any(len(set(tokens)) > 1 for tokens in r["micro_batch_tokens"])
     assert r["token_mean_losses"] == pytest.approx(r["doubled_losses"], rel=1e-5)
     assert r["weights_changed"] > 1e-3 and r["weights_vs_doubled"] < 1e-6
+
+
+def test_ddp_with_a_teacher_of_another_tokenizer_equals_one_process_with_the_doubled_batch(ddp):
+    """Cross-tokenizer distillation under DDP: the loss is a mean over byte-aligned groups, and the step's normaliser
+    counts groups over both ranks (all-reduced like tokens), so the update equals one process's on the doubled
+    batch (its rows' prompt messages travel with them through the rank-sharded loader)."""
+    r = ddp["cross_tokenizer"]
+    assert r["cross_path"]
+    assert r["weights_rank0_vs_rank1"] == 0.0
+    assert r["weights_changed"] > 1e-3 and r["weights_vs_doubled"] < 1e-6

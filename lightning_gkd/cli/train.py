@@ -28,6 +28,7 @@ from lightning_gkd.cli.trainer_setup import check_logger_packages, close_loggers
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.model_card import describe_data
 from lightning_gkd.methods.base import check_data_format
+from lightning_gkd.methods.cross_tokenizer_plan import check_cross_tokenizer_config
 from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
 from lightning_gkd.ops.hf import float32_matmul_precision, is_peft_model
 from lightning_gkd.teachers.base import TeacherUnavailable
@@ -99,6 +100,7 @@ def build(cfg: DictConfig) -> Run:
             raise ValueError("push_to_hub=true uploads the exported student: set export=true.")
         check_push_settings(cfg.get("hub_model_id"))  # before training, not after
     datamodule = build_data(cfg)
+    check_cross_tokenizer_config(cfg, datamodule)  # a teacher with another tokenizer: what it cannot train on
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(
         cfg.method,

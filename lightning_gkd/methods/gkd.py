@@ -10,8 +10,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
+from lightning_gkd.methods.cross_tokenizer import cross_tokenizer_loss, cross_tokenizer_step
+from lightning_gkd.methods.cross_tokenizer_plan import cross_tokenizer_settings, plan_cross_tokenizer
 from lightning_gkd.methods.gkd_teachers import (
     SparseLoss,
     TeacherSource,
@@ -35,6 +38,8 @@ from lightning_gkd.training.sampler_shutdown import SamplerShutdown
 from lightning_gkd.training.teacher_outage import TeacherOutage
 
 _COIN = 0  # the coin flip's salt (the sampler's and the shuffle's: lightning_gkd.methods.grouped_generation)
+# objects, not settings: kept out of checkpoints' hyper_parameters
+_NOT_HYPERPARAMETERS = "student teacher tokenizer teacher_tokenizer optimizer scheduler metrics sampler"
 
 
 class GKDModule(GroupedGeneration, CausalLMModule):
@@ -63,8 +68,14 @@ class GKDModule(GroupedGeneration, CausalLMModule):
     with non-finite logits; ``"skip"`` skips such batches with a warning. ``frozen_dtype``: the teacher's dtype
     ("auto": bfloat16 where the hardware multiplies bf16 fast, unless the teacher's dtype was chosen; see
     ``lightning_gkd.models.precision``).
+
+    A teacher with another tokenizer (``teacher_tokenizer``, or the teacher spec's ``tokenizer``; Hydra
+    ``model.teacher.tokenizer``) takes the cross-tokenizer path when ``cross_tokenizer`` allows it (default
+    ``enabled: auto``): ``distillation_weight`` times ULD or GOLD's hybrid loss on byte-aligned groups, plus
+    ``crossentropy_weight`` times the student's cross-entropy (``lightning_gkd.methods.cross_tokenizer``).
     """
 
+    cross_tokenizer_supported = True  # whether a teacher with another tokenizer is (OPDModule: no)
     frozen_names = ("teacher",)
     model_role = "student"
     loss_hook = "distillation_loss"
@@ -98,6 +109,10 @@ class GKDModule(GroupedGeneration, CausalLMModule):
         sampler: Sampler | SamplerFactory | None = None,
         frozen_dtype: str = "auto",
         sparse_loss: SparseLoss = "topk",
+        teacher_tokenizer: PreTrainedTokenizerBase | str | None = None,
+        cross_tokenizer: Mapping[str, Any] | Any = None,
+        crossentropy_weight: float = 0.0,
+        distillation_weight: float = 1.0,
     ) -> None:
         check_sampler_available(sampler)  # before any model loads
         plan = teacher_plan(teacher)
@@ -111,6 +126,13 @@ class GKDModule(GroupedGeneration, CausalLMModule):
         if not loss_temperature > 0:
             raise ValueError(f"loss_temperature must be > 0, got {loss_temperature}.")
         validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
+        tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        cross = cross_tokenizer_settings(cross_tokenizer, beta=beta, loss_temperature=loss_temperature)
+        teacher_tok = plan_cross_tokenizer(
+            plan, tokenizer, teacher_tokenizer, cross, owner=type(self), seq_kd=seq_kd, sparse_loss=sparse_loss
+        )
+        _check_range("crossentropy_weight", crossentropy_weight, 0.0, float("inf"))
+        _check_range("distillation_weight", distillation_weight, 0.0, float("inf"))
         super().__init__(
             student,
             tokenizer,
@@ -132,6 +154,7 @@ class GKDModule(GroupedGeneration, CausalLMModule):
             lambda source, role: self.load_frozen(source, role=role, trust_remote_code=trust_remote_code),
             self.student,
             self.tokenizer,
+            same_vocab=teacher_tok is None,
         )
         self.teacher_column = plan.column
         #: The in-process teacher model (an ``nn.ModuleDict`` by name under ``multi``; None without one).
@@ -141,6 +164,10 @@ class GKDModule(GroupedGeneration, CausalLMModule):
         #: The only teacher's source (None under ``multi``: see ``teacher_sources``).
         self.teacher_source: Teacher | Any = None if plan.routed else self.teacher_sources[""]
         self.sparse_loss = sparse_loss
+        #: The cross-tokenizer loss (None: GKD's usual path, one tokenizer), its weights and last group count.
+        self.cross_tokenizer = cross_tokenizer_step(self.tokenizer, teacher_tok, cross, self.student, models, lean_loss)
+        self.crossentropy_weight, self.distillation_weight = crossentropy_weight, distillation_weight
+        self.cross_tokenizer_groups = 0
         #: seq_kd with a served teacher: the server writes the teacher's completions (None: ``sampler`` does).
         self.teacher_sampler: Sampler | None = None
         if seq_kd and self.teacher is None:
@@ -170,9 +197,8 @@ class GKDModule(GroupedGeneration, CausalLMModule):
         self._batches = self._on_policy_batches = 0
         self._group = None
         self.sampling_calls = 0  # sampling calls in this process's current fit
-        self.save_hyperparameters(
-            ignore=["student", "teacher", "tokenizer", "optimizer", "scheduler", "metrics", "sampler"]
-        )
+        cross_tokenizer = cross.as_dict()  # saved as used (nulls resolved), plain values: weights-only checkpoints
+        self.save_hyperparameters(ignore=_NOT_HYPERPARAMETERS.split())
 
     @property
     def student(self) -> torch.nn.Module:
@@ -233,6 +259,8 @@ class GKDModule(GroupedGeneration, CausalLMModule):
                     f"with carry_columns (ChatDataModule), not {type(datamodule).__name__}."
                 )
             carry([self.teacher_column])
+        if self.cross_tokenizer is not None:  # the teacher renders each row's prompt messages with its own template
+            self.cross_tokenizer.check_datamodule(datamodule, self.max_new_tokens)
         for source in self.teacher_sources.values():
             check = getattr(source, "check_datamodule", None)
             if callable(check):  # a cache made from these rows, at this max_length
@@ -276,6 +304,8 @@ class GKDModule(GroupedGeneration, CausalLMModule):
         A sparse teacher (cache, server, a local one with ``top_k``) gives the ``sparse_loss`` instead. Under
         ``teacher.kind=multi`` each teacher scores its own rows; the loss is the token mean over all of them, and
         ``<train|val>/teacher/<name>/loss`` and ``.../tokens`` are logged per teacher."""
+        if self.cross_tokenizer is not None:
+            return cross_tokenizer_loss(self, batch)
         if self.teacher_column is None:
             return self.teacher_loss(batch, self.teacher_source)
         stage = "train" if self.training else "val"
@@ -344,7 +374,10 @@ class GKDModule(GroupedGeneration, CausalLMModule):
         if self.skip_nonfinite(loss):
             return None
         self.count_trained_tokens(batch["labels"])
-        step_loss = self.step_loss(loss, batch["labels"])
+        if self.cross_tokenizer is None:
+            step_loss = self.step_loss(loss, batch["labels"])
+        else:  # a mean over aligned groups: the step's normaliser counts groups
+            step_loss = self.token_normalizer.micro_batch_loss(loss, torch.tensor(self.cross_tokenizer_groups))
         self._batches += 1
         self._on_policy_batches += source == "student"
         completion_tokens = (batch["labels"] != IGNORE_INDEX).sum(dim=1).float()

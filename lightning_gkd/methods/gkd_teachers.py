@@ -71,18 +71,25 @@ def check_teacher_settings(
 
 
 def build_teachers(
-    plan: TeacherPlan, load: Callable[[Any, str], nn.Module], student: nn.Module, tokenizer: Any
+    plan: TeacherPlan,
+    load: Callable[[Any, str], nn.Module],
+    student: nn.Module,
+    tokenizer: Any,
+    *,
+    same_vocab: bool = True,
 ) -> tuple[dict[str, Any], dict[str, nn.Module]]:
     """Each teacher's source by name, and the in-process models among them. ``load(source, role)`` loads a frozen
     model (role ``teacher``, or ``teacher.<name>`` under ``multi``); a remote teacher's ``check`` runs now, before
-    training: the server is up and serves the student's tokenizer, the cache was made with it."""
+    training: the server is up and serves the student's tokenizer, the cache was made with it. ``same_vocab``:
+    in-process teachers must have the student's vocabulary size (False: a cross-tokenizer teacher)."""
     sources: dict[str, Any] = {}
     models: dict[str, nn.Module] = {}
     for name, entry in plan.entries.items():
         if entry.kind == "local":
             role = f"teacher.{name}" if name else "teacher"
             models[name] = load(entry.settings["model"], role)
-            check_same_vocab(student, models[name], teacher_role=role)
+            if same_vocab:
+                _check_same_vocab(student, models[name], role)
             sources[name] = LocalTeacher(models[name], top_k=entry.top_k)
             continue
         sources[name] = source = build_remote_teacher(entry)
@@ -90,6 +97,18 @@ def build_teachers(
         if callable(check):
             check(tokenizer, vocab_size(student))
     return sources, models
+
+
+def _check_same_vocab(student: nn.Module, teacher: nn.Module, role: str) -> None:
+    try:
+        check_same_vocab(student, teacher, teacher_role=role)
+    except ValueError as error:
+        raise ValueError(
+            f"{error} For a teacher with another tokenizer, give its tokenizer (Hydra: model.teacher.tokenizer=<folder "
+            "or hub id>, null takes the teacher's own folder; Python: GKDModule(teacher_tokenizer=...)): "
+            "cross_tokenizer=auto (the default) then distils across tokenizers; cross_tokenizer.enabled=always "
+            "forces that loss with the same tokenizer."
+        ) from None
 
 
 def server_sampler(teacher: Any, student: nn.Module, tokenizer: Any, **sampling: Any) -> Any:

@@ -85,6 +85,8 @@ class OPDModule(GKDModule):
         temperature: the sampling temperature.
     """
 
+    cross_tokenizer_supported = False  # the reward needs log p_T of the student's own tokens
+
     def __init__(
         self,
         student: ModelSource,

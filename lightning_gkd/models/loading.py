@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 ModelSource: TypeAlias = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
 
-_SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code", "lora"}
+# "tokenizer": a teacher's tokenizer (cross-tokenizer distillation reads it; loading ignores it)
+_SPEC_KEYS = {"name_or_path", "config", "init_kwargs", "trust_remote_code", "lora", "tokenizer"}
 
 
 def resolve_dtype(value: Any) -> Any:

@@ -3,8 +3,10 @@
 A GKD teacher is given as a model source (a folder, a hub id, a spec with ``name_or_path``, an ``nn.Module``: the
 in-process model, as before), a built teacher object, or a *teacher spec*, a mapping with ``kind``:
 
-- ``{kind: local, model: <model source>, top_k: null}``: the in-process model; ``top_k`` set = train on its top-k
-  log-probs with the sparse loss (what a cache or server of it gives), null = full distributions;
+- ``{kind: local, model: <model source>, top_k: null, tokenizer: null}``: the in-process model; ``top_k`` set =
+  train on its top-k log-probs with the sparse loss (what a cache or server of it gives), null = full distributions;
+  ``tokenizer``: the teacher's tokenizer when it differs from the student's (cross-tokenizer distillation,
+  ``lightning_gkd.methods.cross_tokenizer``; null = the model spec's ``tokenizer``, else the one in the model's folder);
 - ``{kind: cache, path: <folder>, top_k: null}``: top-k log-probs precomputed by ``lightning-gkd-cache``
   (``lightning_gkd.teachers.cache``); no teacher model in memory;
 - ``{kind: server, url: ..., model: null, top_k: 20, timeout: 60, concurrency: 4, retries: 4, backoff: 1}``: a vLLM
@@ -24,7 +26,7 @@ from torch import nn
 
 TEACHER_KINDS = ("local", "cache", "server", "multi")
 _KEYS: dict[str, set[str]] = {
-    "local": {"model", "top_k"},
+    "local": {"model", "top_k", "tokenizer"},
     "cache": {"path", "top_k"},
     "server": {"url", "model", "top_k", "timeout", "concurrency", "retries", "backoff"},
     "multi": {"column", "teachers"},

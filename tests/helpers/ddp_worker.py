@@ -18,6 +18,9 @@ trained on:
 4. ``grouped``: steps_per_generation = 2, lmbda = 1, 4 steps: sampling calls per rank and the prompts trained on.
 5. ``accumulated``: natural rows, 2 accumulated micro-batches of 2 rows per rank and step, against one process on
    8 rows per step.
+6. ``cross_tokenizer``: ``parity_uneven`` with a teacher whose tokenizer differs (a BPE over the toy rows): the loss
+   is a mean over byte-aligned groups and the step's normaliser counts groups over both ranks, so DDP's weights match
+   one process on the doubled batch.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.loader import rank_groups
-from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
@@ -160,16 +163,18 @@ def equal_length_rows(count: int) -> list[dict]:
     return [row for row in addition_rows("train", 200) if len(row["answer"]) == 3][:count]
 
 
-def doubled_reference(tokenizer, rows: list[dict], batch_size: int, steps: int):
+def doubled_reference(tokenizer, rows: list[dict], batch_size: int, steps: int, make=None):
     """One process, the real loader at ``batch_size`` rows per step, SGD on the token-mean loss: per-step losses
-    and prompts, the first step's token count, and the final weights."""
+    and prompts, the first step's token count, and the final weights. ``make``: the module (default
+    ``make_module(tokenizer, lmbda=0.0)``)."""
     data = ChatDataModule(tokenizer, rows, batch_size=batch_size, max_length=MAX_LENGTH, seed=SEED)
-    data.setup("fit")
-    ref = make_module(tokenizer, lmbda=0.0)
+    ref = make() if make is not None else make_module(tokenizer, lmbda=0.0)
+    ref.check_datamodule(data)  # a cross-tokenizer teacher: the batches carry the prompt messages
     opt = torch.optim.SGD([p for p in ref.student.parameters() if p.requires_grad], lr=LR)
     losses, prompts, step0_tokens = [], [], None
     for step, batch in enumerate(itertools.islice(data.train_dataloader(), steps)):
-        loss = ref.distillation_loss({k: batch[k] for k in KEYS})
+        keys = (*KEYS, "prompt_messages") if "prompt_messages" in batch else KEYS
+        loss = ref.distillation_loss({k: batch[k] for k in keys})
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -237,6 +242,39 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
             == sorted(prompts[0][s * per_rank : (s + 1) * per_rank] + prompts[1][s * per_rank : (s + 1) * per_rank])
             for s in range(steps)
         ),
+    }
+
+
+# -- 6: a teacher with another tokenizer -------------------------------------------------------------------------
+def cross_tokenizer(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int = 4) -> dict | None:
+    corpus = [message["content"] for row in addition_rows("train", 200) for message in row["messages"]]
+    teacher_tokenizer = build_chatml_bpe_tokenizer(corpus, merges=60)
+
+    def make() -> Recorded:
+        return Recorded(
+            tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
+            tiny_causal_lm(TINY_TEACHER, teacher_tokenizer, seed=1),
+            tokenizer,
+            teacher_tokenizer=teacher_tokenizer,
+            lmbda=0.0,
+            beta=0.5,
+            optimizer=SGD,
+            seed=SEED,
+        )
+
+    data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
+    module = make()
+    fit(out, module, data, steps)
+    final = flat_state(module.student)
+    finals = gather(final)
+    if dist.get_rank() != 0:
+        return None
+    _, _, _, doubled_state = doubled_reference(tokenizer, rows, 2 * per_rank, steps, make=make)
+    return {
+        "cross_path": module.cross_tokenizer is not None,
+        "weights_rank0_vs_rank1": max_abs_diff(finals[0], finals[1]),
+        "weights_vs_doubled": max_abs_diff(final, doubled_state),
+        "weights_changed": max_abs_diff(final, flat_state(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0))),
     }
 
 
@@ -311,6 +349,7 @@ def main() -> None:
     result["flips"] = flips(out / "flips", tokenizer)
     result["grouped"] = grouped(out / "grouped", tokenizer)
     result["accumulated"] = accumulated(out / "accumulated", tokenizer, addition_rows("train", 24))
+    result["cross_tokenizer"] = cross_tokenizer(out / "cross_tokenizer", tokenizer, addition_rows("train", 24))
     result["world_size"] = dist.get_world_size()
     result["backend"] = dist.get_backend()
     if dist.get_rank() == 0:

@@ -1,0 +1,265 @@
+"""GKD with a teacher whose tokenizer differs from the student's (cross-tokenizer distillation).
+
+Both models score the same completion *text*. For every batch (dataset completions, the student's samples,
+validation) the student's completions are decoded with byte spans (``data.cross_tokenizer.student_completions``),
+re-tokenized for the teacher after its own chat template of the rows' prompt messages (``teacher_batch``), and the
+two tokenizations are compared group by group (``ops.cross_tokenizer``: byte-span alignment, merged
+probabilities, ULD or GOLD's hybrid loss). Only the completion positions are projected to logits (``[N, V]`` per
+model, from final hidden states; full logits where the lean forward is unsupported).
+
+The batch loss is the mean over *all aligned groups of the batch* (a row weighs by its group count; TRL averages
+per-row means instead), times ``distillation_weight``, plus ``crossentropy_weight`` times the student's
+cross-entropy on its completion tokens (a token mean). With ``loss_normalization="step"`` the optimizer step's
+normaliser counts groups, not student tokens.
+
+Who decides: ``cross_tokenizer_plan.plan_cross_tokenizer`` (before any model loads) compares the teacher's
+tokenizer with the student's (``get_vocab()`` equal = the same tokenizer: GKD's usual path) and refuses what the
+cross path cannot do; ``CrossTokenizerStep`` computes the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.cross_tokenizer import student_completions, teacher_batch
+from lightning_gkd.methods.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
+from lightning_gkd.ops.cross_tokenizer import cross_tokenizer_row_terms, matched_vocabulary
+from lightning_gkd.ops.hf import (
+    LeanForwardUnsupported,
+    causal_lm_logits,
+    check_output_head,
+    final_hidden_states,
+    output_head,
+    resolve_eos_token_id,
+)
+from lightning_gkd.teachers.base import supervised_positions
+from lightning_gkd.teachers.local import LocalTeacher
+
+
+class CrossTokenizerResult(NamedTuple):
+    """One batch: the loss, its aligned-group count, the hybrid's unweighted parts (group means; None for ULD),
+    the student's cross-entropy (None when its weight is 0), and both models' final hidden states (or logits) at
+    the completion positions for the non-finite watch."""
+
+    loss: torch.Tensor
+    groups: int
+    matched: torch.Tensor | None
+    unmatched: torch.Tensor | None
+    crossentropy: torch.Tensor | None
+    student_states: torch.Tensor
+    teacher_states: torch.Tensor
+
+
+class CrossTokenizerStep:
+    """The cross-tokenizer loss of a batch (see the module docstring). The matched vocabulary (token strings both
+    tokenizers hold, within both models' logit columns) is computed once, here."""
+
+    def __init__(
+        self,
+        student_tokenizer: PreTrainedTokenizerBase,
+        teacher_tokenizer: PreTrainedTokenizerBase,
+        settings: CrossTokenizerSettings,
+        *,
+        student: nn.Module,
+        teacher: nn.Module,
+        lean: bool = True,
+    ) -> None:
+        from lightning_gkd.models.loading import vocab_size
+
+        self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
+        self.settings, self.loss_settings = settings, settings.loss
+        eos = resolve_eos_token_id(student, student_tokenizer)  # a sample ends at any of the model's EOS ids
+        self.student_end_ids: Collection[int] = {eos} if isinstance(eos, int) else set(eos or [])
+        if student_tokenizer.eos_token_id is not None:
+            self.student_end_ids = {*self.student_end_ids, student_tokenizer.eos_token_id}
+        self.lean = lean
+        student_width, teacher_width = vocab_size(student), vocab_size(teacher)
+        if teacher_width is not None and len(teacher_tokenizer) > teacher_width:
+            raise ValueError(
+                f"The teacher's tokenizer ({getattr(teacher_tokenizer, 'name_or_path', '')!r}) has "
+                f"{len(teacher_tokenizer)} tokens but the teacher model's vocabulary has {teacher_width}: give the "
+                "teacher its own tokenizer (Python: teacher_tokenizer=...; Hydra: model.teacher.tokenizer=<its "
+                "folder or hub id>, null takes the teacher's folder)."
+            )
+        self.matched: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.loss_settings.loss == "hybrid":
+            s_ids, t_ids = matched_vocabulary(student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab())
+            keep = (s_ids < (student_width or len(student_tokenizer))) & (t_ids < (teacher_width or 1 << 62))
+            self.matched = (s_ids[keep], t_ids[keep])
+        self._matched_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        positions = getattr(getattr(teacher, "config", None), "max_position_embeddings", None)
+        self.teacher_positions: int | None = int(positions) if isinstance(positions, int) else None
+        self.max_length = settings.teacher_max_length or self.teacher_positions or 1 << 20
+
+    def check_datamodule(self, datamodule: Any, max_new_tokens: int) -> None:
+        """Ask ``datamodule`` for the rows' prompt messages (``check_cross_tokenizer_datamodule``) and set the
+        teacher's input budget when ``teacher_max_length`` is null: the student's (the datamodule's ``max_length``
+        plus ``max_new_tokens``), at most the teacher's positions."""
+        check_cross_tokenizer_datamodule(datamodule)
+        student_max_length = getattr(datamodule, "max_length", None)
+        if self.settings.teacher_max_length is None and student_max_length:
+            budget = student_max_length + max_new_tokens
+            self.max_length = min(budget, self.teacher_positions) if self.teacher_positions else budget
+
+    @property
+    def matched_count(self) -> int:
+        return 0 if self.matched is None else int(self.matched[0].numel())
+
+    def _matched(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.matched is None:
+            return None
+        if device not in self._matched_on:
+            self._matched_on[device] = (self.matched[0].to(device), self.matched[1].to(device))
+        return self._matched_on[device]
+
+    def teacher_inputs(self, batch: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """The student's completions of ``batch`` and the teacher's batch of the same texts."""
+        messages = batch.get("prompt_messages")
+        if messages is None:
+            raise ValueError(
+                "The batch has no 'prompt_messages': the cross-tokenizer teacher renders each row's prompt with its "
+                "own chat template. Fit with a ChatDataModule (GKDModule.check_datamodule calls its "
+                "carry_prompt_messages()), or collate with ChatMLCollator(..., carry_prompt_messages=True)."
+            )
+        completions = student_completions(self.student_tokenizer, batch, end_ids=self.student_end_ids)
+        teacher = teacher_batch(
+            self.teacher_tokenizer, messages, [c.text for c in completions], max_length=self.max_length
+        )
+        return completions, teacher
+
+    def _student_logits(self, student: nn.Module, batch: Mapping[str, Any], positions: torch.Tensor) -> tuple:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.lean:
+            check_output_head(student, ids, mask)
+            hidden = final_hidden_states(student, ids, mask, positions)
+            return output_head(student).logits(hidden), hidden
+        logits = causal_lm_logits(student, batch)[positions]
+        return logits, logits
+
+    @torch.no_grad()
+    def _teacher_logits(self, teacher: LocalTeacher, batch: Mapping[str, Any], positions: torch.Tensor) -> tuple:
+        if self.lean:
+            hidden, head = teacher.hidden_states(batch, positions)
+            return head.logits(hidden), hidden
+        logits = teacher.logits(batch)[positions]
+        return logits, logits
+
+    def __call__(
+        self,
+        student: nn.Module,
+        teacher: LocalTeacher,
+        batch: Mapping[str, Any],
+        *,
+        distillation_weight: float = 1.0,
+        crossentropy_weight: float = 0.0,
+    ) -> CrossTokenizerResult:
+        """The loss of ``batch`` (``input_ids``, ``attention_mask``, ``labels``, ``prompt_messages``)."""
+        completions, teacher_rows = self.teacher_inputs(batch)
+        device = batch["input_ids"].device
+        t_batch = {key: teacher_rows[key].to(device) for key in ("input_ids", "attention_mask", "labels")}
+        s_positions = supervised_positions(batch["labels"])
+        t_positions = supervised_positions(t_batch["labels"])
+        try:
+            s_logits, s_states = self._student_logits(student, batch, s_positions)
+            t_logits, t_states = self._teacher_logits(teacher, t_batch, t_positions)
+        except LeanForwardUnsupported as reason:
+            rank_zero_warn(f"lean_loss: {reason}; computing the cross-tokenizer loss from full logits instead.")
+            self.lean = False
+            return self(
+                student,
+                teacher,
+                batch,
+                distillation_weight=distillation_weight,
+                crossentropy_weight=crossentropy_weight,
+            )
+        matched = self._matched(device)
+        s_rows = s_logits.split([len(c.ids) for c in completions])
+        t_rows = t_logits.split([len(ids) for ids in teacher_rows["completion_ids"]])
+        terms = [
+            cross_tokenizer_row_terms(
+                s_row,
+                t_row,
+                completion.ids,
+                t_ids,
+                completion.spans,
+                t_spans,
+                settings=self.loss_settings,
+                matched=matched,
+            )
+            for s_row, t_row, completion, t_ids, t_spans in zip(
+                s_rows,
+                t_rows,
+                completions,
+                teacher_rows["completion_ids"],
+                teacher_rows["completion_spans"],
+                strict=True,
+            )
+        ]
+        distances = torch.cat([term.loss for term in terms]) if terms else s_logits.new_zeros(0)
+        groups = int(distances.numel())
+        loss = distances.mean() if groups else s_logits.sum() * 0.0
+        matched_part = unmatched_part = crossentropy = None
+        if groups and self.loss_settings.loss == "hybrid":
+            matched_part = torch.cat([t.matched for t in terms if t.matched is not None]).detach().mean()
+            unmatched_part = torch.cat([t.unmatched for t in terms if t.unmatched is not None]).detach().mean()
+        loss = distillation_weight * loss if distillation_weight != 1.0 else loss
+        if crossentropy_weight > 0:
+            targets = torch.tensor([i for c in completions for i in c.ids], dtype=torch.long, device=device)
+            crossentropy = F.cross_entropy(s_logits, targets) if targets.numel() else s_logits.sum() * 0.0
+            loss = loss + crossentropy_weight * crossentropy
+            crossentropy = crossentropy.detach()
+        return CrossTokenizerResult(loss, groups, matched_part, unmatched_part, crossentropy, s_states, t_states)
+
+
+def cross_tokenizer_step(
+    student_tokenizer: PreTrainedTokenizerBase,
+    teacher_tokenizer: PreTrainedTokenizerBase | None,
+    settings: CrossTokenizerSettings,
+    student: nn.Module,
+    teachers: Mapping[str, nn.Module],
+    lean: bool,
+) -> CrossTokenizerStep | None:
+    """The step for the only teacher (``teachers[""]``), or None without a cross-tokenizer teacher."""
+    if teacher_tokenizer is None:
+        return None
+    return CrossTokenizerStep(
+        student_tokenizer, teacher_tokenizer, settings, student=student, teacher=teachers[""], lean=lean
+    )
+
+
+def cross_tokenizer_loss(module: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    """``GKDModule.distillation_loss`` on the cross-tokenizer path: the loss of ``batch``, logged as
+    ``<train|val>/cross_tokenizer/{groups,matched,unmatched,crossentropy}``; the group count is kept in
+    ``module.cross_tokenizer_groups`` for the step's normaliser."""
+    step: CrossTokenizerStep = module.cross_tokenizer
+    result = step(
+        module.student,
+        module.teacher_source,
+        batch,
+        distillation_weight=module.distillation_weight,
+        crossentropy_weight=module.crossentropy_weight,
+    )
+    module.nonfinite_guard.record(module.model_role, result.student_states)
+    module.nonfinite_guard.record("teacher", result.teacher_states)
+    module.cross_tokenizer_groups = result.groups
+    if module.training:
+        prefix, options = "train/", {}
+    else:
+        results = getattr(getattr(module, "_trainer", None), "_results", None)  # the validation loader's index
+        index = getattr(results, "dataloader_idx", None) or 0
+        prefix = module.val_prefix(index)
+        options = {"add_dataloader_idx": module.val_names() is None, "sync_dist": True}
+    size = int(batch["input_ids"].shape[0])
+    module.log(f"{prefix}cross_tokenizer/groups", float(result.groups), batch_size=size, **options)
+    parts = {"matched": result.matched, "unmatched": result.unmatched, "crossentropy": result.crossentropy}
+    for name, value in parts.items():
+        if value is not None:
+            module.log(f"{prefix}cross_tokenizer/{name}", value, batch_size=max(result.groups, 1), **options)
+    return result.loss
