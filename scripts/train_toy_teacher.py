@@ -3,11 +3,17 @@ assets (save_pretrained + tokenizer) under lightning_gkd/assets/<task assets>/.
 
     python scripts/train_toy_teacher.py                 # writes lightning_gkd/assets/toy/{teacher,student_init}
     python scripts/train_toy_teacher.py --task chain    # writes lightning_gkd/assets/toy_chain/...
+    python scripts/train_toy_teacher.py --tokenizer bpe # writes lightning_gkd/assets/toy_bpe/teacher only
 
 The teacher is trained until its validation exact-match reaches --target (early stop) and must reach it on the
 test split, else the script exits non-zero. The student is a smaller model given a brief SFT that stops
 once its validation accuracy passes --student-target, so it starts well below the teacher. Both are deterministic
 for a given --seed on one machine.
+
+--tokenizer bpe trains only a teacher, over a byte-level BPE tokenizer whose --merges are learned on the chat text
+of the task's training rows (numbers and template words become tokens): a teacher for cross-tokenizer
+distillation of the shipped byte-tokenizer student (assets/<task>/student_init, unchanged). Its manifest also
+records how the two tokenizers pair up (shared tokens, tokens per answer).
 """
 
 from __future__ import annotations
@@ -26,13 +32,21 @@ from lightning.pytorch.callbacks import EarlyStopping
 from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, SFTModule
-from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer, load_tokenizer
 from lightning_gkd.data.toy.tasks import TOY_TASKS, ToyTask, toy_task
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.models.tiny import tiny_causal_lm
+from lightning_gkd.ops.cross_tokenizer import matched_vocabulary
 
 ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets"
+# BPE merges of the shipped toy_bpe teacher's tokenizer: "user", "assistant" (11 merges) and the 29 most frequent
+# 2-digit strings, so 83% of the test answers split differently from bytes (2.56 teacher tokens against 3.52 bytes).
+# Two digits per token make the task harder for the 4x128 teacher (each token's carry depends on the next digits):
+# it stops at 0.94 validation / 0.89 test exact match after 5000 steps where the byte teacher reaches 0.98, and longer
+# schedules overfit (12000 steps: 0.90). With 200 merges (all 2-digit and 99 3-digit strings) it was at 4% after
+# 7500 steps.
+BPE_MERGES = 40
 
 
 class PrintValidation(L.Callback):
@@ -100,6 +114,41 @@ def sft(
     return module
 
 
+def training_corpus(task: ToyTask) -> list[str]:
+    """The chat text (ChatML) of ``task``'s default training split: what the BPE tokenizer learns its merges on (never
+    the held-out rows; a longer --train-rows split starts with these rows, so the tokenizer does not depend on it)."""
+    template = build_chatml_tokenizer()
+    return [template.apply_chat_template(row["messages"], tokenize=False) for row in task.rows("train")]
+
+
+def teacher_rows(task: ToyTask, train_rows: int | None) -> tuple[list[dict], list[dict]] | None:
+    """The teacher's (train, val) rows: None (the task's splits) unless ``train_rows`` asks for another train size
+    (the held-out splits never change with it)."""
+    return None if train_rows is None else (task.rows("train", train_rows), task.rows("val"))
+
+
+def tokenizer_pairing(student_tokenizer, teacher_tokenizer, rows: list[dict]) -> dict:
+    """How two tokenizers split ``rows``' answers: vocabulary sizes, token strings both hold, mean tokens per answer
+    and the share of answers split differently."""
+    student_ids, _ = matched_vocabulary(student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab())
+    answers = [row["answer"] for row in rows]
+    split = {
+        role: [tok.convert_ids_to_tokens(tok(answer, add_special_tokens=False)["input_ids"]) for answer in answers]
+        for role, tok in (("student", student_tokenizer), ("teacher", teacher_tokenizer))
+    }
+    return {
+        "student_vocabulary": len(student_tokenizer),
+        "teacher_vocabulary": len(teacher_tokenizer),
+        "shared_token_strings": len(student_ids),
+        "answers": f"{len(rows)} test rows",
+        "student_tokens_per_answer": round(sum(map(len, split["student"])) / len(rows), 3),
+        "teacher_tokens_per_answer": round(sum(map(len, split["teacher"])) / len(rows), 3),
+        "answers_split_differently": round(
+            sum(s != t for s, t in zip(split["student"], split["teacher"], strict=True)) / len(rows), 4
+        ),
+    }
+
+
 def initial_model(folder: Path | None, config: dict, tokenizer, *, seed: int) -> torch.nn.Module:
     """Random weights of shape ``config``, or the model in ``folder`` (which must have that shape) with room for
     ``config``'s positions (RoPE: no position table to grow)."""
@@ -109,6 +158,11 @@ def initial_model(folder: Path | None, config: dict, tokenizer, *, seed: int) ->
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size"):
         if getattr(model.config, key) != config[key]:
             raise ValueError(f"{folder}: {key}={getattr(model.config, key)}, the task's models have {config[key]}.")
+    if model.config.vocab_size != len(tokenizer):
+        raise ValueError(
+            f"{folder}: vocab_size={model.config.vocab_size}, the tokenizer has {len(tokenizer)} tokens; start from a "
+            "model trained with the same --tokenizer."
+        )
     model.config.max_position_embeddings = config["max_position_embeddings"]
     return model
 
@@ -143,10 +197,27 @@ def main() -> int:
         help="start the teacher from this model folder (e.g. the addition teacher) instead of random weights",
     )
     parser.add_argument("--student-init", type=Path, default=None, help="the same for the student")
+    parser.add_argument(
+        "--train-rows", type=int, default=None, help="training rows for the teacher (default: the task's train split)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        choices=["byte", "bpe"],
+        default="byte",
+        help="byte: the project's one-token-per-byte tokenizer, teacher and student; bpe: a teacher only, over a "
+        "BPE tokenizer learned on the task's training text, written to lightning_gkd/assets/<task assets>_bpe",
+    )
+    parser.add_argument(
+        "--merges", type=int, default=BPE_MERGES, help="BPE merges to learn (--tokenizer bpe; fewer if rarer)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     task = toy_task(args.task)
+    if args.tokenizer == "bpe":
+        if args.reuse_teacher:
+            parser.error("--reuse-teacher remakes the student; --tokenizer bpe makes no student (drop one of them).")
+        return train_bpe_teacher(args, task)
     args.out = args.out or ASSETS / task.assets
 
     tokenizer = build_chatml_tokenizer()
@@ -167,6 +238,7 @@ def main() -> int:
             target=args.target,
             root=args.out.parent / ".train_teacher",
             task=task,
+            rows=teacher_rows(task, args.train_rows),
         )
         teacher_model, teacher_steps = teacher.model, teacher.global_step
     score = dict(metrics={"accuracy": task.metric}, max_new_tokens=task.max_new_tokens, max_length=task.max_length)
@@ -224,6 +296,74 @@ def main() -> int:
         f"torch {torch.__version__}",
     }
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
+def train_bpe_teacher(args: argparse.Namespace, task: ToyTask) -> int:
+    """Train ``task``'s teacher over a BPE tokenizer learned on its training text and write it, with a manifest,
+    to ``args.out`` (default ``assets/<task assets>_bpe``)/teacher; the student start stays the byte one."""
+    out = args.out or ASSETS / f"{task.assets}_bpe"
+    started = time.perf_counter()
+    tokenizer = build_chatml_bpe_tokenizer(training_corpus(task), merges=args.merges)
+    print(f"BPE tokenizer: {len(tokenizer)} tokens ({args.merges} merges asked)", flush=True)
+    teacher = sft(
+        initial_model(args.teacher_init, task.teacher_config, tokenizer, seed=args.seed),
+        tokenizer,
+        steps=args.teacher_steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        target=args.target,
+        root=out.parent / ".train_teacher_bpe",
+        task=task,
+        rows=teacher_rows(task, args.train_rows),
+    )
+    test_rows = task.rows("test")
+    score = dict(metrics={"accuracy": task.metric}, max_new_tokens=task.max_new_tokens, max_length=task.max_length)
+    accuracy = evaluate_generations(teacher.model, tokenizer, test_rows, **score)["accuracy"]
+    print(f"teacher: {teacher.global_step} steps, test accuracy {accuracy:.4f}")
+    if accuracy < args.required:
+        print(
+            f"teacher test accuracy {accuracy:.4f} < required {args.required}; raise --teacher-steps", file=sys.stderr
+        )
+        return 1
+    seconds = round(time.perf_counter() - started, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    teacher.export(out / "teacher")
+    # what users load: the saved folder, through load_tokenizer (AutoTokenizer would build Qwen2's tokenizer here)
+    shipped = load_tokenizer(out / "teacher")
+    student_tokenizer = load_tokenizer(ASSETS / task.assets / "student_init")
+    manifest = {
+        "task": f"lightning_gkd.data.toy.tasks.TOY_TASKS[{task.name!r}] ({task.description})",
+        "tokenizer": {
+            "builder": "lightning_gkd.data.tokenizer.build_chatml_bpe_tokenizer (byte-level BPE, ChatML specials)",
+            "corpus": f"the ChatML chat text of the task's {len(task.rows('train'))} training rows",
+            "merges": args.merges,
+            "vocabulary_size": len(shipped),
+            "load_with": "lightning_gkd.data.tokenizer.load_tokenizer",
+        },
+        "teacher": {
+            "config": {**task.teacher_config, "vocab_size": len(tokenizer)},
+            "initialised_from": str(args.teacher_init) if args.teacher_init else "random",
+            "train_rows": len(task.rows("train", args.train_rows)),
+            "sft_steps": teacher.global_step,
+            "test_accuracy": accuracy,
+        },
+        "student": f"assets/{task.assets}/student_init (the byte tokenizer), unchanged",
+        "pairing": tokenizer_pairing(student_tokenizer, shipped, test_rows),
+        "training": {
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "seed": args.seed,
+            "schedule": "cosine with warmup",
+            "seconds": seconds,
+        },
+        "command": "python scripts/train_toy_teacher.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(json.dumps(manifest, indent=2))
     return 0
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from lightning_gkd.cli.train import build, run
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer
 from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import PACKAGE_ASSETS, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
 
 FAST = [
     "trainer.max_steps=2",
@@ -153,9 +153,6 @@ def test_cross_tokenizer_off_keeps_the_usual_vocabulary_check(tmp_path, bpe_fold
         build(cfg)
 
 
-@pytest.mark.skipif(
-    not (PACKAGE_ASSETS / "toy_bpe" / "teacher" / "config.json").is_file(), reason="the toy_bpe asset is not built"
-)
 def test_model_toy_bpe_trains_two_steps(tmp_path):
     result = run(compose_train(tmp_path, [*FAST, "model=toy_bpe"]))
     assert result["global_step"] == 2

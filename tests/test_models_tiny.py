@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from tokenizers import Tokenizer
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer, load_tokenizer
 from lightning_gkd.data.toy import addition_rows
@@ -52,3 +53,40 @@ def test_chain_teacher_uses_both_orders_and_the_student_start_trails_it():
     first = teacher(input_ids=ids).logits[0, -1].softmax(-1)
     forward, backward = (tokenizer.convert_tokens_to_ids(a[0]) for a in rows[0]["answers"])
     assert forward != backward and min(first[forward], first[backward]) > 0.2
+
+
+def test_bpe_teacher_asset_is_small_and_described():
+    size = sum(p.stat().st_size for p in (PACKAGE_ASSETS / "toy_bpe").rglob("*") if p.is_file())
+    assert size < 6 * 2**20
+    manifest = json.loads((PACKAGE_ASSETS / "toy_bpe" / "manifest.json").read_text())
+    assert manifest["teacher"]["test_accuracy"] >= 0.85  # the byte teacher: 0.98 (see train_toy_teacher.py)
+    vocabulary = manifest["tokenizer"]["vocabulary_size"]
+    assert manifest["teacher"]["config"]["vocab_size"] == vocabulary == manifest["pairing"]["teacher_vocabulary"]
+    assert len(load_tokenizer(asset_path("toy_bpe/teacher"))) == vocabulary
+
+
+def test_bpe_teacher_tokenizer_keeps_its_ids_through_save_and_load_and_merges_numbers(tmp_path):
+    """The shipped BPE tokenizer loads (through load_tokenizer: AutoTokenizer would build Qwen2's and split digits)
+    with the ids of its tokenizer.json, keeps them through save -> load, and splits text unlike the byte one."""
+    folder = asset_path("toy_bpe/teacher")
+    shipped = load_tokenizer(folder)
+    text = "<|im_start|>user\n743+58=<|im_end|>\n<|im_start|>assistant\n5871<|im_end|>\n"
+    ids = shipped(text)["input_ids"]
+    assert ids == Tokenizer.from_file(f"{folder}/tokenizer.json").encode(text).ids
+    shipped.save_pretrained(tmp_path)
+    assert load_tokenizer(tmp_path)(text)["input_ids"] == ids
+    assert shipped.convert_ids_to_tokens(ids) == [
+        *("<|im_start|>", "user", "Ċ", "7", "4", "3", "+", "58", "=", "<|im_end|>", "Ċ"),
+        *("<|im_start|>", "assistant", "Ċ", "58", "71", "<|im_end|>", "Ċ"),
+    ]
+    byte_ids = build_chatml_tokenizer()(text)["input_ids"]
+    assert len(byte_ids) == 32 and byte_ids != ids
+    assert (shipped.eos_token, shipped.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert load_causal_lm(folder).config.vocab_size == len(shipped)
+
+
+def test_bpe_teacher_answers_held_out_prompts():
+    rows = addition_rows("test")[:64]
+    folder = asset_path("toy_bpe/teacher")
+    scores = evaluate_generations(load_causal_lm(folder), load_tokenizer(folder), rows, max_new_tokens=8)
+    assert scores["accuracy"] >= 0.8
