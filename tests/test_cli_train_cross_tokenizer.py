@@ -61,14 +61,14 @@ def test_the_cross_tokenizer_options_compose_into_the_method(tmp_path):
     default = compose_train(tmp_path, [])
     assert OmegaConf.to_container(default.method.cross_tokenizer) == {
         "enabled": "auto",
-        "loss": "hybrid",
+        "loss": "projected",
         "alignment": "bytes",
         "merge": "observed",
         "beta": None,
         "student_temperature": None,
         "teacher_temperature": None,
-        "skip_student_eos": True,
-        "skip_teacher_eos": True,
+        "skip_student_eos": False,
+        "skip_teacher_eos": False,
         "matched_weight": None,
         "unmatched_weight": None,
         "matched_divergence": "clamped",
@@ -78,8 +78,10 @@ def test_the_cross_tokenizer_options_compose_into_the_method(tmp_path):
     assert default.method.teacher.tokenizer is None
     assert compose_train(tmp_path, ["cross_tokenizer=uld"]).method.cross_tokenizer.loss == "uld"
     assert compose_train(tmp_path, ["cross_tokenizer=hybrid"]).method.cross_tokenizer.loss == "hybrid"
+    for loss in ("likelihood", "projected"):
+        assert compose_train(tmp_path, [f"cross_tokenizer={loss}"]).method.cross_tokenizer.loss == loss
     off = compose_train(tmp_path, ["cross_tokenizer=off"]).method.cross_tokenizer
-    assert off.enabled == "never" and off.loss == "hybrid"
+    assert off.enabled == "never" and off.loss == "projected"
 
 
 @pytest.mark.parametrize("where", ["folder", "teacher.tokenizer"])

@@ -114,7 +114,8 @@ def test_identical_tokenizers_give_the_plain_gkd_loss_and_gradients(
 def test_a_bpe_teacher_takes_the_cross_path_and_the_byte_student_learns_on_a_fixed_batch(
     student, tokenizer, bpe_tokenizer, bpe_teacher, toy_rows
 ):
-    module = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer)
+    gold = {"loss": "hybrid", "skip_student_eos": True, "skip_teacher_eos": True}  # TRL's GOLDTrainer defaults
+    module = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, cross_tokenizer=gold)
     step = module.cross_tokenizer
     assert step is not None and step.teacher_tokenizer is bpe_tokenizer
     # the byte symbols and ChatML specials are the strings both vocabularies hold; the BPE merges are not
@@ -139,11 +140,55 @@ def test_a_bpe_teacher_takes_the_cross_path_and_the_byte_student_learns_on_a_fix
     assert module.teacher.training is False
 
 
+@pytest.mark.parametrize("loss", ["likelihood", "projected"])
+def test_the_likelihood_losses_raise_the_students_likelihood_of_the_teachers_answers(
+    student, tokenizer, bpe_tokenizer, bpe_teacher, toy_rows, loss
+):
+    """The chunk-likelihood losses (not in TRL) on a fixed batch: the loss falls and the student's log-likelihood of
+    the answers (which the teacher prefers) rises; ``projected`` builds its token map once, over the teacher's
+    vocabulary."""
+    settings = {"loss": loss, "skip_student_eos": False, "skip_teacher_eos": False}
+    module = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, cross_tokenizer=settings)
+    step = module.cross_tokenizer
+    assert step.matched is None
+    assert (step.token_map is None) == (loss == "likelihood")
+    if loss == "projected":
+        assert step.token_map.numel() == len(bpe_tokenizer) and int(step.token_map.max()) < len(tokenizer)
+    batch = ChatMLCollator(tokenizer, max_length=64, carry_prompt_messages=True)(toy_rows["train"][:6])
+
+    def answer_log_likelihood() -> float:
+        with torch.no_grad():
+            logits = module.student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        log_probs = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+        return float((log_probs * (labels != -100)).sum())
+
+    before = answer_log_likelihood()
+    optimizer = torch.optim.AdamW(module.student.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss_value = module.distillation_loss(batch)
+        loss_value.backward()
+        optimizer.step()
+        losses.append(loss_value.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert answer_log_likelihood() > before + 1.0
+
+
 @pytest.mark.parametrize("lmbda", [0.0, 1.0])
 def test_fit_on_and_off_policy_with_a_bpe_teacher(
     student, tokenizer, bpe_tokenizer, bpe_teacher, toy_rows, tmp_path, monkeypatch, lmbda
 ):
-    module = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, lmbda=lmbda)
+    module = make_module(
+        student,
+        bpe_teacher,
+        tokenizer,
+        teacher_tokenizer=bpe_tokenizer,
+        lmbda=lmbda,
+        cross_tokenizer={"loss": "hybrid"},
+    )
+    assert module.cross_tokenizer.loss_settings.loss == "hybrid"
     counts = []
     original = module.token_normalizer.micro_batch_loss
     monkeypatch.setattr(
@@ -205,14 +250,14 @@ def test_crossentropy_weight_adds_the_students_cross_entropy(student, tokenizer,
     crossentropy = torch.nn.functional.cross_entropy(logits[positions].float(), targets)
     assert both.hparams["cross_tokenizer"] == {  # what was used, nulls resolved: plain values for checkpoints
         "enabled": "auto",
-        "loss": "hybrid",
+        "loss": "projected",
         "alignment": "bytes",
         "merge": "observed",
         "beta": 0.5,
         "student_temperature": 1.0,
         "teacher_temperature": 1.0,
-        "skip_student_eos": True,
-        "skip_teacher_eos": True,
+        "skip_student_eos": False,
+        "skip_teacher_eos": False,
         "matched_weight": None,
         "unmatched_weight": None,
         "matched_divergence": "clamped",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +26,10 @@ from lightning_gkd.ops.cross_tokenizer import (
 from lightning_gkd.ops.losses import generalized_jsd_loss
 
 F64 = torch.float64
+
+#: TRL's GOLDTrainer defaults (the hybrid loss, end tokens left out); ours default to loss="projected" with the end
+#: tokens in
+GOLD = partial(CrossTokenizerLoss, loss="hybrid", skip_student_eos=True, skip_teacher_eos=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -245,14 +250,20 @@ def test_hybrid_rejects_matched_ids_beyond_the_logits() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"loss": "gold"}, r"cross_tokenizer.loss must be one of \('hybrid', 'uld'\), got 'gold'"),
+        (
+            {"loss": "gold"},
+            r"cross_tokenizer.loss must be one of \('hybrid', 'uld', 'likelihood', 'projected'\), got 'gold'",
+        ),
         ({"merge": "first"}, r"cross_tokenizer.merge must be one of \('observed', 'bayesian'\)"),
         ({"alignment": "chars"}, r"cross_tokenizer.alignment must be one of \('bytes', 'positions'\)"),
         ({"beta": 1.5}, r"cross_tokenizer.beta must be in \[0, 1\]"),
         ({"teacher_temperature": 0.0}, r"cross_tokenizer.teacher_temperature must be a finite number > 0, got 0.0"),
         ({"matched_weight": 0.5}, r"matched_weight and cross_tokenizer.unmatched_weight go together"),
         ({"loss": "uld", "matched_weight": 0.5, "unmatched_weight": 0.5}, r"with loss='uld' they have no effect"),
-        ({"matched_weight": -1.0, "unmatched_weight": 0.5}, r"matched_weight must be a finite number >= 0"),
+        (
+            {"loss": "hybrid", "matched_weight": -1.0, "unmatched_weight": 0.5},
+            r"matched_weight must be a finite number >= 0",
+        ),
     ],
 )
 def test_settings_errors_name_the_option(kwargs, message) -> None:
@@ -270,7 +281,7 @@ def test_hybrid_row_without_matched_vocabulary_says_what_to_pass() -> None:
             [0, 1],
             [(0, 1), (1, 1)],
             [(0, 1), (1, 1)],
-            settings=CrossTokenizerLoss(),
+            settings=GOLD(),
             matched=None,
         )
 
@@ -282,7 +293,7 @@ def test_row_with_identical_tokenizers_is_plain_gkd(beta: float) -> None:
     s_logits = torch.randn(5, 9, generator=g, dtype=F64).requires_grad_()
     t_logits = torch.randn(5, 9, generator=g, dtype=F64).requires_grad_()
     ids, spans = [3, 1, 4, 1, 5], [(0, 1), (1, 3), (3, 4), (4, 6), (6, 6)]
-    settings = CrossTokenizerLoss(
+    settings = GOLD(
         beta=beta, student_temperature=1.7, teacher_temperature=1.7, skip_student_eos=False, skip_teacher_eos=False
     )
     vocab = {f"t{i}": i for i in range(9)}
@@ -303,7 +314,7 @@ def test_row_skips_every_end_token_and_upcasts_half_precision() -> None:
     t_logits = torch.randn(3, 8, generator=g).bfloat16()
     s_spans = [(0, 2), (2, 3), (3, 3), (3, 3)]  # content, content, <|im_end|>, "\n"
     t_spans = [(0, 3), (3, 3)]
-    settings = CrossTokenizerLoss(loss="uld")
+    settings = GOLD(loss="uld")
     terms = cross_tokenizer_row_terms(
         s_logits, t_logits[:2], [1, 2, 3, 4], [5, 6], s_spans, t_spans, settings=settings, matched=None
     )
@@ -320,7 +331,7 @@ def test_positions_alignment_pairs_the_first_tokens_after_skipping_every_end_tok
     s_logits, t_logits = torch.randn(4, 6, generator=g, dtype=F64), torch.randn(5, 8, generator=g, dtype=F64)
     s_spans = [(0, 1), (1, 3), (3, 3), (3, 3)]  # 2 content tokens, <|im_end|>, "\n"
     t_spans = [(0, 1), (1, 2), (2, 3), (3, 3), (3, 3)]  # 3 content tokens, 2 end tokens
-    settings = CrossTokenizerLoss(loss="uld", alignment="positions", skip_student_eos=skip, skip_teacher_eos=skip)
+    settings = GOLD(loss="uld", alignment="positions", skip_student_eos=skip, skip_teacher_eos=skip)
     ours = cross_tokenizer_row_loss(
         s_logits, t_logits, [0] * 4, [0] * 5, s_spans, t_spans, settings=settings, matched=None
     )
@@ -425,7 +436,7 @@ def _row_parity(settings: CrossTokenizerLoss, rows: list[_Row], trl_factory, voc
 
 
 _SETTINGS = [
-    CrossTokenizerLoss(
+    GOLD(
         loss=loss,
         alignment=alignment,
         merge=merge,
@@ -443,7 +454,7 @@ _SETTINGS = [
         [(1.0, 1.0), (0.7, 2.0)],
     )
 ] + [
-    CrossTokenizerLoss(alignment=alignment, merge=merge, matched_weight=0.3, unmatched_weight=1.7)
+    GOLD(alignment=alignment, merge=merge, matched_weight=0.3, unmatched_weight=1.7)
     for alignment, merge in itertools.product(["bytes", "positions"], ["observed", "bayesian"])
 ]
 
@@ -466,7 +477,7 @@ def test_row_loss_and_gradients_equal_trl(settings, trl_factory, vocabularies) -
     list(itertools.product(["uld", "hybrid"], ["bytes", "positions"], ["observed", "bayesian"])),
 )
 def test_row_loss_equals_trl_in_float32(loss, alignment, merge, trl_factory, vocabularies) -> None:
-    settings = CrossTokenizerLoss(loss=loss, alignment=alignment, merge=merge, student_temperature=0.8)
+    settings = GOLD(loss=loss, alignment=alignment, merge=merge, student_temperature=0.8)
     _row_parity(settings, _rows(torch.float32, seed=1), trl_factory, vocabularies)
 
 
@@ -475,7 +486,7 @@ def test_row_loss_equals_trl_in_float32(loss, alignment, merge, trl_factory, voc
 def test_byte_alignment_equals_trl_with_chatml_end_tokens(skip, merge, trl_factory, vocabularies) -> None:
     """Two student end tokens (<|im_end|>, "\\n") against the teacher's one EOS: TRL skips only the last position,
     we skip both, and the extra one falls into a tail group with an empty side that both drop."""
-    settings = CrossTokenizerLoss(merge=merge, skip_student_eos=skip, skip_teacher_eos=skip)
+    settings = GOLD(merge=merge, skip_student_eos=skip, skip_teacher_eos=skip)
     assert _row_parity(settings, _rows(F64, student_end_tokens=2, seed=2), trl_factory, vocabularies) < 1e-12
 
 
@@ -485,7 +496,7 @@ def test_hybrid_unmatched_part_is_zero_when_one_side_has_no_unmatched_column(tmp
     from helpers.trl_gold import trl_uld_loss
 
     student_vocab, teacher_vocab = {"a": 0, "b": 1, "c": 2}, {"b": 0, "a": 1}
-    settings = CrossTokenizerLoss(matched_weight=0.5, unmatched_weight=0.5)
+    settings = GOLD(matched_weight=0.5, unmatched_weight=0.5)
     uld = trl_uld_loss(settings, student_vocab=student_vocab, teacher_vocab=teacher_vocab, output_dir=tmp_path)
     student = torch.tensor([[0.5, 0.3, 0.2]], dtype=F64)
     teacher = torch.tensor([[0.6, 0.4]], dtype=F64)
@@ -500,7 +511,7 @@ def test_hybrid_unmatched_part_is_zero_when_one_side_has_no_unmatched_column(tmp
 def test_alignment_merge_and_hybrid_per_group_equal_trl(trl_factory, vocabularies) -> None:
     matched = matched_vocabulary(*vocabularies)
     for row, merge in itertools.product(_rows(F64, seed=3), ["observed", "bayesian"]):
-        uld = trl_factory(CrossTokenizerLoss(merge=merge, beta=0.3))
+        uld = trl_factory(GOLD(merge=merge, beta=0.3))
         assert uld._teacher_matched_ids == set(matched[1].tolist())
         assert [int(uld.mapping_tensor[t]) for t in matched[1]] == matched[0].tolist()
         groups = align_byte_spans(row.student_spans, row.teacher_spans)

@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat_tokens import left_pad, render_chat
@@ -323,3 +324,41 @@ def _split_content(token_bytes: _TokenBytes, ids: list[int], content: bytes, row
     boundary = len(decoded) - len(content)
     num_prompt = sum(1 for start, _ in spans if start < boundary)
     return num_prompt, [(start - boundary, end - boundary) for start, end in spans[num_prompt:]]
+
+
+def first_token_map(
+    student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTrainedTokenizerBase
+) -> torch.Tensor:
+    """For each teacher token id, the student token its text starts with: ``[V_T]`` int64, -1 where there is none.
+
+    A special (added) token maps to the student token of the same string (the teacher's EOS to the student's EOS
+    otherwise); any other token to the first id of the student's tokenization of its text alone. Tokens whose bytes
+    are not whole UTF-8 characters (a byte-level piece of a character), or whose text the student tokenizes to
+    nothing, map to -1. Exact for a byte-level student; for others the text's first student token can differ in
+    context (a merge across the teacher token's start), which this ignores.
+    """
+    student_vocab = student_tokenizer.get_vocab()
+    teacher_bytes = _TokenBytes(teacher_tokenizer)
+    size = len(teacher_tokenizer)
+    mapping = torch.full((size,), -1, dtype=torch.long)
+    texts: dict[int, str] = {}
+    for index in range(size):
+        if index in teacher_bytes.added:
+            if teacher_bytes.added[index] in student_vocab:
+                mapping[index] = student_vocab[teacher_bytes.added[index]]
+            continue
+        pieces = teacher_bytes._mapped([index])
+        raw = pieces[0] if pieces is not None else teacher_bytes.text([index]).encode()
+        try:
+            texts[index] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    ids = list(texts)
+    encoded = student_tokenizer([texts[i] for i in ids], add_special_tokens=False)["input_ids"] if ids else []
+    for index, student_ids in zip(ids, encoded, strict=True):
+        if student_ids:
+            mapping[index] = student_ids[0]
+    teacher_eos, student_eos = teacher_tokenizer.eos_token_id, student_tokenizer.eos_token_id
+    if teacher_eos is not None and student_eos is not None and int(mapping[teacher_eos]) < 0:
+        mapping[teacher_eos] = student_eos
+    return mapping

@@ -3,9 +3,11 @@
 Both models score the same completion *text*. For every batch (dataset completions, the student's samples,
 validation) the student's completions are decoded with byte spans (``data.cross_tokenizer.student_completions``),
 re-tokenized for the teacher after its own chat template of the rows' prompt messages (``teacher_batch``), and the
-two tokenizations are compared group by group (``ops.cross_tokenizer``: byte-span alignment, merged
-probabilities, ULD or GOLD's hybrid loss). Only the completion positions are projected to logits (``[N, V]`` per
-model, from final hidden states; full logits where the lean forward is unsupported).
+two tokenizations are compared group by group (``ops.cross_tokenizer``: byte-span alignment, then each group's
+likelihood under both models and the teacher's projected first-token distribution (``projected``, the default;
+``ops.chunk_likelihood``), the likelihoods alone, or merged probabilities with GOLD's hybrid loss or ULD). Only the
+completion positions are projected to logits (``[N, V]`` per model, from final hidden states; full logits where the
+lean forward is unsupported).
 
 The batch loss is the mean over *all aligned groups of the batch* (a row weighs by its group count; TRL averages
 per-row means instead), times ``distillation_weight``, plus ``crossentropy_weight`` times the student's
@@ -28,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.cross_tokenizer import student_completions, teacher_batch
+from lightning_gkd.data.cross_tokenizer import first_token_map, student_completions, teacher_batch
 from lightning_gkd.methods.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
 from lightning_gkd.ops.cross_tokenizer import cross_tokenizer_row_terms, matched_vocabulary
 from lightning_gkd.ops.hf import (
@@ -94,6 +96,10 @@ class CrossTokenizerStep:
             keep = (s_ids < (student_width or len(student_tokenizer))) & (t_ids < (teacher_width or 1 << 62))
             self.matched = (s_ids[keep], t_ids[keep])
         self._matched_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.token_map: torch.Tensor | None = None
+        if self.loss_settings.loss == "projected":
+            self.token_map = first_token_map(student_tokenizer, teacher_tokenizer)
+            self.token_map[self.token_map >= (student_width or len(student_tokenizer))] = -1
         positions = getattr(getattr(teacher, "config", None), "max_position_embeddings", None)
         self.teacher_positions: int | None = int(positions) if isinstance(positions, int) else None
         self.max_length = settings.teacher_max_length or self.teacher_positions or 1 << 20
@@ -180,6 +186,7 @@ class CrossTokenizerStep:
                 crossentropy_weight=crossentropy_weight,
             )
         matched = self._matched(device)
+        token_map = None if self.token_map is None else self.token_map.to(device)
         s_rows = s_logits.split([len(c.ids) for c in completions])
         t_rows = t_logits.split([len(ids) for ids in teacher_rows["completion_ids"]])
         terms = [
@@ -192,6 +199,7 @@ class CrossTokenizerStep:
                 t_spans,
                 settings=self.loss_settings,
                 matched=matched,
+                token_map=token_map,
             )
             for s_row, t_row, completion, t_ids, t_spans in zip(
                 s_rows,

@@ -71,7 +71,8 @@ class GKDModule(GroupedGeneration, CausalLMModule):
 
     A teacher with another tokenizer (``teacher_tokenizer``, or the teacher spec's ``tokenizer``; Hydra
     ``model.teacher.tokenizer``) takes the cross-tokenizer path when ``cross_tokenizer`` allows it (default
-    ``enabled: auto``): ``distillation_weight`` times ULD or GOLD's hybrid loss on byte-aligned groups, plus
+    ``enabled: auto``): ``distillation_weight`` times the projected chunk loss (default), chunk likelihoods, GOLD's
+    hybrid or ULD on byte-aligned groups, plus
     ``crossentropy_weight`` times the student's cross-entropy (``lightning_gkd.methods.cross_tokenizer``).
     """
 

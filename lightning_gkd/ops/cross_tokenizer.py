@@ -18,7 +18,9 @@ One row's loss (``cross_tokenizer_row_loss``):
 3. ``merge_group_probs`` turns each group into one (unnormalised) distribution: the distribution at one position of
    the group times the probabilities the model gave the group's other actual tokens (the chain rule).
 4. ``uld_distance`` (sorted-probability L1, vocabulary-free) or ``hybrid_distance`` (a generalized JSD on the
-   columns whose token strings both vocabularies hold, ULD on the rest) per aligned group.
+   columns whose token strings both vocabularies hold, ULD on the rest) per aligned group; or, with
+   ``loss="likelihood"`` (not in TRL), steps 3-4 are replaced by each group's probability of its own text under both
+   models compared as two-outcome distributions (``ops.chunk_likelihood``).
 
 The row's loss is the mean of the returned per-group values (as in TRL); how rows are combined is the caller's.
 
@@ -52,6 +54,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from lightning_gkd.ops.chunk_likelihood import binary_jsd, chunk_log_likelihoods, projected_first_token_distance
 from lightning_gkd.ops.token_alignment import (
     MERGE_STRATEGIES,
     Span,
@@ -87,7 +90,7 @@ __all__ = [
     "uld_distance",
 ]
 
-CROSS_TOKENIZER_LOSSES = ("hybrid", "uld")
+CROSS_TOKENIZER_LOSSES = ("hybrid", "uld", "likelihood", "projected")
 ALIGNMENTS = ("bytes", "positions")
 
 
@@ -99,26 +102,31 @@ class CrossTokenizerLoss:
     """The settings of the cross-tokenizer loss (TRL's ``GOLDConfig`` name in brackets).
 
     Attributes:
-        loss: ``"hybrid"`` (``uld_use_hybrid_loss=True``; needs the matched vocabulary) or ``"uld"``.
+        loss: ``"hybrid"`` (``uld_use_hybrid_loss=True``; needs the matched vocabulary), ``"uld"``, or
+            ``"likelihood"`` (not in TRL: each aligned chunk's probability under both models, see
+            ``ops.chunk_likelihood``; ``merge``, ``matched_*`` do not apply), or ``"projected"`` (not in TRL:
+            ``"likelihood"`` plus, at each chunk's first token, the teacher's distribution projected onto the
+            student's vocabulary; needs the token map).
         alignment: ``"bytes"`` (``use_extended_uld=True``: byte-span groups, merged) or ``"positions"``
             (``use_extended_uld=False``: token k with token k, no merging).
         merge: ``"observed"`` or ``"bayesian"`` (``uld_token_merge_strategy``); see ``merge_group_probs``.
-        beta: the hybrid's generalized JSD β in ``[0, 1]`` (``beta``).
+        beta: the generalized JSD β in ``[0, 1]`` of the hybrid's exact part and of ``"likelihood"`` (``beta``).
         student_temperature, teacher_temperature: softmax temperatures, > 0 (``uld_*_temperature``).
-        skip_student_eos, skip_teacher_eos: drop that side's end tokens (``uld_skip_*_eos``).
+        skip_student_eos, skip_teacher_eos: drop that side's end tokens (``uld_skip_*_eos``; TRL's default is True,
+            ours False: a student whose end tokens are out of the loss is never taught to stop).
         matched_weight, unmatched_weight: the hybrid's weights, both or neither; None: adaptive
             (``uld_hybrid_*_weight``).
         matched_divergence: ``"clamped"`` (TRL's) or ``"renormalised"`` (not in TRL); see ``hybrid_terms``.
     """
 
-    loss: Literal["hybrid", "uld"] = "hybrid"
+    loss: Literal["hybrid", "uld", "likelihood", "projected"] = "projected"
     alignment: Literal["bytes", "positions"] = "bytes"
     merge: Literal["observed", "bayesian"] = "observed"
     beta: float = 0.5
     student_temperature: float = 1.0
     teacher_temperature: float = 1.0
-    skip_student_eos: bool = True
-    skip_teacher_eos: bool = True
+    skip_student_eos: bool = False
+    skip_teacher_eos: bool = False
     matched_weight: float | None = None
     unmatched_weight: float | None = None
     matched_divergence: Literal["clamped", "renormalised"] = "clamped"
@@ -197,6 +205,7 @@ def cross_tokenizer_row_terms(
     settings: CrossTokenizerLoss,
     matched: tuple[torch.Tensor, torch.Tensor] | None,
     chunk_size: int | None = None,
+    token_map: torch.Tensor | None = None,
 ) -> CrossTokenizerTerms:
     """``cross_tokenizer_row_loss`` with the hybrid's two parts as well (for logging)."""
     s_ids, t_ids = token_id_list(student_ids), token_id_list(teacher_ids)
@@ -216,6 +225,33 @@ def cross_tokenizer_row_terms(
     if settings.alignment == "bytes":
         s_groups, t_groups = align_byte_spans(student_spans[:n_s], teacher_spans[:n_t])
         pairs = [(sg, tg) for sg, tg in zip(s_groups, t_groups, strict=True) if sg and tg]
+    else:
+        pairs = [([k], [k]) for k in range(min(n_s, n_t))]
+    if settings.loss in ("likelihood", "projected"):
+        student_logp = chunk_log_likelihoods(
+            student_logits[:n_s], [sg for sg, _ in pairs], s_ids[:n_s], settings.student_temperature
+        )
+        teacher_logp = chunk_log_likelihoods(
+            teacher_logits[:n_t], [tg for _, tg in pairs], t_ids[:n_t], settings.teacher_temperature
+        )
+        chunks = binary_jsd(student_logp, teacher_logp, settings.beta)
+        if settings.loss == "likelihood":
+            return CrossTokenizerTerms(chunks, None, None)
+        if token_map is None:
+            raise ValueError(
+                "cross_tokenizer.loss='projected' needs the token map: pass token_map=first_token_map("
+                "student_tokenizer, teacher_tokenizer) (lightning_gkd.data.cross_tokenizer)."
+            )
+        first = projected_first_token_distance(
+            student_logits[[sg[0] for sg, _ in pairs]],
+            teacher_logits[[tg[0] for _, tg in pairs]],
+            token_map,
+            settings.beta,
+            settings.student_temperature,
+            settings.teacher_temperature,
+        )
+        return CrossTokenizerTerms(first + chunks, None, None)
+    if settings.alignment == "bytes":
         s_probs = _probs(student_logits[:n_s], settings.student_temperature)
         t_probs = _probs(teacher_logits[:n_t], settings.teacher_temperature)
         s_aligned = merge_group_probs(s_probs, [sg for sg, _ in pairs], s_ids[:n_s], settings.merge)
@@ -255,6 +291,7 @@ def cross_tokenizer_row_loss(
     settings: CrossTokenizerLoss,
     matched: tuple[torch.Tensor, torch.Tensor] | None,
     chunk_size: int | None = None,
+    token_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The cross-tokenizer distance of one row's completion, per aligned group (the module docstring's steps 1-4).
 
@@ -267,6 +304,7 @@ def cross_tokenizer_row_loss(
         settings: the ``CrossTokenizerLoss``.
         matched: ``matched_vocabulary(...)`` (required for ``loss="hybrid"``; ignored for ``"uld"``), on any device.
         chunk_size: groups sorted at a time (see ``uld_distance``).
+        token_map: ``first_token_map(student_tokenizer, teacher_tokenizer)`` (required for ``loss="projected"``).
 
     Returns:
         ``[G]`` per aligned group (``G`` may be 0), float32 for half-precision logits, else the logits' dtype;
@@ -282,4 +320,5 @@ def cross_tokenizer_row_loss(
         settings=settings,
         matched=matched,
         chunk_size=chunk_size,
+        token_map=token_map,
     ).loss

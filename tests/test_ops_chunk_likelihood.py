@@ -1,0 +1,127 @@
+"""ops/chunk_likelihood.py: each aligned chunk's log-likelihood, the two-outcome JSD, the teacher's first-token
+distribution projected onto the student's vocabulary, and why they exist: on a chunk that a BPE teacher writes as one
+token and a byte student as two, GOLD's hybrid pushes the student's correct first byte down, these push it up."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_gkd.ops.chunk_likelihood import (
+    LOG_PROB_CEILING,
+    binary_jsd,
+    chunk_log_likelihoods,
+    log1mexp,
+    projected_first_token_distance,
+)
+from lightning_gkd.ops.cross_tokenizer import CrossTokenizerLoss, cross_tokenizer_row_loss, matched_vocabulary
+from lightning_gkd.ops.losses import generalized_jsd_loss
+
+
+def test_chunk_log_likelihoods_sum_the_tokens_log_probs_per_group_with_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, dtype=torch.float64)
+    ids = [1, 2, 3, 4, 6]
+    groups = [[0], [1, 2, 3], [], [4]]  # uneven: 1, 3, 0 and 1 tokens
+    log_probs = (logits / 2.0).log_softmax(-1)
+    expected = [log_probs[0, 1], log_probs[1, 2] + log_probs[2, 3] + log_probs[3, 4], 0.0, log_probs[4, 6]]
+    got = chunk_log_likelihoods(logits, groups, ids, temperature=2.0)
+    torch.testing.assert_close(got, torch.tensor([float(v) for v in expected], dtype=torch.float64))
+    assert chunk_log_likelihoods(logits.half(), groups, ids).dtype == torch.float32
+    with pytest.raises(ValueError, match="token_ids has 4 ids for 5 rows"):
+        chunk_log_likelihoods(logits, groups, ids[:4])
+    with pytest.raises(ValueError, match=r"outside the 7 logit columns"):
+        chunk_log_likelihoods(logits, groups, [1, 2, 3, 4, 7])
+    with pytest.raises(ValueError, match=r"groups\[1\] holds position 5"):
+        chunk_log_likelihoods(logits, [[0], [5]], ids)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_binary_jsd_is_the_generalized_jsd_of_two_bernoullis(beta):
+    student = torch.tensor([0.3, 0.9, 0.05, 0.5], dtype=torch.float64)
+    teacher = torch.tensor([0.6, 0.2, 0.05, 0.999], dtype=torch.float64)
+    s, t = torch.stack([student, 1 - student], -1), torch.stack([teacher, 1 - teacher], -1)
+    mixture = beta * t + (1 - beta) * s
+    kl = lambda p, q: (p * (p / q).log()).sum(-1)  # noqa: E731
+    if beta == 0.0:
+        expected = kl(t, s)
+    elif beta == 1.0:
+        expected = kl(s, t)
+    else:
+        expected = beta * kl(t, mixture) + (1 - beta) * kl(s, mixture)
+    torch.testing.assert_close(binary_jsd(student.log(), teacher.log(), beta), expected)
+    assert binary_jsd(student.log(), student.log(), beta).abs().max() < 1e-12
+
+
+def test_binary_jsd_is_finite_for_a_chunk_the_model_is_sure_of():
+    student = torch.tensor([0.0, -1e-9, -30.0], dtype=torch.float64, requires_grad=True)
+    teacher = torch.tensor([-0.7, 0.0, -30.0], dtype=torch.float64)
+    loss = binary_jsd(student, teacher, 0.0)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(student.grad).all()
+    assert student.grad[0] > 0  # the teacher is less sure: the student's certainty goes down
+    assert float(loss[1]) == pytest.approx(0.0, abs=1e-6)  # both at the ceiling
+    x = torch.tensor([-1e-8, -0.5, -50.0], dtype=torch.float64)
+    torch.testing.assert_close(log1mexp(x), torch.log(1 - torch.exp(x)), rtol=1e-6, atol=1e-15)
+    assert LOG_PROB_CEILING == pytest.approx(math.log(1 - 1e-6))
+
+
+def test_projected_first_token_distance_is_the_jsd_against_the_teachers_mass_per_student_token():
+    torch.manual_seed(1)
+    student = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(3, 6, dtype=torch.float64)
+    token_map = torch.tensor([0, 1, 1, -1, 3])  # teacher column 5 (a padded row) is beyond the map
+    probs = teacher.softmax(-1)
+    kept = torch.stack([probs[:, 0], probs[:, 1] + probs[:, 2], torch.zeros(3), probs[:, 4]], -1)
+    kept = kept / kept.sum(-1, keepdim=True)
+    expected = generalized_jsd_loss(student, kept.clamp_min(1e-12).log(), beta=0.5, reduction="none").sum(-1)
+    got = projected_first_token_distance(student, teacher, token_map, 0.5)
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    assert torch.isfinite(student.grad).all()
+    # the identity map with one vocabulary is GKD's generalized JSD of the full distributions
+    same = projected_first_token_distance(student.detach(), student.detach() * 0.5, torch.arange(4), 0.2)
+    plain = generalized_jsd_loss(student.detach(), student.detach() * 0.5, beta=0.2, reduction="none").sum(-1)
+    torch.testing.assert_close(same, plain)
+
+
+def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_down_and_projected_pushes_it_up():
+    """Student (bytes) vocabulary: "5", "8", "x"; teacher (BPE): "5", "8", "x", "58". The text is "58": one teacher
+    token, two student tokens. The teacher is sure of "58", so its single-token "5" is near zero."""
+    student_vocab = {"5": 0, "8": 1, "x": 2}
+    teacher_vocab = {"5": 0, "8": 1, "x": 2, "58": 3}
+    teacher_logits = torch.tensor([[0.0, 0.0, 0.0, 8.0]], dtype=torch.float64)
+    student_logits = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
+    spans = {"student": [(0, 1), (1, 2)], "teacher": [(0, 2)]}
+    matched = matched_vocabulary(student_vocab, teacher_vocab)
+    token_map = torch.tensor([0, 1, 2, 0])  # "58" starts with "5"
+    gradients = {}
+    for loss in ("hybrid", "likelihood", "projected"):
+        logits = student_logits.clone().requires_grad_(True)
+        value = cross_tokenizer_row_loss(
+            logits,
+            teacher_logits,
+            [0, 1],
+            [3],
+            spans["student"],
+            spans["teacher"],
+            settings=CrossTokenizerLoss(loss=loss, beta=0.0, skip_student_eos=False, skip_teacher_eos=False),
+            matched=matched,
+            token_map=token_map,
+        )
+        assert value.shape == (1,)
+        value.sum().backward()
+        gradients[loss] = logits.grad[0, 0]  # d loss / d logit of "5" at the first position
+    assert gradients["hybrid"] > 0  # gradient descent lowers the student's "5"
+    assert gradients["likelihood"] < 0 and gradients["projected"] < gradients["likelihood"]
+    with pytest.raises(ValueError, match="needs the token map"):
+        cross_tokenizer_row_loss(
+            student_logits,
+            teacher_logits,
+            [0, 1],
+            [3],
+            spans["student"],
+            spans["teacher"],
+            settings=CrossTokenizerLoss(loss="projected"),
+            matched=None,
+        )
