@@ -60,6 +60,24 @@ TRL_DPO_ARGUMENTS = [
 ]
 
 
+# GOLDConfig arguments of the cross-tokenizer losses (TRL 1.16, trl.experimental.gold).
+TRL_GOLD_ARGUMENTS = [
+    "teacher_tokenizer_name_or_path",
+    "use_uld_loss",
+    "uld_use_hybrid_loss",
+    "use_extended_uld",
+    "uld_token_merge_strategy",
+    "uld_student_temperature",
+    "uld_teacher_temperature",
+    "uld_skip_student_eos",
+    "uld_skip_teacher_eos",
+    "uld_hybrid_matched_weight",
+    "uld_hybrid_unmatched_weight",
+    "uld_distillation_weight",
+    "uld_crossentropy_weight",
+]
+
+
 def rows() -> list[list[str]]:
     lines = (ROOT / "docs" / "from_trl.md").read_text().splitlines()
     table = [line for line in lines if line.startswith("| `")]
@@ -75,6 +93,14 @@ def test_every_trl_argument_has_a_row():
 def test_every_trl_dpo_argument_has_a_row():
     first_cells = " ".join(row[0] for row in rows())
     assert [name for name in TRL_DPO_ARGUMENTS if f"`{name}`" not in first_cells] == []
+
+
+def test_every_trl_gold_argument_has_a_row():
+    from trl.experimental.gold import GOLDConfig
+
+    first_cells = " ".join(row[0] for row in rows())
+    assert [name for name in TRL_GOLD_ARGUMENTS if f"`{name}`" not in first_cells] == []
+    assert set(TRL_GOLD_ARGUMENTS) <= set(GOLDConfig.__dataclass_fields__)  # names TRL really has
 
 
 def test_supported_rows_name_tests_that_exist():

@@ -1,0 +1,234 @@
+"""Cross-tokenizer distillation on the toy task: the shipped byte-tokenizer student distilled from a teacher with
+another tokenizer (a byte-level BPE with merges, lightning_gkd/assets/toy_bpe/teacher), against the same student
+distilled from the same-size teacher that shares its tokenizer (lightning_gkd/assets/toy/teacher), and SFT alone.
+
+Each row is ``scripts/reproduce_gkd.py``'s run (200 steps of batch 32, its learning rate, the same seeds): Supervised
+KD (λ=0: the dataset answers) and on-policy GKD (λ=1: the student's samples, decoded and re-tokenized for the BPE
+teacher), forward KL (β=0) on the shared-tokenizer path; on the cross-tokenizer path GOLD's hybrid (β=0 on the
+token strings both vocabularies hold, ULD on the rest; once with TRL's default of leaving the end tokens out of the
+loss, once with them in), ULD alone, and ours: the chunk likelihoods and the projected first token (β=0). Also: the
+training steps' wall time against the same-tokenizer run (the alignment's overhead), and where a cross-tokenizer
+step's time goes. Writes docs/cross_tokenizer.md and .json.
+
+    python scripts/cross_tokenizer_accuracy.py                    # 3 seeds (about 17 minutes on 2 cores)
+    python scripts/cross_tokenizer_accuracy.py --fast --out /tmp/x  # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reproduce_gkd import METHODS, Method, task_rows, train_one  # noqa: E402
+
+import lightning_gkd.methods.cross_tokenizer as cross_step  # noqa: E402
+import lightning_gkd.teachers.local as local_teacher  # noqa: E402
+from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
+from lightning_gkd.models.tiny import asset_path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SFT = next(m for m in METHODS if m.name == "SFT")
+OFF_POLICY = next(m for m in METHODS if m.name == "Supervised KD")  # λ=0, β=0
+ON_POLICY = next(m for m in METHODS if m.name == "GKD β=0")  # λ=1, β=0
+LR = 3e-3  # docs/results.md's choice for all three (task 1)
+#: The end tokens kept in the loss (our default) or left out (TRL's GOLD default: uld_skip_*_eos=True).
+KEEP = {"skip_student_eos": False, "skip_teacher_eos": False}
+SKIP = {"skip_student_eos": True, "skip_teacher_eos": True}
+#: (row label, method, teacher asset, cross-tokenizer settings or None for the shared-tokenizer path)
+ROWS: list[tuple[str, Method, str | None, dict[str, Any] | None]] = [("SFT (no teacher)", SFT, None, None)]
+for _name, _method in (("Supervised KD", OFF_POLICY), ("On-policy GKD", ON_POLICY)):
+    bpe = "toy_bpe/teacher"
+    ROWS += [
+        (f"{_name}, same tokenizer", _method, "toy/teacher", None),
+        (
+            f"{_name}, BPE teacher, hybrid, end tokens skipped (TRL's defaults)",
+            _method,
+            bpe,
+            {"loss": "hybrid", **SKIP},
+        ),
+        (f"{_name}, BPE teacher, hybrid", _method, bpe, {"loss": "hybrid", **KEEP}),
+        (f"{_name}, BPE teacher, ULD", _method, bpe, {"loss": "uld", **KEEP}),
+        (f"{_name}, BPE teacher, likelihood", _method, bpe, {"loss": "likelihood", **KEEP}),
+        (f"{_name}, BPE teacher, projected (the default)", _method, bpe, {"loss": "projected", **KEEP}),
+        (f"{_name}, BPE teacher, projected, end tokens skipped", _method, bpe, {"loss": "projected", **SKIP}),
+    ]
+#: The cross-tokenizer step's parts, timed by wrapping the functions methods/cross_tokenizer.py calls.
+TIMED = {
+    "student_completions": "decode the student's completions (byte spans)",
+    "teacher_batch": "re-tokenize for the teacher (its chat template)",
+    "final_hidden_states": "forwards (student and teacher, completion positions)",
+    "cross_tokenizer_row_terms": "alignment, merging and the loss per row",
+}
+
+
+@contextmanager
+def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
+    """Accumulate the wall time of the TIMED functions as ``methods.cross_tokenizer`` calls them."""
+    # the teacher's forward goes through LocalTeacher.hidden_states (teachers/local.py), the student's through ours
+    modules = {name: [cross_step] for name in TIMED}
+    modules["final_hidden_states"].append(local_teacher)
+    originals = {(module, name): getattr(module, name) for name, found in modules.items() for module in found}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - started
+
+        return timed
+
+    for (module, name), fn in originals.items():
+        setattr(module, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
+
+
+def manifest(assets: str) -> dict[str, Any]:
+    """The manifest.json scripts/train_toy_teacher.py wrote next to the shipped ``assets`` (e.g. ``toy_bpe``)."""
+    return json.loads(Path(asset_path(f"{assets}/manifest.json")).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", type=Path, default=REPO / "docs")
+    parser.add_argument("--fast", action="store_true", help="1 seed, 6 steps, few rows")
+    args = parser.parse_args(argv)
+    if args.fast:
+        args.steps, args.seeds = 6, args.seeds[:1]
+    rows = task_rows("addition", args.fast, 1.0)
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(asset_path("toy/student_init"))
+    settings = dict(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        eval_every=args.steps,
+        tokenizer=tokenizer,
+        rows=rows,
+        work_dir=args.out / ".runs",
+        lr=LR,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    for label, method, teacher, cross_tokenizer in ROWS:
+        accuracies, step_seconds = [], []
+        parts: dict[str, float] = defaultdict(float)
+        options = {} if cross_tokenizer is None else {"cross_tokenizer": cross_tokenizer}
+        for seed in args.seeds:
+            with timed_parts(parts):
+                run = train_one(
+                    method,
+                    seed=seed,
+                    teacher=asset_path(teacher) if teacher else None,
+                    gkd_options=options,
+                    **settings,
+                )
+            accuracies.append(run.test_accuracy)
+            step_seconds.append(run.diagnostics["train_seconds"] / args.steps)
+        results[label] = {
+            "method": method.name,
+            "teacher": teacher,
+            "loss": loss_label(cross_tokenizer, teacher),
+            "test_accuracy": accuracies,
+            "step_seconds": step_seconds,
+            "parts_seconds_per_step": {name: value / (args.steps * len(args.seeds)) for name, value in parts.items()},
+        }
+        print(
+            f"{label}: test {[round(a, 3) for a in accuracies]}, {statistics.mean(step_seconds):.3f} s/step", flush=True
+        )
+    report = {
+        "command": "python scripts/cross_tokenizer_accuracy.py" + (" --fast" if args.fast else ""),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "student_start": manifest("toy")["student_init"]["test_accuracy"],
+        "teacher_accuracy": {
+            "toy/teacher": manifest("toy")["teacher"]["test_accuracy"],
+            "toy_bpe/teacher": manifest("toy_bpe")["teacher"]["test_accuracy"],
+        },
+        # how the two tokenizers split the 512 test answers (computed by train_toy_teacher.py when it made the asset)
+        "pairing": manifest("toy_bpe")["pairing"],
+        "results": results,
+        "seconds": time.perf_counter() - started,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cross_tokenizer.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "cross_tokenizer.md").write_text(render(report))
+    print(render(report))
+    return 0
+
+
+def loss_label(cross_tokenizer: dict[str, Any] | None, teacher: str | None) -> str:
+    if cross_tokenizer is None:
+        return "forward KL (β=0)" if teacher else "cross-entropy"
+    skipped = cross_tokenizer["skip_student_eos"]
+    return f"{cross_tokenizer['loss']} (β=0), end tokens {'skipped' if skipped else 'kept'}"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def render(report: dict) -> str:
+    pairing, results = report["pairing"], report["results"]
+    reference = {
+        "Supervised KD": statistics.mean(results["Supervised KD, same tokenizer"]["step_seconds"]),
+        "GKD β=0": statistics.mean(results["On-policy GKD, same tokenizer"]["step_seconds"]),
+    }
+    lines = [
+        "# Cross-tokenizer distillation on the toy task",
+        "",
+        "Generated by `scripts/cross_tokenizer_accuracy.py` (do not edit by hand; rerun the script).",
+        "",
+        f"- Command: `{report['command']}`; machine: {report['machine']}; total {report['seconds'] / 60:.1f} min",
+        f"- Budget: {report['args']['steps']} steps of batch {report['args']['batch_size']}, lr {LR}, seeds "
+        f"{report['args']['seeds']}; the student starts at {report['student_start']:.3f} test accuracy "
+        "(512 held-out prompts, greedy).",
+        f"- Tokenizers: the student's byte-level ChatML tokenizer ({pairing['student_vocabulary']} tokens) and the "
+        f"teacher's byte-level BPE ({pairing['teacher_vocabulary']} tokens); {pairing['shared_token_strings']} token "
+        f"strings are in both. A test answer is {pairing['student_tokens_per_answer']:.2f} student tokens and "
+        f"{pairing['teacher_tokens_per_answer']:.2f} teacher tokens; "
+        f"{pairing['answers_split_differently']:.0%} of the answers are split differently.",
+        f"- Teachers (4x128, same shape): the shared-tokenizer one (`toy/teacher`) answers "
+        f"{report['teacher_accuracy']['toy/teacher']:.3f} of the test prompts, the BPE one (`toy_bpe/teacher`) "
+        f"{report['teacher_accuracy']['toy_bpe/teacher']:.3f}.",
+        "",
+        "| run | loss | test accuracy (mean ± std) | s / training step | vs same tokenizer |",
+        "|---|---|---|---|---|",
+    ]
+    for label, row in results.items():
+        mean, std = _mean_std(row["test_accuracy"])
+        step = statistics.mean(row["step_seconds"])
+        ratio = f"{step / reference[row['method']]:.2f}×" if row["method"] in reference else "–"
+        lines.append(
+            f"| {label} | {row['loss']} | {mean:.3f} ± {std:.3f} (n={len(row['test_accuracy'])}) | {step:.3f} | "
+            f"{ratio} |"
+        )
+    lines += ["", "Where a cross-tokenizer training step's time goes (s per step, mean over seeds):", ""]
+    lines += ["| run | " + " | ".join(TIMED.values()) + " |", "|---|" + "---|" * len(TIMED)]
+    for label, row in results.items():
+        parts = row["parts_seconds_per_step"]
+        if any(parts.values()):
+            lines.append(f"| {label} | " + " | ".join(f"{parts.get(name, 0.0):.4f}" for name in TIMED) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
