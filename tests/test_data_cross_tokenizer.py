@@ -11,6 +11,7 @@ from lightning_gkd.data.cross_tokenizer import (
     _BYTE_OF_CHAR,
     _TokenBytes,
     first_token_map,
+    projection_tables,
     student_completions,
     teacher_batch,
     token_byte_spans,
@@ -312,3 +313,18 @@ def test_first_token_map_sends_each_teacher_token_to_the_student_token_its_text_
     ascii_ids = student("hello world\n", add_special_tokens=False)["input_ids"]
     assert identity[ascii_ids].tolist() == ascii_ids
     assert identity.numel() == len(student)
+
+
+def test_projection_tables_list_the_teacher_tokens_that_extend_each_prefix(tokenizers):
+    student, bpe = tokenizers["byte"], tokenizers["bpe"]
+    tables = projection_tables(student, bpe)
+    assert torch.equal(tables.first_token, first_token_map(student, bpe))
+    cafe = bpe.convert_tokens_to_ids("cafÃ©")
+    assert tables.token_bytes[cafe] == "café".encode() and tables.token_bytes[bpe.eos_token_id] is None
+    ids, targets = tables.extensions[b"caf"]  # "café" goes on with "é": the student's first byte of it is "Ã"
+    assert cafe in ids.tolist()
+    assert student.convert_ids_to_tokens(int(targets[ids.tolist().index(cafe)])) == "Ã"
+    # "æ¼¢å" is 漢 and the first byte of 字: after the prefix 漢 its remainder is no whole character, so it is left out
+    kan = bpe.convert_tokens_to_ids("æ¼¢å")
+    assert tables.token_bytes[kan] == "漢".encode() + b"\xe5"
+    assert kan not in tables.extensions.get("漢".encode(), (torch.tensor([]), None))[0].tolist()

@@ -1,8 +1,9 @@
-"""ops/chunk_likelihood.py: each aligned chunk's log-likelihood, the two-outcome JSD, the teacher's first-token
-distribution projected onto the student's vocabulary, and why they exist: on a chunk that a BPE teacher writes as one
+"""ops/chunk_likelihood.py: each aligned chunk's log-likelihood, the two-outcome JSD, the teacher's distribution over
+the student's next token (hand-checked on "787"), and why they exist: on a chunk that a BPE teacher writes as one
 token and a byte student as two, GOLD's hybrid pushes the student's correct first byte down, these push it up."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from lightning_gkd.ops.chunk_likelihood import (
     binary_jsd,
     chunk_log_likelihoods,
     log1mexp,
-    projected_first_token_distance,
+    projected_distance,
+    projected_teacher_targets,
 )
 from lightning_gkd.ops.cross_tokenizer import CrossTokenizerLoss, cross_tokenizer_row_loss, matched_vocabulary
 from lightning_gkd.ops.losses import generalized_jsd_loss
@@ -66,23 +68,62 @@ def test_binary_jsd_is_finite_for_a_chunk_the_model_is_sure_of():
     assert LOG_PROB_CEILING == pytest.approx(math.log(1 - 1e-6))
 
 
-def test_projected_first_token_distance_is_the_jsd_against_the_teachers_mass_per_student_token():
+# Teacher vocabulary "7" "8" "1" "78" "71" EOS; student vocabulary "7" "8" "1" EOS.
+TOKEN_BYTES = [b"7", b"8", b"1", b"78", b"71", None]
+FIRST_TOKEN = torch.tensor([0, 1, 2, 0, 0, 3])
+EXTENSIONS = {b"7": (torch.tensor([3, 4]), torch.tensor([1, 2]))}  # "78" goes on with "8", "71" with "1"
+
+
+def test_projected_targets_of_787_hand_checked():
+    """The student's "787" + EOS is the teacher's "78", "7", EOS. After "787" the teacher's mass for "1" sits on "71"
+    at the previous position, and only part of it on ending "7" there and stopping."""
+    torch.manual_seed(2)
+    probs = torch.rand(3, 6, dtype=torch.float64)
+    probs = probs / probs.sum(-1, keepdim=True)
+    positions, targets = projected_teacher_targets(
+        probs,
+        [3, 0, 5],
+        [(0, 2), (2, 3), (3, 3)],
+        [0, 1, 2, 3, 3],  # "7" "8" "7" EOS "\n": the second zero-width token gets no target
+        student_vocab=4,
+        first_token=FIRST_TOKEN,
+        token_bytes=TOKEN_BYTES,
+        extensions=EXTENSIONS,
+    )
+    assert positions.tolist() == [0, 1, 2, 3]
+
+    def project(row: torch.Tensor) -> torch.Tensor:
+        return torch.stack([row[0] + row[3] + row[4], row[1], row[2], row[5]])
+
+    def normalised(row: torch.Tensor) -> torch.Tensor:
+        return row / row.sum()
+
+    def extended(row: torch.Tensor) -> torch.Tensor:  # "78" -> student "8", "71" -> student "1"
+        return torch.stack([0 * row[0], row[3], row[4], 0 * row[0]])
+
+    expected = torch.stack(
+        [
+            normalised(project(probs[0])),  # b=0: the teacher's first distribution
+            normalised(extended(probs[0])),  # inside "78"
+            normalised(probs[0, 3] * project(probs[1])),  # "78" ends at 2: end it, go on
+            normalised(
+                torch.stack([0 * probs[1, 0], probs[1, 3], probs[1, 4], 0 * probs[1, 0]])
+                + probs[1, 0] * project(probs[2])
+            ),
+        ]
+    )
+    torch.testing.assert_close(targets, expected)
+
+
+def test_projected_distance_is_the_generalized_jsd_against_the_targets():
     torch.manual_seed(1)
     student = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    teacher = torch.randn(3, 6, dtype=torch.float64)
-    token_map = torch.tensor([0, 1, 1, -1, 3])  # teacher column 5 (a padded row) is beyond the map
-    probs = teacher.softmax(-1)
-    kept = torch.stack([probs[:, 0], probs[:, 1] + probs[:, 2], torch.zeros(3), probs[:, 4]], -1)
-    kept = kept / kept.sum(-1, keepdim=True)
-    expected = generalized_jsd_loss(student, kept.clamp_min(1e-12).log(), beta=0.5, reduction="none").sum(-1)
-    got = projected_first_token_distance(student, teacher, token_map, 0.5)
+    targets = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    got = projected_distance(student, targets, 0.5)
+    expected = generalized_jsd_loss(student, targets.clamp_min(1e-12).log(), beta=0.5, reduction="none").sum(-1)
     torch.testing.assert_close(got, expected)
     got.sum().backward()
     assert torch.isfinite(student.grad).all()
-    # the identity map with one vocabulary is GKD's generalized JSD of the full distributions
-    same = projected_first_token_distance(student.detach(), student.detach() * 0.5, torch.arange(4), 0.2)
-    plain = generalized_jsd_loss(student.detach(), student.detach() * 0.5, beta=0.2, reduction="none").sum(-1)
-    torch.testing.assert_close(same, plain)
 
 
 def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_down_and_projected_pushes_it_up():
@@ -94,7 +135,11 @@ def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_dow
     student_logits = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
     spans = {"student": [(0, 1), (1, 2)], "teacher": [(0, 2)]}
     matched = matched_vocabulary(student_vocab, teacher_vocab)
-    token_map = torch.tensor([0, 1, 2, 0])  # "58" starts with "5"
+    projection = SimpleNamespace(  # "58" starts with "5" and goes on with "8"
+        first_token=torch.tensor([0, 1, 2, 0]),
+        token_bytes=[b"5", b"8", b"x", b"58"],
+        extensions={b"5": (torch.tensor([3]), torch.tensor([1]))},
+    )
     gradients = {}
     for loss in ("hybrid", "likelihood", "projected"):
         logits = student_logits.clone().requires_grad_(True)
@@ -107,14 +152,14 @@ def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_dow
             spans["teacher"],
             settings=CrossTokenizerLoss(loss=loss, beta=0.0, skip_student_eos=False, skip_teacher_eos=False),
             matched=matched,
-            token_map=token_map,
+            projection=projection,
         )
         assert value.shape == (1,)
         value.sum().backward()
         gradients[loss] = logits.grad[0, 0]  # d loss / d logit of "5" at the first position
     assert gradients["hybrid"] > 0  # gradient descent lowers the student's "5"
     assert gradients["likelihood"] < 0 and gradients["projected"] < gradients["likelihood"]
-    with pytest.raises(ValueError, match="needs the token map"):
+    with pytest.raises(ValueError, match="needs the projection tables"):
         cross_tokenizer_row_loss(
             student_logits,
             teacher_logits,

@@ -30,7 +30,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.cross_tokenizer import first_token_map, student_completions, teacher_batch
+from lightning_gkd.data.cross_tokenizer import (
+    ProjectionTables,
+    projection_tables,
+    student_completions,
+    teacher_batch,
+)
 from lightning_gkd.methods.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
 from lightning_gkd.ops.cross_tokenizer import cross_tokenizer_row_terms, matched_vocabulary
 from lightning_gkd.ops.hf import (
@@ -96,10 +101,10 @@ class CrossTokenizerStep:
             keep = (s_ids < (student_width or len(student_tokenizer))) & (t_ids < (teacher_width or 1 << 62))
             self.matched = (s_ids[keep], t_ids[keep])
         self._matched_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.token_map: torch.Tensor | None = None
+        self.projection: ProjectionTables | None = None
         if self.loss_settings.loss == "projected":
-            self.token_map = first_token_map(student_tokenizer, teacher_tokenizer)
-            self.token_map[self.token_map >= (student_width or len(student_tokenizer))] = -1
+            self.projection = projection_tables(student_tokenizer, teacher_tokenizer)
+            self.projection.first_token[self.projection.first_token >= (student_width or len(student_tokenizer))] = -1
         positions = getattr(getattr(teacher, "config", None), "max_position_embeddings", None)
         self.teacher_positions: int | None = int(positions) if isinstance(positions, int) else None
         self.max_length = settings.teacher_max_length or self.teacher_positions or 1 << 20
@@ -186,7 +191,6 @@ class CrossTokenizerStep:
                 crossentropy_weight=crossentropy_weight,
             )
         matched = self._matched(device)
-        token_map = None if self.token_map is None else self.token_map.to(device)
         s_rows = s_logits.split([len(c.ids) for c in completions])
         t_rows = t_logits.split([len(ids) for ids in teacher_rows["completion_ids"]])
         terms = [
@@ -199,7 +203,7 @@ class CrossTokenizerStep:
                 t_spans,
                 settings=self.loss_settings,
                 matched=matched,
-                token_map=token_map,
+                projection=self.projection,
             )
             for s_row, t_row, completion, t_ids, t_spans in zip(
                 s_rows,

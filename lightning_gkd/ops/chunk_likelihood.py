@@ -23,19 +23,31 @@ likelihood matching (Minixhofer et al., 2025, "Universal Cross-Tokenizer Distill
 Matching"); TRL's GOLD has no such loss. With identical tokenizers every chunk is one token and the loss is a
 per-token binary divergence on the actual token's probability (not GKD's full-distribution JSD).
 
+A chunk's probability says which text the teacher prefers, not where else the mass should go. The ``projected`` loss
+adds, at every student token, the teacher's distribution over the student's *next token*
+(``projected_teacher_targets``: read off the teacher's distributions along its own tokenization, one teacher token
+back) compared with the student's by the generalized JSD (``projected_distance``).
+
 Nothing here imports Lightning or transformers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from lightning_gkd.ops.losses import generalized_jsd_loss
 
-__all__ = ["LOG_PROB_CEILING", "binary_jsd", "chunk_log_likelihoods", "log1mexp", "projected_first_token_distance"]
+__all__ = [
+    "LOG_PROB_CEILING",
+    "binary_jsd",
+    "chunk_log_likelihoods",
+    "log1mexp",
+    "projected_distance",
+    "projected_teacher_targets",
+]
 
 #: The largest chunk log-probability used: log(1 - 1e-6). ``log(1 - p)`` at p = 1 is -inf, and its gradient grows as
 #: 1 / (1 - p); a chunk the model is sure of is held at this probability instead.
@@ -132,46 +144,109 @@ def binary_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: flo
     return per_outcome.sum(-1)
 
 
-def projected_first_token_distance(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    token_map: torch.Tensor,
-    beta: float,
-    student_temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-) -> torch.Tensor:
-    r"""The generalized JSD between the student's distribution for a chunk's first token and the teacher's
-    distribution there projected onto the student's vocabulary.
+def _project(probs: torch.Tensor, token_map: torch.Tensor, student_vocab: int) -> torch.Tensor:
+    """``[R, V_T]`` teacher probabilities onto ``[R, V_S]`` student columns through ``token_map`` (-1: dropped)."""
+    columns = min(probs.size(-1), token_map.numel())
+    mapped = token_map[:columns].to(probs.device)
+    keep = mapped >= 0
+    out = probs.new_zeros(probs.size(0), student_vocab)
+    return out.index_add_(1, mapped[keep], probs[:, :columns][:, keep])
 
-    At a chunk's start both tokenizations are at a token boundary of the same text, so the teacher's next-token
-    distribution says where the text goes next: teacher token ``t`` puts its probability on the student token its
-    text starts with, ``token_map[t]`` (``data.cross_tokenizer.first_token_map``); unmapped tokens (-1) are dropped and
-    the rest renormalised: :math:`\tilde T_s = \sum_{t: m(t) = s} T_t / \sum_{t: m(t) \ge 0} T_t`.
+
+def projected_teacher_targets(
+    teacher_probs: torch.Tensor,
+    teacher_ids: Sequence[int],
+    teacher_spans: Sequence[Sequence[int]],
+    student_starts: Sequence[int],
+    *,
+    student_vocab: int,
+    first_token: torch.Tensor,
+    token_bytes: Sequence[bytes | None],
+    extensions: Mapping[bytes, tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The teacher's distribution over the student's next token at each student token's start, from the teacher's
+    distributions along its own tokenization of the same text.
+
+    At byte ``b`` (where a student token starts), let teacher token ``k`` be the one holding byte ``b - 1``, starting
+    at byte ``a``. The teacher reached ``b`` either inside a longer token (every teacher token ``c`` that extends the
+    bytes ``[a, b)`` puts :math:`T_k(c)` on the student token its remaining bytes start with: ``extensions``), or, when
+    ``k`` ends at ``b``, by ending token ``k`` there and going on: :math:`T_k(t_k)\,T_{k+1}(c)` on the student token
+    ``c``'s text starts with (``first_token``). At ``b = 0`` it is the teacher's first distribution, projected. This
+    keeps what the teacher's own tokenization implies out of the target: after ``"78"``, ``"7"`` a BPE teacher that
+    writes ``"7871"`` as ``"78"``, ``"71"`` puts its mass for the next byte ``"1"`` on ``"71"`` at the previous
+    position, which the ending-and-going-on term alone would miss (it would say the answer ends). The rest of the
+    teacher's ways to tokenize the text are left out (one token back).
 
     Args:
-        student_logits: ``[G, V_S]``, the student's logits for each chunk's first token.
-        teacher_logits: ``[G, V_T]``, the teacher's for its first token of the same chunk.
-        token_map: int64, one entry per teacher token, values in ``[-1, V_S)``; teacher logit columns beyond it (a
-            model's padded rows) are dropped.
-        beta: in ``[0, 1]`` (0: forward KL, 1: reverse KL).
-        student_temperature, teacher_temperature: softmax temperatures.
+        teacher_probs: ``[N_t, V_T]``; row ``k`` is the distribution for teacher token ``k``.
+        teacher_ids, teacher_spans: the teacher's ``N_t`` token ids and byte spans (end tokens zero-width).
+        student_starts: the byte where each student position's token starts.
+        student_vocab: ``V_S``.
+        first_token, token_bytes, extensions: ``data.cross_tokenizer.projection_tables``.
 
     Returns:
-        ``[G]`` divergences, differentiable with respect to ``student_logits``.
+        ``(positions, targets)``: the student positions that have a target (int64 ``[P]``) and the targets
+        (``[P, V_S]``, rows summing to 1). A position without teacher mass (nothing maps) has none; of several
+        zero-width student tokens at the same byte only the first has one.
     """
-    if student_logits.size(0) != teacher_logits.size(0):
-        raise ValueError(
-            f"student_logits has {student_logits.size(0)} chunks, teacher_logits {teacher_logits.size(0)}."
+    n_t = teacher_probs.size(0)
+    a_rows, a_cols, a_teacher_rows, a_teacher_cols = [], [], [], []
+    b_rows, b_here, b_next, b_token = [], [], [], []
+    previous = None
+    for p, b in enumerate(student_starts):
+        if b == previous:  # a second zero-width token at the same byte (ChatML's "\n" after the EOS)
+            continue
+        previous = b
+        if b == 0:
+            if n_t:
+                b_rows.append(p)
+                b_here.append(-1)
+                b_next.append(0)
+                b_token.append(-1)
+            continue
+        k = next((j for j, (start, end) in enumerate(teacher_spans) if start < b <= end), None)
+        if k is None:
+            continue
+        start, end = teacher_spans[k]
+        raw = token_bytes[teacher_ids[k]] if teacher_ids[k] < len(token_bytes) else None
+        if raw is not None and (found := extensions.get(raw[: b - start])) is not None:
+            ids, cols = found
+            within = ids < teacher_probs.size(-1)
+            a_rows += [p] * int(within.sum())
+            a_cols.append(cols[within])
+            a_teacher_rows += [k] * int(within.sum())
+            a_teacher_cols.append(ids[within])
+        if end == b and k + 1 < n_t:
+            b_rows.append(p)
+            b_here.append(k)
+            b_next.append(k + 1)
+            b_token.append(teacher_ids[k])
+    device = teacher_probs.device
+    targets = teacher_probs.new_zeros(len(student_starts), student_vocab)
+    if a_rows:
+        values = teacher_probs[torch.tensor(a_teacher_rows, device=device), torch.cat(a_teacher_cols).to(device)]
+        targets.index_put_((torch.tensor(a_rows, device=device), torch.cat(a_cols).to(device)), values, accumulate=True)
+    if b_rows:
+        projected = _project(teacher_probs[torch.tensor(b_next, device=device)], first_token, student_vocab)
+        here = torch.tensor(b_here, device=device)
+        scale = torch.where(
+            here >= 0,
+            teacher_probs[here.clamp_min(0), torch.tensor(b_token, device=device).clamp_min(0)],
+            torch.ones_like(here, dtype=teacher_probs.dtype),
         )
+        targets.index_add_(0, torch.tensor(b_rows, device=device), projected * scale[:, None])
+    mass = targets.sum(-1)
+    positions = torch.nonzero(mass > 0).squeeze(-1)
+    return positions, targets[positions] / mass[positions, None]
+
+
+def projected_distance(
+    student_logits: torch.Tensor, targets: torch.Tensor, beta: float, student_temperature: float = 1.0
+) -> torch.Tensor:
+    """The generalized JSD (``beta``) between the student's distributions ``softmax(student_logits / τ)`` ``[P, V_S]``
+    and ``targets`` ``[P, V_S]`` (``projected_teacher_targets``; zeros clamped at 1e-12), per row ``[P]``."""
     student_logits = student_logits if student_logits.dtype == torch.float64 else student_logits.float()
-    teacher_probs = torch.softmax(teacher_logits.to(student_logits.dtype) / teacher_temperature, dim=-1)
-    columns = min(teacher_probs.size(-1), token_map.numel())
-    mapped = token_map[:columns].to(teacher_probs.device)
-    keep = mapped >= 0
-    projected = teacher_probs.new_zeros(teacher_probs.size(0), student_logits.size(-1))
-    projected.index_add_(1, mapped[keep], teacher_probs[:, :columns][:, keep])
-    projected = projected / projected.sum(-1, keepdim=True).clamp_min(1e-12)
-    teacher_log_probs = projected.clamp_min(1e-12).log()
+    teacher_log_probs = targets.to(student_logits.dtype).clamp_min(1e-12).log()
     per_token = generalized_jsd_loss(
         student_logits / student_temperature, teacher_log_probs, beta=beta, reduction="none"
     )

@@ -48,13 +48,18 @@ Nothing here imports Lightning or transformers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
-from lightning_gkd.ops.chunk_likelihood import binary_jsd, chunk_log_likelihoods, projected_first_token_distance
+from lightning_gkd.ops.chunk_likelihood import (
+    binary_jsd,
+    chunk_log_likelihoods,
+    projected_distance,
+    projected_teacher_targets,
+)
 from lightning_gkd.ops.token_alignment import (
     MERGE_STRATEGIES,
     Span,
@@ -105,8 +110,9 @@ class CrossTokenizerLoss:
         loss: ``"hybrid"`` (``uld_use_hybrid_loss=True``; needs the matched vocabulary), ``"uld"``, or
             ``"likelihood"`` (not in TRL: each aligned chunk's probability under both models, see
             ``ops.chunk_likelihood``; ``merge``, ``matched_*`` do not apply), or ``"projected"`` (not in TRL:
-            ``"likelihood"`` plus, at each chunk's first token, the teacher's distribution projected onto the
-            student's vocabulary; needs the token map).
+            ``"likelihood"`` plus, at every student token, the teacher's distribution over the student's next token
+            (``ops.chunk_likelihood.projected_teacher_targets``), summed over the chunk; needs the projection
+            tables).
         alignment: ``"bytes"`` (``use_extended_uld=True``: byte-span groups, merged) or ``"positions"``
             (``use_extended_uld=False``: token k with token k, no merging).
         merge: ``"observed"`` or ``"bayesian"`` (``uld_token_merge_strategy``); see ``merge_group_probs``.
@@ -167,6 +173,19 @@ class CrossTokenizerLoss:
                 raise ValueError(f"cross_tokenizer.{name} must be a finite number >= 0 (or null), got {value!r}.")
 
 
+class ProjectionTablesLike(Protocol):
+    """``data.cross_tokenizer.ProjectionTables``: what ``loss="projected"`` projects the teacher with."""
+
+    @property
+    def first_token(self) -> torch.Tensor: ...
+
+    @property
+    def token_bytes(self) -> Sequence[bytes | None]: ...
+
+    @property
+    def extensions(self) -> Mapping[bytes, tuple[torch.Tensor, torch.Tensor]]: ...
+
+
 class CrossTokenizerTerms(NamedTuple):
     """One row's per-group values: ``loss`` ``[G]`` and, for the hybrid, its unweighted ``matched`` and
     ``unmatched`` parts ``[G]`` (None for ULD)."""
@@ -205,7 +224,7 @@ def cross_tokenizer_row_terms(
     settings: CrossTokenizerLoss,
     matched: tuple[torch.Tensor, torch.Tensor] | None,
     chunk_size: int | None = None,
-    token_map: torch.Tensor | None = None,
+    projection: ProjectionTablesLike | None = None,
 ) -> CrossTokenizerTerms:
     """``cross_tokenizer_row_loss`` with the hybrid's two parts as well (for logging)."""
     s_ids, t_ids = token_id_list(student_ids), token_id_list(teacher_ids)
@@ -237,20 +256,33 @@ def cross_tokenizer_row_terms(
         chunks = binary_jsd(student_logp, teacher_logp, settings.beta)
         if settings.loss == "likelihood":
             return CrossTokenizerTerms(chunks, None, None)
-        if token_map is None:
+        if projection is None:
             raise ValueError(
-                "cross_tokenizer.loss='projected' needs the token map: pass token_map=first_token_map("
+                "cross_tokenizer.loss='projected' needs the projection tables: pass projection=projection_tables("
                 "student_tokenizer, teacher_tokenizer) (lightning_gkd.data.cross_tokenizer)."
             )
-        first = projected_first_token_distance(
-            student_logits[[sg[0] for sg, _ in pairs]],
-            teacher_logits[[tg[0] for _, tg in pairs]],
-            token_map,
-            settings.beta,
-            settings.student_temperature,
-            settings.teacher_temperature,
+        with torch.no_grad():
+            teacher_probs = _probs(teacher_logits[:n_t], settings.teacher_temperature)
+        positions, targets = projected_teacher_targets(
+            teacher_probs,
+            t_ids[:n_t],
+            teacher_spans[:n_t],
+            [start for start, _ in student_spans[:n_s]],
+            student_vocab=student_logits.size(-1),
+            first_token=projection.first_token,
+            token_bytes=projection.token_bytes,
+            extensions=projection.extensions,
         )
-        return CrossTokenizerTerms(first + chunks, None, None)
+        per_position = student_logits.new_zeros(n_s, dtype=chunks.dtype)
+        if positions.numel():
+            distances = projected_distance(
+                student_logits[positions], targets, settings.beta, settings.student_temperature
+            )
+            per_position = per_position.index_put((positions,), distances.to(chunks.dtype))
+        owner = torch.tensor([g for g, (sg, _) in enumerate(pairs) for _ in sg], device=chunks.device)
+        members = torch.tensor([k for sg, _ in pairs for k in sg], device=chunks.device, dtype=torch.long)
+        per_group = chunks.new_zeros(len(pairs)).index_add(0, owner, per_position[members]) if pairs else chunks
+        return CrossTokenizerTerms(per_group + chunks, None, None)
     if settings.alignment == "bytes":
         s_probs = _probs(student_logits[:n_s], settings.student_temperature)
         t_probs = _probs(teacher_logits[:n_t], settings.teacher_temperature)
@@ -291,7 +323,7 @@ def cross_tokenizer_row_loss(
     settings: CrossTokenizerLoss,
     matched: tuple[torch.Tensor, torch.Tensor] | None,
     chunk_size: int | None = None,
-    token_map: torch.Tensor | None = None,
+    projection: ProjectionTablesLike | None = None,
 ) -> torch.Tensor:
     """The cross-tokenizer distance of one row's completion, per aligned group (the module docstring's steps 1-4).
 
@@ -304,7 +336,8 @@ def cross_tokenizer_row_loss(
         settings: the ``CrossTokenizerLoss``.
         matched: ``matched_vocabulary(...)`` (required for ``loss="hybrid"``; ignored for ``"uld"``), on any device.
         chunk_size: groups sorted at a time (see ``uld_distance``).
-        token_map: ``first_token_map(student_tokenizer, teacher_tokenizer)`` (required for ``loss="projected"``).
+        projection: ``projection_tables(student_tokenizer, teacher_tokenizer)`` (``data.cross_tokenizer``; required
+            for ``loss="projected"``).
 
     Returns:
         ``[G]`` per aligned group (``G`` may be 0), float32 for half-precision logits, else the logits' dtype;
@@ -320,5 +353,5 @@ def cross_tokenizer_row_loss(
         settings=settings,
         matched=matched,
         chunk_size=chunk_size,
-        token_map=token_map,
+        projection=projection,
     ).loss
