@@ -10,8 +10,6 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.cross_tokenizer import (
     _BYTE_OF_CHAR,
     _TokenBytes,
-    first_token_map,
-    projection_tables,
     student_completions,
     teacher_batch,
     token_byte_spans,
@@ -290,41 +288,3 @@ def test_teacher_batch_refuses_a_tokenizer_that_changes_the_text(tokenizers):
     tok.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         teacher_batch(tok, [[{"role": "user", "content": "hi"}]], ["x"], max_length=64)
-
-
-def test_first_token_map_sends_each_teacher_token_to_the_student_token_its_text_starts_with(tokenizers):
-    student, bpe, metaspace = tokenizers["byte"], tokenizers["bpe"], tokenizers["metaspace"]
-
-    def mapped(teacher, token: str) -> str | None:
-        target = int(first_token_map(student, teacher)[teacher.convert_tokens_to_ids(token)])
-        return None if target < 0 else student.convert_ids_to_tokens(target)
-
-    # byte-level BPE teacher: a merge goes to its first byte; specials by their string
-    assert mapped(bpe, "cafÃ©") == "c" and mapped(bpe, "ĠĠ") == "Ġ" and mapped(bpe, "a") == "a"
-    assert mapped(bpe, "<|im_end|>") == "<|im_end|>" and mapped(bpe, "<|im_start|>") == "<|im_start|>"
-    assert mapped(bpe, "æ¼¢å") is None  # E6 BC A2 E5: 漢 and the first byte of 字, not whole characters
-    # SentencePiece teacher: "▁" is a space, byte tokens their byte; its EOS "</s>" is not a student token: the
-    # student's EOS
-    assert mapped(metaspace, "▁caf") == "Ġ" and mapped(metaspace, "<0x0A>") == "Ċ" and mapped(metaspace, "é") == "Ã"
-    assert mapped(metaspace, "</s>") == "<|im_end|>"
-    assert mapped(metaspace, "<0xE5>") is None
-    # the same tokenizer on both sides: the identity on every token with whole characters
-    identity = first_token_map(student, student)
-    ascii_ids = student("hello world\n", add_special_tokens=False)["input_ids"]
-    assert identity[ascii_ids].tolist() == ascii_ids
-    assert identity.numel() == len(student)
-
-
-def test_projection_tables_list_the_teacher_tokens_that_extend_each_prefix(tokenizers):
-    student, bpe = tokenizers["byte"], tokenizers["bpe"]
-    tables = projection_tables(student, bpe)
-    assert torch.equal(tables.first_token, first_token_map(student, bpe))
-    cafe = bpe.convert_tokens_to_ids("cafÃ©")
-    assert tables.token_bytes[cafe] == "café".encode() and tables.token_bytes[bpe.eos_token_id] is None
-    ids, targets = tables.extensions[b"caf"]  # "café" goes on with "é": the student's first byte of it is "Ã"
-    assert cafe in ids.tolist()
-    assert student.convert_ids_to_tokens(int(targets[ids.tolist().index(cafe)])) == "Ã"
-    # "æ¼¢å" is 漢 and the first byte of 字: after the prefix 漢 its remainder is no whole character, so it is left out
-    kan = bpe.convert_tokens_to_ids("æ¼¢å")
-    assert tables.token_bytes[kan] == "漢".encode() + b"\xe5"
-    assert kan not in tables.extensions.get("漢".encode(), (torch.tensor([]), None))[0].tolist()

@@ -30,12 +30,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.cross_tokenizer import (
-    ProjectionTables,
-    projection_tables,
-    student_completions,
-    teacher_batch,
-)
+from lightning_gkd.data.cross_tokenizer import student_completions, teacher_batch
+from lightning_gkd.data.token_projection import ProjectionTables, projection_tables
 from lightning_gkd.methods.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
 from lightning_gkd.ops.cross_tokenizer import cross_tokenizer_row_terms, matched_vocabulary
 from lightning_gkd.ops.hf import (

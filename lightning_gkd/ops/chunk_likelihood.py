@@ -182,7 +182,7 @@ def projected_teacher_targets(
         teacher_ids, teacher_spans: the teacher's ``N_t`` token ids and byte spans (end tokens zero-width).
         student_starts: the byte where each student position's token starts.
         student_vocab: ``V_S``.
-        first_token, token_bytes, extensions: ``data.cross_tokenizer.projection_tables``.
+        first_token, token_bytes, extensions: ``data.token_projection.projection_tables``.
 
     Returns:
         ``(positions, targets)``: the student positions that have a target (int64 ``[P]``) and the targets

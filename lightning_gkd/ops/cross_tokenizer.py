@@ -174,7 +174,7 @@ class CrossTokenizerLoss:
 
 
 class ProjectionTablesLike(Protocol):
-    """``data.cross_tokenizer.ProjectionTables``: what ``loss="projected"`` projects the teacher with."""
+    """``data.token_projection.ProjectionTables``: what ``loss="projected"`` projects the teacher with."""
 
     @property
     def first_token(self) -> torch.Tensor: ...
@@ -259,7 +259,7 @@ def cross_tokenizer_row_terms(
         if projection is None:
             raise ValueError(
                 "cross_tokenizer.loss='projected' needs the projection tables: pass projection=projection_tables("
-                "student_tokenizer, teacher_tokenizer) (lightning_gkd.data.cross_tokenizer)."
+                "student_tokenizer, teacher_tokenizer) (data/token_projection.py)."
             )
         with torch.no_grad():
             teacher_probs = _probs(teacher_logits[:n_t], settings.teacher_temperature)
@@ -336,7 +336,7 @@ def cross_tokenizer_row_loss(
         settings: the ``CrossTokenizerLoss``.
         matched: ``matched_vocabulary(...)`` (required for ``loss="hybrid"``; ignored for ``"uld"``), on any device.
         chunk_size: groups sorted at a time (see ``uld_distance``).
-        projection: ``projection_tables(student_tokenizer, teacher_tokenizer)`` (``data.cross_tokenizer``; required
+        projection: ``projection_tables(student_tokenizer, teacher_tokenizer)`` (``data.token_projection``; required
             for ``loss="projected"``).
 
     Returns:
