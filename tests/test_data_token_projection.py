@@ -4,7 +4,7 @@ prefix, on a byte-level BPE and a SentencePiece-style teacher against the byte-l
 import pytest
 import torch
 
-from lightning_gkd.data.token_projection import first_token_map, projection_tables
+from lightning_gkd.data.token_projection import projection_tables
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer
 from tests.helpers.sentencepiece_style import sentencepiece_style_tokenizer
 
@@ -18,11 +18,11 @@ def tokenizers():
     }
 
 
-def test_first_token_map_sends_each_teacher_token_to_the_student_token_its_text_starts_with(tokenizers):
+def test_first_token_sends_each_teacher_token_to_the_student_token_its_text_starts_with(tokenizers):
     student, bpe, metaspace = tokenizers["byte"], tokenizers["bpe"], tokenizers["metaspace"]
 
     def mapped(teacher, token: str) -> str | None:
-        target = int(first_token_map(student, teacher)[teacher.convert_tokens_to_ids(token)])
+        target = int(projection_tables(student, teacher).first_token[teacher.convert_tokens_to_ids(token)])
         return None if target < 0 else student.convert_ids_to_tokens(target)
 
     # byte-level BPE teacher: a merge goes to its first byte; specials by their string
@@ -35,7 +35,7 @@ def test_first_token_map_sends_each_teacher_token_to_the_student_token_its_text_
     assert mapped(metaspace, "</s>") == "<|im_end|>"
     assert mapped(metaspace, "<0xE5>") is None
     # the same tokenizer on both sides: the identity on every token with whole characters
-    identity = first_token_map(student, student)
+    identity = projection_tables(student, student).first_token
     ascii_ids = student("hello world\n", add_special_tokens=False)["input_ids"]
     assert identity[ascii_ids].tolist() == ascii_ids
     assert identity.numel() == len(student)
@@ -44,7 +44,6 @@ def test_first_token_map_sends_each_teacher_token_to_the_student_token_its_text_
 def test_projection_tables_list_the_teacher_tokens_that_extend_each_prefix(tokenizers):
     student, bpe = tokenizers["byte"], tokenizers["bpe"]
     tables = projection_tables(student, bpe)
-    assert torch.equal(tables.first_token, first_token_map(student, bpe))
     cafe = bpe.convert_tokens_to_ids("cafÃ©")
     assert tables.token_bytes[cafe] == "café".encode() and tables.token_bytes[bpe.eos_token_id] is None
     ids, targets = tables.extensions[b"caf"]  # "café" goes on with "é": the student's first byte of it is "Ã"

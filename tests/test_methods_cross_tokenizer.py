@@ -39,6 +39,19 @@ def make_module(student, teacher, tokenizer, **kwargs):
     return GKDModule(student, teacher, tokenizer, **kwargs)
 
 
+def steps_on_one_batch(module, batch, steps: int) -> list[float]:
+    """AdamW (lr 3e-3) steps of the student on ``batch``'s distillation loss; the losses before each step."""
+    optimizer = torch.optim.AdamW(module.student.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = module.distillation_loss(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def fit(module, tokenizer, rows, root, max_steps=3, val=None, **data_kwargs):
     val = rows["val"] if val is None else val
     datamodule = ChatDataModule(tokenizer, rows["train"], val, batch_size=4, max_length=64, **data_kwargs)
@@ -127,14 +140,7 @@ def test_a_bpe_teacher_takes_the_cross_path_and_the_byte_student_learns_on_a_fix
     assert [bpe_tokenizer.decode(ids[:-1]) for ids in teacher_rows["completion_ids"]] == contents
     assert sum(map(len, teacher_rows["completion_ids"])) < sum(len(c.ids) for c in completions)  # merges
 
-    optimizer = torch.optim.AdamW(module.student.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        optimizer.zero_grad()
-        loss = module.distillation_loss(batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = steps_on_one_batch(module, batch, 15)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.6 * losses[0], losses
     assert module.teacher.training is False
@@ -165,14 +171,7 @@ def test_the_likelihood_losses_raise_the_students_likelihood_of_the_teachers_ans
         return float((log_probs * (labels != -100)).sum())
 
     before = answer_log_likelihood()
-    optimizer = torch.optim.AdamW(module.student.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(10):
-        optimizer.zero_grad()
-        loss_value = module.distillation_loss(batch)
-        loss_value.backward()
-        optimizer.step()
-        losses.append(loss_value.item())
+    losses = steps_on_one_batch(module, batch, 10)
     assert losses[-1] < 0.7 * losses[0], losses
     assert answer_log_likelihood() > before + 1.0
 

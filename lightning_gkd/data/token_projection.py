@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.cross_tokenizer import _TokenBytes
 
-__all__ = ["ProjectionTables", "first_token_map", "projection_tables"]
+__all__ = ["ProjectionTables", "projection_tables"]
 
 
 def _teacher_token_bytes(teacher_tokenizer: PreTrainedTokenizerBase) -> list[bytes | None]:
@@ -47,26 +47,18 @@ def _first_student_tokens(student_tokenizer: PreTrainedTokenizerBase, texts: Seq
     return out
 
 
-def first_token_map(
-    student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTrainedTokenizerBase
-) -> torch.Tensor:
-    """For each teacher token id, the student token its text starts with: ``[V_T]`` int64, -1 where there is none.
-
-    A special (added) token maps to the student token of the same string (the teacher's EOS to the student's EOS
-    otherwise); any other token to the first id of the student's tokenization of its text alone. Tokens whose bytes
-    are not whole UTF-8 characters (a byte-level piece of a character), or whose text the student tokenizes to
-    nothing, map to -1. Exact for a byte-level student; for others the text's first student token can differ in
-    context (a merge across the teacher token's start), which this ignores.
-    """
-    return projection_tables(student_tokenizer, teacher_tokenizer, extensions=False).first_token
-
-
 @dataclass(frozen=True)
 class ProjectionTables:
     """What projecting the teacher's distributions onto the student's vocabulary needs (``projection_tables``).
 
     Attributes:
-        first_token: ``[V_T]`` int64, ``first_token_map``.
+        first_token: ``[V_T]`` int64: for each teacher token, the student token its text starts with (-1: none).
+            A special (added) token maps to the student token of the same string (the teacher's EOS to the
+            student's EOS otherwise); any other token to the first id of the student's tokenization of its text
+            alone. Tokens whose bytes are not whole UTF-8 characters (a byte-level piece of a character), or whose
+            text the student tokenizes to nothing, map to -1. Exact for a byte-level student; for others the text's
+            first student token can differ in context (a merge across the teacher token's start), which this
+            ignores.
         token_bytes: each teacher token's bytes, None for special tokens.
         extensions: for every proper prefix ``P`` of a teacher token's bytes, the teacher tokens that extend it
             (``ids``, int64) and the student token each one's remaining bytes start with (``targets``, int64;
@@ -79,7 +71,7 @@ class ProjectionTables:
 
 
 def projection_tables(
-    student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTrainedTokenizerBase, extensions: bool = True
+    student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTrainedTokenizerBase
 ) -> ProjectionTables:
     """Build the ``ProjectionTables`` of a student/teacher tokenizer pair (once per run: one student tokenization
     per teacher token and per proper suffix of one)."""
@@ -97,16 +89,14 @@ def projection_tables(
     teacher_eos, student_eos = teacher_tokenizer.eos_token_id, student_tokenizer.eos_token_id
     if teacher_eos is not None and student_eos is not None and int(first[teacher_eos]) < 0:
         first[teacher_eos] = student_eos
-    table: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
-    if extensions:
-        entries = [(raw[:cut], index, raw[cut:]) for index, raw in plain.items() for cut in range(1, len(raw))]
-        suffixes = sorted({suffix for _, _, suffix in entries})
-        suffix_target = dict(zip(suffixes, _first_student_tokens(student_tokenizer, suffixes), strict=True))
-        grouped: dict[bytes, tuple[list[int], list[int]]] = {}
-        for prefix, index, suffix in entries:
-            if suffix_target[suffix] >= 0:
-                ids, targets = grouped.setdefault(prefix, ([], []))
-                ids.append(index)
-                targets.append(suffix_target[suffix])
-        table = {prefix: (torch.tensor(ids), torch.tensor(targets)) for prefix, (ids, targets) in grouped.items()}
+    entries = [(raw[:cut], index, raw[cut:]) for index, raw in plain.items() for cut in range(1, len(raw))]
+    suffixes = sorted({suffix for _, _, suffix in entries})
+    suffix_target = dict(zip(suffixes, _first_student_tokens(student_tokenizer, suffixes), strict=True))
+    grouped: dict[bytes, tuple[list[int], list[int]]] = {}
+    for prefix, index, suffix in entries:
+        if suffix_target[suffix] >= 0:
+            extending, their_targets = grouped.setdefault(prefix, ([], []))
+            extending.append(index)
+            their_targets.append(suffix_target[suffix])
+    table = {prefix: (torch.tensor(ids), torch.tensor(cols)) for prefix, (ids, cols) in grouped.items()}
     return ProjectionTables(first, token_bytes, table)

@@ -22,6 +22,7 @@ cross path cannot do; ``CrossTokenizerStep`` computes the loss.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -126,6 +127,14 @@ class CrossTokenizerStep:
             self._matched_on[device] = (self.matched[0].to(device), self.matched[1].to(device))
         return self._matched_on[device]
 
+    def _projection(self, device: torch.device) -> ProjectionTables | None:
+        """The projection tables with their per-token map on ``device`` (moved once, not per row)."""
+        if self.projection is None:
+            return None
+        if self.projection.first_token.device != device:
+            self.projection = replace(self.projection, first_token=self.projection.first_token.to(device))
+        return self.projection
+
     def teacher_inputs(self, batch: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """The student's completions of ``batch`` and the teacher's batch of the same texts."""
         messages = batch.get("prompt_messages")
@@ -187,6 +196,7 @@ class CrossTokenizerStep:
                 crossentropy_weight=crossentropy_weight,
             )
         matched = self._matched(device)
+        projection = self._projection(device)
         s_rows = s_logits.split([len(c.ids) for c in completions])
         t_rows = t_logits.split([len(ids) for ids in teacher_rows["completion_ids"]])
         terms = [
@@ -199,7 +209,7 @@ class CrossTokenizerStep:
                 t_spans,
                 settings=self.loss_settings,
                 matched=matched,
-                projection=self.projection,
+                projection=projection,
             )
             for s_row, t_row, completion, t_ids, t_spans in zip(
                 s_rows,

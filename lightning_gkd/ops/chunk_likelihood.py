@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.losses import generalized_jsd_loss, generalized_jsd_terms
 
 __all__ = [
     "LOG_PROB_CEILING",
@@ -138,10 +138,11 @@ def binary_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: flo
         logp = logp - (logp - logp.clamp(max=LOG_PROB_CEILING)).detach()
         return torch.stack([logp, log1mexp(logp)], dim=-1)
 
-    per_outcome = generalized_jsd_loss(
-        two_outcomes(student_logp), two_outcomes(teacher_logp.to(student_logp.dtype)), beta=beta, reduction="none"
-    )
-    return per_outcome.sum(-1)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+    return generalized_jsd_terms(
+        two_outcomes(student_logp), two_outcomes(teacher_logp.to(student_logp.dtype)), beta
+    ).sum(-1)
 
 
 def _project(probs: torch.Tensor, token_map: torch.Tensor, student_vocab: int) -> torch.Tensor:
@@ -193,6 +194,7 @@ def projected_teacher_targets(
     a_rows, a_cols, a_teacher_rows, a_teacher_cols = [], [], [], []
     b_rows, b_here, b_next, b_token = [], [], [], []
     previous = None
+    cursor, n_spans = 0, len(teacher_spans)
     for p, b in enumerate(student_starts):
         if b == previous:  # a second zero-width token at the same byte (ChatML's "\n" after the EOS)
             continue
@@ -204,9 +206,13 @@ def projected_teacher_targets(
                 b_next.append(0)
                 b_token.append(-1)
             continue
-        k = next((j for j, (start, end) in enumerate(teacher_spans) if start < b <= end), None)
-        if k is None:
+        # the teacher token holding byte b - 1: the first to end at or after b (spans are in order and student starts
+        # only grow, so the cursor only moves forward)
+        while cursor < n_spans and teacher_spans[cursor][1] < b:
+            cursor += 1
+        if cursor == n_spans or teacher_spans[cursor][0] >= b:
             continue
+        k = cursor
         start, end = teacher_spans[k]
         raw = token_bytes[teacher_ids[k]] if teacher_ids[k] < len(token_bytes) else None
         if raw is not None and (found := extensions.get(raw[: b - start])) is not None:

@@ -35,6 +35,18 @@ def _to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.float()
 
 
+def generalized_jsd_terms(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.Tensor:
+    r"""The elementwise terms :math:`\ell_v` of ``generalized_jsd_loss`` from log-probabilities (or the logs of
+    unnormalised probabilities, as GOLD's hybrid takes them), same shape as the inputs; sum the last dimension for the
+    divergence. ``beta`` 0: ``T (log T - log S)``; 1: ``S (log S - log T)``; else the mixture form."""
+    if beta == 0.0:
+        return log_t.exp() * (log_t - log_s)
+    if beta == 1.0:
+        return log_s.exp() * (log_s - log_t)
+    log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
+    return beta * (log_t.exp() * (log_t - log_m)) + (1.0 - beta) * (log_s.exp() * (log_s - log_m))
+
+
 def generalized_jsd_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -135,16 +147,7 @@ def generalized_jsd_loss(
         student_logits = student_logits / temperature
         teacher_logits = teacher_logits / temperature
 
-    log_s = F.log_softmax(student_logits, dim=-1)
-    log_t = F.log_softmax(teacher_logits, dim=-1)
-
-    if beta == 0.0:
-        loss = log_t.exp() * (log_t - log_s)
-    elif beta == 1.0:
-        loss = log_s.exp() * (log_s - log_t)
-    else:
-        log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
-        loss = beta * (log_t.exp() * (log_t - log_m)) + (1.0 - beta) * (log_s.exp() * (log_s - log_m))
+    loss = generalized_jsd_terms(F.log_softmax(student_logits, dim=-1), F.log_softmax(teacher_logits, dim=-1), beta)
 
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):

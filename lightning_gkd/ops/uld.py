@@ -6,14 +6,13 @@ combines them into a row's loss. Pure torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.losses import generalized_jsd_loss, generalized_jsd_terms
 from lightning_gkd.ops.token_alignment import EPS
 
 __all__ = [
@@ -135,16 +134,7 @@ def matched_vocabulary(
 
 def _matched_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
     """TRL's generalized JSD on (unnormalised) probability subsets clamped at 1e-8, summed per row."""
-    log_s = student.clamp_min(EPS).log()
-    log_t = teacher.clamp_min(EPS).log()
-    if beta == 0.0:
-        loss = log_t.exp() * (log_t - log_s)
-    elif beta == 1.0:
-        loss = log_s.exp() * (log_s - log_t)
-    else:
-        log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
-        loss = beta * (log_t.exp() * (log_t - log_m)) + (1.0 - beta) * (log_s.exp() * (log_s - log_m))
-    return loss.sum(-1)
+    return generalized_jsd_terms(student.clamp_min(EPS).log(), teacher.clamp_min(EPS).log(), beta).sum(-1)
 
 
 def _renormalised_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
