@@ -10,10 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_gkd import _compat
-
-_compat.install()
-
 #: public name -> the module that defines it
 _PUBLIC = {
     "ChatDataModule": "lightning_gkd.data.chat",

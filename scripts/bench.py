@@ -386,7 +386,7 @@ def breakdown(config: str = "ours", batches: int = 3, levers: frozenset[str] = f
         teacher_forward = time.perf_counter() - start
         with float32_matmul_precision(training_precision):
             start = time.perf_counter()
-            loss = module.distillation_loss(sampled)
+            loss = module.distillation_loss(sampled).loss
             loss_forward = time.perf_counter() - start
             start = time.perf_counter()
             loss.backward()

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce_gkd import METHODS, Method, task_rows, train_one  # noqa: E402
 
-import lightning_gkd.methods.cross_tokenizer as cross_step  # noqa: E402
+import lightning_gkd.losses.cross_tokenizer as cross_step  # noqa: E402
 import lightning_gkd.teachers.local as local_teacher  # noqa: E402
 from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
 from lightning_gkd.models.tiny import asset_path  # noqa: E402
@@ -64,21 +64,21 @@ for _name, _method in (("Supervised KD", OFF_POLICY), ("On-policy GKD", ON_POLIC
         (f"{_name}, BPE teacher, projected (the default)", _method, bpe, {"loss": "projected", **KEEP}),
         (f"{_name}, BPE teacher, projected, end tokens skipped", _method, bpe, {"loss": "projected", **SKIP}),
     ]
-#: The cross-tokenizer step's parts, timed by wrapping the functions methods/cross_tokenizer.py calls.
+#: The cross-tokenizer step's parts, timed by wrapping the functions losses/cross_tokenizer.py calls.
 TIMED = {
     "student_completions": "decode the student's completions (byte spans)",
     "teacher_batch": "re-tokenize for the teacher (its chat template)",
-    "final_hidden_states": "forwards (student and teacher, completion positions)",
+    "hidden_states_and_head": "forwards (student and teacher, completion positions)",
     "cross_tokenizer_row_terms": "alignment, merging and the loss per row",
 }
 
 
 @contextmanager
 def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
-    """Accumulate the wall time of the TIMED functions as ``methods.cross_tokenizer`` calls them."""
+    """Accumulate the wall time of the TIMED functions as ``losses.cross_tokenizer`` calls them."""
     # the teacher's forward goes through LocalTeacher.hidden_states (teachers/local.py), the student's through ours
     modules = {name: [cross_step] for name in TIMED}
-    modules["final_hidden_states"].append(local_teacher)
+    modules["hidden_states_and_head"].append(local_teacher)
     originals = {(module, name): getattr(module, name) for name, found in modules.items() for module in found}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

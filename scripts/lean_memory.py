@@ -45,10 +45,10 @@ def measure(lean: bool, positions: int, hidden: int) -> dict[str, float]:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     batch["labels"][:, 0] = -100
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    loss = module.distillation_loss(batch)
+    loss = module.distillation_loss(batch).loss
     loss.backward()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"loss": float(loss), "added_mb": after - before, "lean_taken": bool(module.lean_loss)}
+    return {"loss": float(loss), "added_mb": after - before, "lean_taken": module.lean_path.enabled}
 
 
 def main() -> None:

@@ -161,10 +161,11 @@ class ComputeMeter(L.Callback):
         student = parameter_count(module.model)
         teacher_model = getattr(module, "teacher", None)
         teacher = parameter_count(teacher_model) if teacher_model is not None else 0
-        loss_name = "completion_loss" if isinstance(module, SFTModule) else "distillation_loss"
+        # what a training step calls: the on-policy methods' training_loss, SFT's completion_loss
+        loss_name = "training_loss" if hasattr(module, "training_loss") else "completion_loss"
         loss_fn, sample_fn = getattr(module, loss_name), getattr(module, "sample_batch", None)
 
-        def counted_loss(batch: dict[str, Any]) -> torch.Tensor:
+        def counted_loss(batch: dict[str, Any]) -> Any:
             if module.training:
                 seen = int(batch["attention_mask"].sum())
                 self.tokens["trained"] += seen

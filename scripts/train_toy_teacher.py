@@ -37,7 +37,7 @@ from lightning_gkd.data.toy.tasks import TOY_TASKS, ToyTask, toy_task
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.models.tiny import tiny_causal_lm
-from lightning_gkd.ops.cross_tokenizer import matched_vocabulary
+from lightning_gkd.ops.aligned_row_loss import matched_vocabulary
 
 ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets"
 # BPE merges of the shipped toy_bpe teacher's tokenizer: "user", "assistant" (11 merges) and the 29 most frequent

@@ -313,7 +313,7 @@ def test_all_turns_sft_loss_is_the_mean_over_every_assistant_token(tokenizer, st
     from lightning_gkd import SFTModule
 
     batch = ChatMLCollator(tokenizer, assistant_turns="all")([{"messages": THREE_TURNS}])
-    loss = SFTModule(student, tokenizer).completion_loss(batch)
+    loss = SFTModule(student, tokenizer).completion_loss(batch).loss
     ids, labels = batch["input_ids"][0], batch["labels"][0]
     with torch.no_grad():
         log_probs = torch.log_softmax(student(ids[None]).logits[0].float(), dim=-1)

@@ -21,7 +21,7 @@ def trainer() -> L.Trainer:
 def direct_loss(module: GKDModule, data: ChatDataModule, rows) -> float:
     batch = data.val_collator([{**row, "row_index": i} for i, row in enumerate(rows)])
     with torch.no_grad():
-        return float(module.completion_loss(batch))
+        return float(module.completion_loss(batch).loss)
 
 
 def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, teacher, tokenizer, toy_rows):

@@ -27,6 +27,7 @@ REQUIRED = [
     "Mixed precision and gradient accumulation",
     "A new objective by subclassing",
     "A new distillation objective (GKD)",
+    "A distillation loss object (GKD)",
     "A custom batch format",
 ]
 

@@ -152,3 +152,42 @@ def test_scheduler_steps_every_optimizer_step(student, teacher, tokenizer, toy_r
     )
     trainer = fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / 4)
+
+
+class MeanLogProbLoss:
+    """A loss of one's own: minus the student's mean log-prob of the completion tokens, counted per row (not per
+    token), with a value of its own logged."""
+
+    def __init__(self, teacher, scale: float = 1.0) -> None:
+        self.teacher, self.scale = teacher, scale
+
+    def __call__(self, student, batch):
+        from lightning_gkd.losses import Logged, LossOutput
+
+        logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        labels = batch["labels"][:, 1:]
+        log_probs = logits.float().log_softmax(-1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+        per_row = (log_probs * (labels != -100)).sum(1) / (labels != -100).sum(1).clamp_min(1)
+        rows = torch.tensor(batch["input_ids"].shape[0])
+        return LossOutput(-self.scale * per_row.mean(), rows, {"mine": Logged(per_row.detach().mean(), float(rows))})
+
+
+def test_a_loss_object_of_ones_own_trains_with_its_count_and_logs(student, teacher, tokenizer, toy_rows, tmp_path):
+    from lightning_gkd.teachers import LocalTeacher
+
+    module = make_module(student, teacher, tokenizer, lmbda=0.0, loss=partial(MeanLogProbLoss, scale=2.0))
+    assert isinstance(module.loss, MeanLogProbLoss) and module.loss.scale == 2.0
+    assert isinstance(module.loss.teacher, LocalTeacher) and module.loss.teacher.model is module.teacher
+    counts = []
+    original = module.token_normalizer.micro_batch_loss
+    module.token_normalizer.micro_batch_loss = lambda loss, n: counts.append(int(n)) or original(loss, n)
+    fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
+    assert counts == [4, 4, 4]  # the step normaliser weighs each micro-batch by the loss's own count (rows)
+    mine, losses = logged(tmp_path, "train/mine"), logged(tmp_path, "train/loss")
+    assert len(mine) == 3 and losses == pytest.approx([-2 * value for value in mine], rel=1e-5)
+    assert len(logged(tmp_path, "val/mine")) == 1
+    built = MeanLogProbLoss(LocalTeacher(teacher))
+    assert make_module(student, teacher, tokenizer, loss=built).loss is built  # an object is used as it is
+    spec = {"kind": "multi", "teachers": {"a": {"kind": "local", "model": teacher}}}
+    with pytest.raises(ValueError, match=r"A loss factory .* teacher\.kind=multi has several: pass a built loss"):
+        make_module(student, spec, tokenizer, loss=MeanLogProbLoss)

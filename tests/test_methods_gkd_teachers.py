@@ -81,7 +81,7 @@ def test_sampled_token_estimators_are_the_mean_log_ratio(student, teacher, token
     spec = {"kind": "local", "model": teacher, "top_k": 1}
     for estimator, value in expected.items():
         module = make_module(student, spec, tokenizer, lmbda=1.0, beta=1.0, sparse_loss=estimator)
-        assert module.distillation_loss(batch).item() == pytest.approx(value.item(), rel=1e-4, abs=1e-5)
+        assert module.distillation_loss(batch).loss.item() == pytest.approx(value.item(), rel=1e-4, abs=1e-5)
 
 
 def two_teachers(tokenizer, teacher):
@@ -110,7 +110,7 @@ def test_multi_teacher_routes_each_row_to_its_teacher(student, teacher, tokenize
     batch = datamodule.collator(rows["train"][:6])
     assert batch["teacher"] == ["a", "b", "b", "a", "b", "b"]
     with torch.no_grad():
-        routed = module.distillation_loss(batch)
+        routed = module.distillation_loss(batch).loss
         parts = []
         for name, model in (("a", teacher), ("b", other)):
             keep = [i for i, value in enumerate(batch["teacher"]) if value == name]

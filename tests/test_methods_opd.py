@@ -25,7 +25,7 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.loader import select_rows, shuffled_micro_batches
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.methods.opd import eos_rate
+from lightning_gkd.losses.opd import eos_rate
 from lightning_gkd.models.tiny import TINY_STUDENT, asset_path, tiny_causal_lm
 from lightning_gkd.ops.hf import final_hidden_states, output_head
 from lightning_gkd.ops.opd import policy_gradient_distillation_loss
@@ -71,6 +71,11 @@ def capture_logs(module: OPDModule) -> dict[str, float]:
     logs: dict[str, float] = {}
     module.log = lambda name, value, **kwargs: logs.__setitem__(name, float(value))
     return logs
+
+
+def train_logs(out) -> dict[str, float]:
+    """A loss output's logs as ``training_step`` logs them (``train/<name>``)."""
+    return {f"train/{name}": float(logged.value) for name, logged in out.logs.items()}
 
 
 def collated(tokenizer, size=6, start=0):
@@ -152,11 +157,9 @@ def sampled_batch(module, tokenizer, size=6):
 
 def loss_and_grads(module, batch):
     module.student.zero_grad()
-    logs = capture_logs(module)
-    loss = module.distillation_loss(batch)
-    loss.backward()
-    del module.log  # LightningModule.log again
-    return loss.detach(), grads_of(module.student), logs
+    out = module.training_loss(batch)
+    out.loss.backward()
+    return out.loss.detach(), grads_of(module.student), train_logs(out)
 
 
 @pytest.mark.parametrize("shift, weight", [(0.5, math.exp(0.5)), (1.0, 2.0)])
@@ -176,7 +179,7 @@ def test_importance_weights_come_from_the_batchs_sampler_logprobs(shift, weight,
     for name, grad in grads.items():
         torch.testing.assert_close(grad, weight * fresh_grads[name], rtol=1e-4, atol=1e-7, msg=name)
     # without importance weights (or without sampler log-probs in the batch) every weight is 1
-    module.importance_weights = False
+    module.loss.importance_weights = False
     unweighted, _, logs = loss_and_grads(module, stale)
     assert logs["train/opd/is_weight_mean"] == 1.0 and unweighted.item() == pytest.approx(fresh_loss.item(), rel=1e-4)
 
@@ -226,7 +229,7 @@ def test_gamma_discounts_as_the_ops_function_does_per_row(student, teacher, toke
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    module.gamma = 0.0
+    module.loss.gamma = 0.0
     at_zero, _, _ = loss_and_grads(module, batch)
     assert at_zero.item() == pytest.approx(undiscounted.item(), rel=1e-5)
     assert abs(loss.item() - at_zero.item()) > 1e-3  # γ changes the loss, as the ops function says
@@ -274,10 +277,8 @@ def test_a_fit_with_grouped_generation_weights_the_stale_micro_batch(student, te
     module = make_module(student, teacher, tokenizer, kl_coef=0.5)
     module.sampler = recorder = Recording(module.sampler)
     trained_widths = []
-    opd_part = module.opd_part
-    module.opd_part = lambda batch, source: (
-        trained_widths.append(batch["input_ids"].shape[1]) or opd_part(batch, source)
-    )
+    opd_loss = module.loss
+    module.loss = lambda student, batch: trained_widths.append(batch["input_ids"].shape[1]) or opd_loss(student, batch)
     rows = fit(module, tokenizer, tmp_path, steps_per_generation=2)
     assert module.sampling_calls == 2  # steps 0-1 share one call, step 2 starts the next group
     group_widths = [recorder.widths[0], recorder.widths[0], recorder.widths[1]]
@@ -303,8 +304,6 @@ def test_a_fit_with_grouped_generation_weights_the_stale_micro_batch(student, te
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"lmbda": 0.5}, r"lmbda must be 1\.0, got 0\.5"),
-        ({"seq_kd": True}, r"seq_kd must be False, got True"),
         ({"gamma": 1.5}, r"gamma .* must be in \[0, 1\], got 1\.5"),
         ({"max_is_weight": 0}, r"max_is_weight .* must be > 0, got 0"),
         ({"kl_coef": -1.0}, r"kl_coef .* must be >= 0, got -1\.0"),
@@ -318,6 +317,14 @@ def test_settings_refused_before_models_load(tokenizer, kwargs, match):
     teacher = kwargs.pop("teacher", "x")  # "x" is no model: an error about it would mean loading was attempted first
     with pytest.raises(ValueError, match=match):
         OPDModule("x", teacher, tokenizer, **kwargs)
+
+
+@pytest.mark.parametrize("setting", ["lmbda", "seq_kd", "teacher_tokenizer", "cross_tokenizer"])
+def test_opd_has_no_gkd_only_arguments(tokenizer, setting):
+    """OPD trains on the student's own samples with the teacher's tokenizer: GKD's coin (lmbda), seq_kd and the
+    cross-tokenizer settings are not OPD's arguments at all (Hydra: method=opd has no such keys)."""
+    with pytest.raises(TypeError, match=setting):
+        OPDModule("x", "x", tokenizer, **{setting: None})
 
 
 def test_eos_rate_counts_rows_whose_last_supervised_token_is_an_eos():

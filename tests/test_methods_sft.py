@@ -59,8 +59,8 @@ def test_sft_loss_is_cross_entropy_on_completion_tokens(student, tokenizer):
     labels = batch["labels"][:1]
     expected = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
     single = {k: v[:1] for k, v in batch.items()}
-    torch.testing.assert_close(module.completion_loss(single), expected)
-    both = module.completion_loss(batch)  # padded row positions are counted from its first real token
+    torch.testing.assert_close(module.completion_loss(single).loss, expected)
+    both = module.completion_loss(batch).loss  # padded row positions are counted from its first real token
     assert torch.isfinite(both) and both > 0
 
 

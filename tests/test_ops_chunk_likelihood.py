@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss, cross_tokenizer_row_loss, matched_vocabulary
 from lightning_gkd.ops.chunk_likelihood import (
     LOG_PROB_CEILING,
     binary_jsd,
@@ -16,7 +17,6 @@ from lightning_gkd.ops.chunk_likelihood import (
     projected_distance,
     projected_teacher_targets,
 )
-from lightning_gkd.ops.cross_tokenizer import CrossTokenizerLoss, cross_tokenizer_row_loss, matched_vocabulary
 from lightning_gkd.ops.losses import generalized_jsd_loss
 
 

@@ -1,19 +1,35 @@
-"""The package's shape (lightning_gkd/__init__.py, lightning_gkd/_compat.py): a lazy public API whose pure parts
-import without Lightning, one room per concern, and the module paths from before the restructure still working."""
+"""The package's shape (lightning_gkd/__init__.py, docs/architecture.md): a lazy public API whose pure parts import
+without Lightning, and one room per concern, each importing only the rooms below it."""
 
-import importlib
+import ast
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
-import hydra.utils
 import pytest
 
 import lightning_gkd
-from lightning_gkd._compat import MOVED
 
 PACKAGE = Path(lightning_gkd.__file__).parent
+
+#: room -> the rooms its modules may import (docs/architecture.md draws the same arrows); cli may import any room
+MAY_IMPORT: dict[str, set[str]] = {
+    "ops": set(),
+    "data": {"ops"},
+    "evaluation": {"data", "ops"},
+    "models": {"ops"},
+    "samplers": {"models", "ops"},
+    "teachers": {"data", "evaluation", "models", "ops"},
+    "training": {"evaluation", "ops", "teachers"},
+    "losses": {"data", "models", "ops", "teachers"},
+    "methods": {"data", "evaluation", "losses", "models", "ops", "samplers", "teachers", "training"},
+    "callbacks": {"evaluation", "methods", "ops"},
+}
+#: single modules that reach further than their room, and why
+EXCEPTIONS: dict[str, set[str]] = {
+    "data/toy/tasks.py": {"evaluation", "models"},  # the registry of toy tasks: each one's metric and shipped models
+    "models/tiny.py": {"data", "training"},  # builds the project's tokenizer, writes the assets atomically
+}
 
 
 def fresh_modules(code: str) -> set[str]:
@@ -55,58 +71,37 @@ def test_the_public_api_resolves_lazily_to_the_defining_modules():
         lightning_gkd.NoSuchThing  # noqa: B018
 
 
-@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
-def test_an_old_module_path_is_the_new_module_and_warns(old, new, monkeypatch):
-    module = importlib.import_module(new)
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}"):
-        legacy = importlib.import_module(old)
-    assert legacy is module
+def imported_rooms(path: Path) -> set[str]:
+    """The rooms of lightning_gkd a module imports (module level or inside functions)."""
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        rooms |= {name.split(".")[1] for name in names if name.startswith("lightning_gkd.")}
+    return rooms
 
 
-@pytest.mark.parametrize(
-    "old_target, new_home",
-    [
-        ("lightning_gkd.signals.SignalCheckpoint", "lightning_gkd.callbacks.signal_checkpoint"),
-        ("lightning_gkd.sample_table.SampleTable", "lightning_gkd.callbacks.sample_table"),
-        ("lightning_gkd.held_out_eval.HeldOutEvaluation", "lightning_gkd.callbacks.held_out_eval"),
-        ("lightning_gkd.export_callback.HFExportCallback", "lightning_gkd.callbacks.hf_export"),
-        ("lightning_gkd.callbacks.PrintMetricsCallback", "lightning_gkd.callbacks.print_metrics"),
-        ("lightning_gkd.modules.gkd.GKDModule", "lightning_gkd.methods.gkd"),
-        ("lightning_gkd.modules.dpo.DPOModule", "lightning_gkd.methods.dpo"),
-        ("lightning_gkd.data.datamodule.ChatDataModule", "lightning_gkd.data.chat"),
-        ("lightning_gkd.data.preference_datamodule.PreferenceDataModule", "lightning_gkd.data.preference"),
-        ("lightning_gkd.data.toy_preference.addition_preference_rows", "lightning_gkd.data.toy.preference"),
-        ("lightning_gkd.data.toy.addition_rows", "lightning_gkd.data.toy.addition"),
-        ("lightning_gkd.assets.write_tiny_models", "lightning_gkd.models.tiny"),
-        ("lightning_gkd.models.load_causal_lm", "lightning_gkd.models.loading"),
-        ("lightning_gkd.evaluation.exact_match", "lightning_gkd.evaluation.metrics"),
-        ("lightning_gkd.train.run", "lightning_gkd.cli.train"),
-    ],
-)
-def test_hydra_targets_written_for_the_old_layout_still_resolve(old_target, new_home):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        resolved = hydra.utils.get_object(old_target)
-    assert resolved is getattr(importlib.import_module(new_home), old_target.rsplit(".", 1)[1])
+@pytest.mark.parametrize("room", sorted(MAY_IMPORT))
+def test_each_room_imports_only_the_rooms_below_it(room):
+    wrong = {}
+    for path in sorted((PACKAGE / room).rglob("*.py")):
+        name = str(path.relative_to(PACKAGE))
+        allowed = {room} | MAY_IMPORT[room] | EXCEPTIONS.get(name, set())
+        if extra := imported_rooms(path) - allowed:
+            wrong[name] = sorted(extra)
+    assert wrong == {}
 
 
-def test_python_dash_m_of_the_old_entry_point_still_runs():
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_gkd.train", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "Override anything in the config" in out.stdout
-
-
-def test_no_package_file_is_over_400_lines():
-    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    assert {name: n for name, n in lengths.items() if n > 400} == {}
-
-
-def test_ops_import_nothing_from_the_training_rooms():
+def test_ops_import_no_lightning():
     for path in (PACKAGE / "ops").glob("*.py"):
         source = path.read_text()
-        for room in ("methods", "training", "callbacks", "cli", "data", "models", "evaluation"):
-            assert f"lightning_gkd.{room}" not in source, (path.name, room)
         assert "import lightning\n" not in source and "from lightning." not in source, path.name
+
+
+def test_no_module_paths_from_before_the_layout_resolve():
+    """Nothing was released: the old module paths are gone, not aliased (no import hook, no re-exporting shims)."""
+    for old in ("lightning_gkd.train", "lightning_gkd.modules.gkd", "lightning_gkd.chunked_jsd"):
+        with pytest.raises(ModuleNotFoundError):
+            __import__(old)
+    assert not any(type(finder).__module__.startswith("lightning_gkd") for finder in sys.meta_path)

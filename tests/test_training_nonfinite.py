@@ -4,6 +4,7 @@ skips the batch; tested by injecting NaN into one model's logits with a forward 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from functools import partial
 
 import lightning as L
@@ -96,7 +97,11 @@ def test_nan_logits_stop_the_run_naming_step_and_model(
 def test_a_loss_that_overflows_on_finite_logits_says_so(student, teacher, tokenizer, toy_rows, tmp_path, monkeypatch):
     module = make("gkd", student, teacher, tokenizer)
     original = GKDModule.distillation_loss
-    monkeypatch.setattr(GKDModule, "distillation_loss", lambda self, batch: original(self, batch) * float("inf"))
+    monkeypatch.setattr(
+        GKDModule,
+        "distillation_loss",
+        lambda self, batch: replace(out := original(self, batch), loss=out.loss * float("inf")),
+    )
     with pytest.raises(
         RuntimeError,
         match=r"loss \(inf\) at global step 0: the logits \(student, teacher\) are "

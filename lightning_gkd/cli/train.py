@@ -27,8 +27,8 @@ from lightning_gkd.cli.toy_defaults import warn_toy_defaults
 from lightning_gkd.cli.trainer_setup import check_logger_packages, close_loggers, prepare_trainer
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.model_card import describe_data
+from lightning_gkd.losses.cross_tokenizer_plan import check_cross_tokenizer_config
 from lightning_gkd.methods.base import check_data_format
-from lightning_gkd.methods.cross_tokenizer_plan import check_cross_tokenizer_config
 from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
 from lightning_gkd.ops.hf import float32_matmul_precision, is_peft_model
 from lightning_gkd.teachers.base import TeacherUnavailable

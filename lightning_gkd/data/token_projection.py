@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.cross_tokenizer import _TokenBytes
+from lightning_gkd.data.retokenize import _TokenBytes
 
 __all__ = ["ProjectionTables", "projection_tables"]
 

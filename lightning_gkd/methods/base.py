@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import GenerationMetric, GenerationScores, greedy_texts, reference_texts
 from lightning_gkd.evaluation.model_card import describe_source
-from lightning_gkd.methods.legacy import LegacyLossHook
+from lightning_gkd.losses.base import LossOutput
 from lightning_gkd.models.loading import (
     ModelSource,
     check_tokenizer_fits,
@@ -34,7 +34,7 @@ from lightning_gkd.ops.sampling import derive_seed
 from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
 from lightning_gkd.training.export import export_module
 from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFinitePolicy
-from lightning_gkd.training.normalization import LossNormalization, StepTokenNormalizer, supervised_positions
+from lightning_gkd.training.normalization import LossNormalization, StepTokenNormalizer
 from lightning_gkd.training.optimizers import adamw, amp_clipping, build_optimizer
 from lightning_gkd.training.quiet import ignore_frozen_eval_warning
 from lightning_gkd.training.throughput import TokenThroughput
@@ -90,20 +90,19 @@ def require_lm_module(pl_module: L.LightningModule, user: str) -> CausalLMModule
     return pl_module
 
 
-class CausalLMModule(LegacyLossHook, L.LightningModule):
+class CausalLMModule(L.LightningModule):
     """Base LightningModule: a trainable causal LM (``self.model``) plus frozen models named in ``frozen_names``.
 
     Frozen models stay in eval mode whatever ``train()`` is called with, take no optimizer slot, and are kept out
     of checkpoints (they are re-inserted from the live module on load, so loading stays strict for the rest).
 
-    The contract for a method: implement ``training_step`` and ``completion_loss(batch)``, the loss on a batch's
-    completions (validation scores it on the dataset completions; GKD names it ``distillation_loss``). In
-    ``training_step``, call ``skip_nonfinite(loss)`` (True: skip this batch) and ``count_trained_tokens(labels)``
-    (for ``train/tokens_per_sec``, completion tokens trained per second of training step), and return
-    ``step_loss(loss, labels)`` for a token-mean loss (the optimizer step then trains on the token mean over all its
-    micro-batches and ranks). ``metrics``
-    (name -> ``fn(predictions, references) -> float``) score greedy completions of the validation prompts against
-    the dataset completions once per validation epoch, logged as ``val/<name>``.
+    The contract for a method: ``completion_loss(batch) -> LossOutput``, the loss on a batch's dataset completions
+    (validation logs its ``loss`` as ``val/loss`` and its ``logs`` under ``val/``), and ``training_step``, which for a
+    mean loss returns ``finish_training_step(out, batch)``: the non-finite check (``skip_nonfinite``), the trained
+    token count (``train/tokens_per_sec``), ``train/<name>`` of ``out.logs``, and ``step_loss(out.loss, out.count)``
+    (with ``loss_normalization="step"`` the optimizer step then trains on the mean over all its micro-batches' and
+    ranks' units). ``metrics`` (name -> ``fn(predictions, references) -> float``) score greedy completions of the
+    validation prompts against the dataset completions once per validation epoch, logged as ``val/<name>``.
 
     Every training loss is checked (``lightning_gkd.training.nonfinite``): a non-finite one raises
     ``RuntimeError`` naming the global step and which model (``model_role`` or a frozen model) produced
@@ -115,7 +114,6 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
     model_role = "model"  # what errors call the trainable model ("student", "policy")
     #: The rows this method trains on, matched against a datamodule's ``data_format`` (``check_data_format``).
     data_format = "chat"
-    loss_hook = "completion_loss"  # the name of the method's loss on a batch's completions (GKD: distillation_loss)
     causal_lm_logits = staticmethod(causal_lm_logits)
 
     def __init__(
@@ -179,8 +177,9 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         return {name: m for name in self.frozen_names if isinstance(m := getattr(self, name, None), nn.Module)}
 
     # -- the method's contract ------------------------------------------------------------------------------------
-    def completion_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The method's loss on the completions of ``batch`` (``input_ids``, ``attention_mask``, ``labels``)."""
+    def completion_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        """The method's loss on the dataset completions of ``batch`` (``input_ids``, ``attention_mask``,
+        ``labels``): what validation logs."""
         raise NotImplementedError
 
     def completion_requirement(self) -> str | None:
@@ -197,12 +196,38 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         finite; raises ``RuntimeError`` naming the step and the model with non-finite logits otherwise."""
         return self.nonfinite_guard.check(loss, step=self.global_step)
 
-    def step_loss(self, mean_loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """What ``training_step`` returns for a token-mean loss over ``labels``' supervised positions: with
-        ``loss_normalization="step"`` (default) the optimizer step's update is the gradient of the token mean over
-        all its micro-batches and ranks (``lightning_gkd.training.normalization``), and ``train/loss`` is logged
+    def step_loss(self, mean_loss: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
+        """What ``training_step`` returns for ``mean_loss``, a mean over ``count`` units (tokens, aligned groups):
+        with ``loss_normalization="step"`` (default) the optimizer step's update is the gradient of the mean over all
+        its micro-batches' and ranks' units (``lightning_gkd.training.normalization``), and ``train/loss`` is logged
         once per step as that mean."""
-        return self.token_normalizer.micro_batch_loss(mean_loss, supervised_positions(labels))
+        return self.token_normalizer.micro_batch_loss(mean_loss, torch.as_tensor(count))
+
+    def finish_training_step(self, out: LossOutput, batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """What ``training_step`` returns for ``out`` on ``batch``: None to skip a non-finite batch
+        (``nonfinite="skip"``), else ``step_loss``; logs ``out.logs`` as ``train/<name>`` (and ``train/loss`` here
+        with ``loss_normalization="micro_batch"``)."""
+        for role, finite in out.finite.items():
+            self.nonfinite_guard.record_flag(self.model_role if role == "student" else role, finite)
+        if self.skip_nonfinite(out.loss):
+            return None
+        self.count_trained_tokens(batch["labels"])
+        if not self.token_normalizer.per_step:  # else logged once per optimizer step, as the step's mean
+            self.log("train/loss", out.loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log_values(out, "train/")
+        return self.step_loss(out.loss, out.count)
+
+    def log_values(self, out: LossOutput, prefix: str, **options: Any) -> None:
+        """Log each of ``out.logs`` as ``<prefix><name>``, weighted and reduced as it says."""
+        for name, value in out.logs.items():
+            self.log(
+                f"{prefix}{name}",
+                value.value,
+                batch_size=value.weight,  # type: ignore[arg-type]  # Lightning weighs by it; a float is fine
+                reduce_fx=value.reduce,
+                add_dataloader_idx=False,
+                **options,
+            )
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         mean = self.token_normalizer.finish_step(
@@ -310,17 +335,19 @@ class CausalLMModule(LegacyLossHook, L.LightningModule):
         return f"val/{names[dataloader_idx]}/" if names else "val/"
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
-        loss = self.completion_loss(batch)
+        out = self.completion_loss(batch)
+        prefix = self.val_prefix(dataloader_idx)
         self.log(
-            f"{self.val_prefix(dataloader_idx)}loss",
-            loss,
+            f"{prefix}loss",
+            out.loss,
             prog_bar=True,
             sync_dist=True,
             batch_size=batch["input_ids"].shape[0],
             add_dataloader_idx=self.val_names() is None,
         )
+        self.log_values(out, prefix, sync_dist=True)
         self.collect_generations(batch, dataloader_idx)
-        return loss
+        return out.loss
 
     def collect_generations(self, batch: Mapping[str, torch.Tensor], dataloader_idx: int = 0) -> None:
         """With ``metrics``: greedy completions of the batch prompts and the batch's dataset completions

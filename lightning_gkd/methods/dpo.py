@@ -12,6 +12,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.evaluation.metrics import GenerationMetric
+from lightning_gkd.losses.base import Logged, LossOutput
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
 from lightning_gkd.models.loading import ModelSource, check_same_vocab
 from lightning_gkd.ops.hf import (
@@ -325,9 +326,13 @@ class DPOModule(CausalLMModule):
             "logps/rejected": rejected.detach().mean(),
         }
 
-    def completion_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The preference loss of a batch of pairs (``preference_step``'s ``loss``)."""
-        return self.preference_step(batch, "val")["loss"]
+    def completion_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        """The preference loss of a batch of pairs (a mean over its pairs), with ``preference_step``'s reward and
+        log-prob statistics as logs."""
+        stats = self.preference_step(batch, "val")
+        pairs = batch["input_ids"].shape[0] // 2
+        loss = stats.pop("loss")
+        return LossOutput(loss, torch.tensor(pairs), {name: Logged(value, pairs) for name, value in stats.items()})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         stats = self.preference_step(batch, "train")

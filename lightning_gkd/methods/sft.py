@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_gkd.losses.base import LossOutput
 from lightning_gkd.methods.base import CausalLMModule
 from lightning_gkd.ops.losses import IGNORE_INDEX
 
@@ -19,13 +20,14 @@ class SFTModule(CausalLMModule):
         super().__init__(model, tokenizer, **kwargs)
         self.save_hyperparameters(ignore=["model", "tokenizer", "optimizer", "scheduler", "metrics"])
 
-    def completion_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def completion_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         logits = self.causal_lm_logits(self.model, batch)[:, :-1]
         labels = batch["labels"][:, 1:]
         mask = labels != IGNORE_INDEX
+        count = mask.sum()
         if not mask.any():
-            return logits.sum() * 0.0
-        return F.cross_entropy(logits[mask].float(), labels[mask])
+            return LossOutput(logits.sum() * 0.0, count)
+        return LossOutput(F.cross_entropy(logits[mask].float(), labels[mask]), count)
 
     def completion_requirement(self) -> str | None:
         return (
@@ -34,10 +36,4 @@ class SFTModule(CausalLMModule):
         )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        loss = self.completion_loss(batch)
-        if self.skip_nonfinite(loss):
-            return None
-        self.count_trained_tokens(batch["labels"])
-        if not self.token_normalizer.per_step:  # else logged once per optimizer step, as the step's token mean
-            self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        return self.step_loss(loss, batch["labels"])
+        return self.finish_training_step(self.completion_loss(batch), batch)

@@ -28,6 +28,7 @@ __all__ = [
     "causal_lm_logits",
     "eval_mode",
     "final_hidden_states",
+    "hidden_states_and_head",
     "is_peft_model",
     "is_sharded",
     "output_head",
@@ -365,3 +366,15 @@ def final_hidden_states(
             f"{type(decoder).__name__}'s output {shape} is not the (batch, length, hidden) final hidden states"
         )
     return hidden[positions]
+
+
+def hidden_states_and_head(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, LogitHead]:
+    """``(N, H)`` final hidden states at ``positions`` (:func:`final_hidden_states`) and the head that turns them into
+    exactly the model's logits (:func:`output_head`, proven once per model by :func:`check_output_head`). The head is
+    read after the forward, where FSDP2 has gathered the root unit's weights. Raises ``LeanForwardUnsupported`` for a
+    model whose head the description does not reproduce."""
+    check_output_head(model, input_ids, attention_mask)
+    hidden = final_hidden_states(model, input_ids, attention_mask, positions)
+    return hidden, output_head(model)

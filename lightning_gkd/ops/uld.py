@@ -1,6 +1,6 @@
 """Distances between two models' aligned next-token distributions over different vocabularies: ULD's sorted-probability
 L1 (Boizard et al., *Towards Cross-Tokenizer Distillation*) and GOLD's hybrid (a generalized JSD on the columns whose
-token strings both vocabularies hold, ULD on the rest). Per aligned group; ``lightning_gkd.ops.cross_tokenizer``
+token strings both vocabularies hold, ULD on the rest). Per aligned group; ``lightning_gkd.ops.aligned_row_loss``
 combines them into a row's loss. Pure torch.
 """
 

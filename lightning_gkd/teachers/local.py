@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import LogitHead, causal_lm_logits, check_output_head, final_hidden_states, output_head
+from lightning_gkd.ops.hf import LogitHead, causal_lm_logits, hidden_states_and_head
 from lightning_gkd.ops.topk import topk_log_probs
 from lightning_gkd.teachers.base import TopKSignal, next_tokens
 
@@ -29,9 +29,7 @@ class LocalTeacher:
     def hidden_states(
         self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor
     ) -> tuple[torch.Tensor, LogitHead]:
-        check_output_head(self.model, batch["input_ids"], batch["attention_mask"])
-        hidden = final_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], positions)
-        return hidden, output_head(self.model)  # after the forward: FSDP2 has gathered the root unit
+        return hidden_states_and_head(self.model, batch["input_ids"], batch["attention_mask"], positions)
 
     @torch.no_grad()
     def topk(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> TopKSignal:

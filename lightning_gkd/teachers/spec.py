@@ -6,7 +6,7 @@ in-process model, as before), a built teacher object, or a *teacher spec*, a map
 - ``{kind: local, model: <model source>, top_k: null, tokenizer: null}``: the in-process model; ``top_k`` set =
   train on its top-k log-probs with the sparse loss (what a cache or server of it gives), null = full distributions;
   ``tokenizer``: the teacher's tokenizer when it differs from the student's (cross-tokenizer distillation,
-  ``lightning_gkd.methods.cross_tokenizer``; null = the model spec's ``tokenizer``, else the one in the model's folder);
+  ``lightning_gkd.losses.cross_tokenizer``; null = the model spec's ``tokenizer``, else the one in the model's folder);
 - ``{kind: cache, path: <folder>, top_k: null}``: top-k log-probs precomputed by ``lightning-gkd-cache``
   (``lightning_gkd.teachers.cache``); no teacher model in memory;
 - ``{kind: server, url: ..., model: null, top_k: 20, timeout: 60, concurrency: 4, retries: 4, backoff: 1}``: a vLLM
@@ -18,13 +18,19 @@ in-process model, as before), a built teacher object, or a *teacher spec*, a map
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from lightning_gkd.models.loading import ModelSource, check_same_vocab, vocab_size
+from lightning_gkd.teachers.base import SparseTeacher
+from lightning_gkd.teachers.local import LocalTeacher
+
 TEACHER_KINDS = ("local", "cache", "server", "multi")
+#: A distillation ``teacher`` argument: a model source (the in-process model), a teacher spec or a built sparse teacher.
+TeacherSource = ModelSource | Mapping[str, Any] | SparseTeacher
 _KEYS: dict[str, set[str]] = {
     "local": {"model", "top_k", "tokenizer"},
     "cache": {"path", "top_k"},
@@ -132,3 +138,44 @@ def build_remote_teacher(entry: TeacherEntry) -> Any:
 
         return ServerTeacher(settings.pop("url"), **settings)
     raise ValueError(f"build_remote_teacher: kind={entry.kind} is built by the method (an in-process model).")
+
+
+def build_teachers(
+    plan: TeacherPlan,
+    load: Callable[[Any, str], nn.Module],
+    student: nn.Module,
+    tokenizer: Any,
+    *,
+    same_vocab: bool = True,
+) -> tuple[dict[str, Any], dict[str, nn.Module]]:
+    """Each teacher's source by name, and the in-process models among them. ``load(source, role)`` loads a frozen
+    model (role ``teacher``, or ``teacher.<name>`` under ``multi``); a remote teacher's ``check`` runs now, before
+    training: the server is up and serves the student's tokenizer, the cache was made with it. ``same_vocab``:
+    in-process teachers must have the student's vocabulary size (False: a cross-tokenizer teacher)."""
+    sources: dict[str, Any] = {}
+    models: dict[str, nn.Module] = {}
+    for name, entry in plan.entries.items():
+        if entry.kind == "local":
+            role = f"teacher.{name}" if name else "teacher"
+            models[name] = load(entry.settings["model"], role)
+            if same_vocab:
+                _check_same_vocab(student, models[name], role)
+            sources[name] = LocalTeacher(models[name], top_k=entry.top_k)
+            continue
+        sources[name] = source = build_remote_teacher(entry)
+        check = getattr(source, "check", None)
+        if callable(check):
+            check(tokenizer, vocab_size(student))
+    return sources, models
+
+
+def _check_same_vocab(student: nn.Module, teacher: nn.Module, role: str) -> None:
+    try:
+        check_same_vocab(student, teacher, teacher_role=role)
+    except ValueError as error:
+        raise ValueError(
+            f"{error} For a teacher with another tokenizer, give its tokenizer (Hydra: model.teacher.tokenizer=<folder "
+            "or hub id>, null takes the teacher's own folder; Python: GKDModule(teacher_tokenizer=...)): "
+            "cross_tokenizer=auto (the default) then distils across tokenizers; cross_tokenizer.enabled=always "
+            "forces that loss with the same tokenizer."
+        ) from None

@@ -18,10 +18,11 @@ class NonFiniteGuard:
     """Checks each training loss before anything is updated with it.
 
     ``watch(models)`` registers a forward hook per model that records whether its logits were finite (one fused
-    reduction and no host sync per forward); paths that never materialise logits call ``record`` with what they
-    computed instead (e.g. final hidden states). ``check(loss, step)`` reads those records only when the loss is
-    non-finite: with ``policy="raise"`` it raises ``RuntimeError`` naming the step and the model(s) at fault; with
-    ``"skip"`` it warns and returns True (skip the batch), up to ``MAX_CONSECUTIVE_SKIPS`` in a row.
+    reduction and no host sync per forward); paths that never materialise logits report what they computed instead
+    (final hidden states: ``record``, or a loss's ``LossOutput.finite`` flags: ``record_flag``).
+    ``check(loss, step)`` reads those records only when the loss is non-finite: with ``policy="raise"`` it raises
+    ``RuntimeError`` naming the step and the model(s) at fault; with ``"skip"`` it warns and returns True (skip the
+    batch), up to ``MAX_CONSECUTIVE_SKIPS`` in a row.
     """
 
     def __init__(self, policy: NonFinitePolicy = "raise") -> None:
@@ -59,7 +60,11 @@ class NonFiniteGuard:
 
     def record(self, role: str, values: torch.Tensor) -> None:
         """Note whether ``values`` (the logits, or what stands in for them) of ``role`` are all finite."""
-        self.finite[role] = torch.isfinite(values.detach().sum(dtype=torch.float32))
+        self.record_flag(role, torch.isfinite(values.detach().sum(dtype=torch.float32)))
+
+    def record_flag(self, role: str, finite: torch.Tensor) -> None:
+        """Note ``finite`` (0-dim bool: whether ``role``'s outputs were all finite), as a loss reports it."""
+        self.finite[role] = finite
 
     def reset(self) -> None:
         """Forget the previous batch's records (call at the start of each training batch)."""

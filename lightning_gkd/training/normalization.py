@@ -17,14 +17,7 @@ from typing import Literal
 
 import torch
 
-from lightning_gkd.ops.losses import IGNORE_INDEX
-
 LossNormalization = Literal["step", "micro_batch"]
-
-
-def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
-    """The number of next-token positions a token-mean loss averages over: ``labels[:, 1:] != -100``."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
 class StepTokenNormalizer:
@@ -42,7 +35,8 @@ class StepTokenNormalizer:
         return self.mode == "step"
 
     def micro_batch_loss(self, mean_loss: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        """What to backpropagate for a micro-batch whose token-mean loss is ``mean_loss`` over ``num_tokens``."""
+        """What to backpropagate for a micro-batch whose mean loss is ``mean_loss`` over ``num_tokens`` units
+        (supervised tokens, or whatever the loss averages over: ``LossOutput.count``)."""
         if not self.per_step:
             return mean_loss
         tokens = num_tokens.to(device=mean_loss.device, dtype=torch.float32)

@@ -89,11 +89,11 @@ class Recorded(GKDModule):
         return source, batch
 
     def distillation_loss(self, batch):
-        loss = super().distillation_loss(batch)
+        out = super().distillation_loss(batch)
         if self._training() and self._current is not None:
-            self.trained.append({**self._current, "loss": loss.item()})
+            self.trained.append({**self._current, "loss": out.loss.item()})
             self._current = None
-        return loss
+        return out
 
 
 SGD = partial(torch.optim.SGD, lr=LR)
@@ -174,7 +174,7 @@ def doubled_reference(tokenizer, rows: list[dict], batch_size: int, steps: int, 
     losses, prompts, step0_tokens = [], [], None
     for step, batch in enumerate(itertools.islice(data.train_dataloader(), steps)):
         keys = (*KEYS, "prompt_messages") if "prompt_messages" in batch else KEYS
-        loss = ref.distillation_loss({k: batch[k] for k in keys})
+        loss = ref.distillation_loss({k: batch[k] for k in keys}).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -208,7 +208,7 @@ def parity(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int
     opt = torch.optim.SGD([p for p in ref.student.parameters() if p.requires_grad], lr=LR)
     half_mean = []
     for step in range(steps):
-        loss = torch.stack([ref.distillation_loss({k: by_rank[r][step][k] for k in KEYS}) for r in (0, 1)]).mean()
+        loss = torch.stack([ref.distillation_loss({k: by_rank[r][step][k] for k in KEYS}).loss for r in (0, 1)]).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -33,7 +33,7 @@ from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.ops.sampling import generate_completions
-from lightning_gkd.training.normalization import supervised_positions
+from lightning_gkd.teachers.base import supervised_positions
 
 STEPS, CLIP, LR, BATCH, NEW_TOKENS = 3, 0.05, 1e-2, 2, 6
 KEYS = ("input_ids", "attention_mask", "labels")
@@ -59,12 +59,12 @@ class Recorded(GKDModule):
         self.clipping: list[tuple[float, float]] = []
 
     def distillation_loss(self, batch):
-        loss = super().distillation_loss(batch)
+        out = super().distillation_loss(batch)
         if self._trainer is not None and self.trainer.training:
             self.trained.append(
-                {"step": self.global_step, "loss": loss.item(), **{k: batch[k].detach().cpu() for k in KEYS}}
+                {"step": self.global_step, "loss": out.loss.item(), **{k: batch[k].detach().cpu() for k in KEYS}}
             )
-        return loss
+        return out
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -199,7 +199,7 @@ def lean_head_check(tokenizer) -> dict:
 
 def token_mean(losses: list[torch.Tensor], rows: list[dict]) -> torch.Tensor:
     """The token mean over several batches from their token-mean losses (what one optimizer step trains on)."""
-    counts = [supervised_positions(row["labels"]) for row in rows]
+    counts = [supervised_positions(row["labels"]).sum() for row in rows]
     return sum(loss * n for loss, n in zip(losses, counts, strict=True)) / sum(counts)
 
 
@@ -211,7 +211,7 @@ def replay(tokenizer, trained: list[dict], steps: int) -> tuple[list[float], tor
     for step in range(steps):
         batches = [row for row in trained if row["step"] == step]
         assert len(batches) == 2, (step, len(batches))
-        loss = token_mean([ref.distillation_loss({k: row[k] for k in KEYS}) for row in batches], batches)
+        loss = token_mean([ref.distillation_loss({k: row[k] for k in KEYS}).loss for row in batches], batches)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.student.parameters(), CLIP)

@@ -93,7 +93,7 @@ def main() -> None:
         replay_losses = []
         for step in range(STEPS):
             batches = [{k: trained[r][step][k] for k in KEYS} for r in (0, 1)]
-            losses = [replay.distillation_loss(b) for b in batches]
+            losses = [replay.distillation_loss(b).loss for b in batches]
             tokens = [int((b["labels"] != -100).sum()) for b in batches]
             step_loss = sum(loss * n for loss, n in zip(losses, tokens, strict=True)) / sum(tokens)
             optimizer.zero_grad()

@@ -1,4 +1,4 @@
-"""Tests for lightning_gkd.ops.cross_tokenizer: hand-checked alignment, merging and distances, the identical-vocabulary
+"""Tests for lightning_gkd.ops.aligned_row_loss: hand-checked alignment, merging and distances, the identical-vocabulary
 limit (== generalized_jsd_loss), and parity with TRL 1.16's GOLD ULDLoss."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 
-from lightning_gkd.ops.cross_tokenizer import (
+from lightning_gkd.ops.aligned_row_loss import (
     CrossTokenizerLoss,
     align_byte_spans,
     cross_tokenizer_row_loss,

@@ -1,4 +1,5 @@
-"""GKDModule with a teacher whose tokenizer differs from the student's (lightning_gkd.methods.cross_tokenizer):
+"""GKDModule with a teacher whose tokenizer differs from the student's (lightning_gkd.losses.cross_tokenizer, the
+``CrossTokenizerDistillation`` loss object):
 the cross path equals plain GKD with identical tokenizers, fits on- and off-policy (plain and grouped generation)
 with a BPE teacher and the byte-level student, and what it cannot do is refused before any model loads."""
 
@@ -15,8 +16,9 @@ from transformers import AutoModelForCausalLM
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer
+from lightning_gkd.losses.cross_tokenizer import CrossTokenizerDistillation
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
-from lightning_gkd.ops.cross_tokenizer import CrossTokenizerLoss
+from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss
 from lightning_gkd.ops.losses import IGNORE_INDEX
 from lightning_gkd.ops.sampling import completion_batch
 
@@ -39,13 +41,18 @@ def make_module(student, teacher, tokenizer, **kwargs):
     return GKDModule(student, teacher, tokenizer, **kwargs)
 
 
+def is_cross(module: GKDModule) -> bool:
+    """Whether the module trains with the cross-tokenizer loss."""
+    return isinstance(module.loss, CrossTokenizerDistillation)
+
+
 def steps_on_one_batch(module, batch, steps: int) -> list[float]:
     """AdamW (lr 3e-3) steps of the student on ``batch``'s distillation loss; the losses before each step."""
     optimizer = torch.optim.AdamW(module.student.parameters(), lr=3e-3)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = module.distillation_loss(batch)
+        loss = module.distillation_loss(batch).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -106,11 +113,13 @@ def test_identical_tokenizers_give_the_plain_gkd_loss_and_gradients(
     plain = make_module(copy.deepcopy(student), copy.deepcopy(teacher), tokenizer, beta=0.3, lean_loss=lean_loss)
     settings = {"enabled": "always", "loss": "hybrid", "skip_student_eos": False, "skip_teacher_eos": False}
     cross = make_module(student, teacher, tokenizer, beta=0.3, lean_loss=lean_loss, cross_tokenizer=settings)
-    assert plain.cross_tokenizer is None and cross.cross_tokenizer is not None
-    assert cross.cross_tokenizer.matched_count == len(tokenizer)  # every column matched: the hybrid is its JSD
+    assert not is_cross(plain) and is_cross(cross)
+    assert cross.loss.matched_count == len(tokenizer)  # every column matched: the hybrid is its JSD
 
-    plain_loss, cross_loss = plain.distillation_loss(batch), cross.distillation_loss(batch)
-    assert cross.cross_tokenizer_groups == sum(lengths)  # one group per token
+    plain_out, cross_out = plain.distillation_loss(batch), cross.distillation_loss(batch)
+    plain_loss, cross_loss = plain_out.loss, cross_out.loss
+    assert int(cross_out.count) == sum(lengths)  # one group per token
+    assert int(plain_out.count) == sum(lengths)  # one student token each
     torch.testing.assert_close(cross_loss.double(), plain_loss.double(), rtol=tolerance, atol=tolerance)
     plain_loss.backward()
     cross_loss.backward()
@@ -129,8 +138,8 @@ def test_a_bpe_teacher_takes_the_cross_path_and_the_byte_student_learns_on_a_fix
 ):
     gold = {"loss": "hybrid", "skip_student_eos": True, "skip_teacher_eos": True}  # TRL's GOLDTrainer defaults
     module = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, cross_tokenizer=gold)
-    step = module.cross_tokenizer
-    assert step is not None and step.teacher_tokenizer is bpe_tokenizer
+    step = module.loss
+    assert is_cross(module) and step.teacher_tokenizer is bpe_tokenizer
     # the byte symbols and ChatML specials are the strings both vocabularies hold; the BPE merges are not
     assert step.matched_count == len(tokenizer) and len(bpe_tokenizer) > len(tokenizer)
     batch = ChatMLCollator(tokenizer, max_length=64, carry_prompt_messages=True)(toy_rows["train"][:6])
@@ -155,7 +164,7 @@ def test_the_likelihood_losses_raise_the_students_likelihood_of_the_teachers_ans
     vocabulary."""
     settings = {"loss": loss, "skip_student_eos": False, "skip_teacher_eos": False}
     module = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, cross_tokenizer=settings)
-    step = module.cross_tokenizer
+    step = module.loss
     assert step.matched is None
     assert (step.projection is None) == (loss == "likelihood")
     if loss == "projected":
@@ -188,7 +197,7 @@ def test_fit_on_and_off_policy_with_a_bpe_teacher(
         lmbda=lmbda,
         cross_tokenizer={"loss": "hybrid"},
     )
-    assert module.cross_tokenizer.loss_settings.loss == "hybrid"
+    assert module.loss.loss_settings.loss == "hybrid"
     counts = []
     original = module.token_normalizer.micro_batch_loss
     monkeypatch.setattr(
@@ -264,8 +273,10 @@ def test_crossentropy_weight_adds_the_students_cross_entropy(student, tokenizer,
         "teacher_max_length": None,
     }
     with torch.no_grad():
-        expected = 2 * base.distillation_loss(batch) + 0.5 * crossentropy
-        torch.testing.assert_close(both.distillation_loss(batch), expected, rtol=1e-5, atol=1e-6)
+        expected = 2 * base.distillation_loss(batch).loss + 0.5 * crossentropy
+        out = both.distillation_loss(batch)
+        torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.logs["cross_tokenizer/crossentropy"].value, crossentropy)
 
 
 # --------------------------------------------------------------------------- where the teacher's tokenizer comes from
@@ -275,10 +286,10 @@ def test_the_teacher_tokenizer_comes_from_the_teachers_folder(student, tokenizer
     bpe_teacher.save_pretrained(tmp_path / "with_tokenizer")
     bpe_tokenizer.save_pretrained(tmp_path / "with_tokenizer")
     module = make_module(student, str(tmp_path / "with_tokenizer"), tokenizer)
-    assert module.cross_tokenizer is not None
-    assert module.cross_tokenizer.teacher_tokenizer.get_vocab() == bpe_tokenizer.get_vocab()
+    assert is_cross(module)
+    assert module.loss.teacher_tokenizer.get_vocab() == bpe_tokenizer.get_vocab()
     spec = {"kind": "local", "model": {"name_or_path": str(tmp_path / "with_tokenizer")}, "tokenizer": None}
-    assert make_module(student, spec, tokenizer).cross_tokenizer is not None
+    assert is_cross(make_module(student, spec, tokenizer))
 
     # no tokenizer in the folder: the student's is assumed, and the vocabulary sizes then disagree
     bpe_teacher.save_pretrained(tmp_path / "bare")
@@ -286,13 +297,13 @@ def test_the_teacher_tokenizer_comes_from_the_teachers_folder(student, tokenizer
     with pytest.raises(ValueError, match=message + r"model\.teacher\.tokenizer=<folder or hub id>.*enabled=always"):
         make_module(student, str(tmp_path / "bare"), tokenizer)
     bare_spec = {"name_or_path": str(tmp_path / "bare"), "tokenizer": str(tmp_path / "with_tokenizer")}
-    assert make_module(student, bare_spec, tokenizer).cross_tokenizer is not None  # the model spec's key
+    assert is_cross(make_module(student, bare_spec, tokenizer))  # the model spec's key
 
     # the same tokenizer in the folder: the usual path; enabled=never: never looked at
     teacher = tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1)
     teacher.save_pretrained(tmp_path / "same")
     tokenizer.save_pretrained(tmp_path / "same")
-    assert make_module(student, str(tmp_path / "same"), tokenizer).cross_tokenizer is None
+    assert not is_cross(make_module(student, str(tmp_path / "same"), tokenizer))
     with pytest.raises(ValueError, match="Student vocabulary size 259 differs"):
         make_module(
             student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, cross_tokenizer={"enabled": "never"}
@@ -406,7 +417,7 @@ def test_the_datamodule_must_carry_prompt_messages_of_the_last_turn_only(
         module.check_datamodule(every_turn)
     datamodule = ChatDataModule(tokenizer, toy_rows["train"], batch_size=4, max_length=50)
     module.check_datamodule(datamodule)
-    assert datamodule.carries_prompt_messages and module.cross_tokenizer.max_length == 50 + 6
+    assert datamodule.carries_prompt_messages and module.loss.max_length == 50 + 6
     prompts = {str(row["messages"][:-1]) for row in toy_rows["train"]}
     carried = next(iter(datamodule.train_dataloader()))["prompt_messages"]
     assert len(carried) == 4 and all(str(messages) in prompts for messages in carried)

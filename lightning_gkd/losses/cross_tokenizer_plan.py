@@ -1,7 +1,7 @@
 """Cross-tokenizer distillation, before any model loads: the ``cross_tokenizer`` settings, whether a run takes the
 cross-tokenizer path (the teacher's tokenizer against the student's: ``get_vocab()`` equal = the same tokenizer, GKD's
 usual path) and the refusals of what that path cannot do, each naming the option. The loss itself:
-``lightning_gkd.methods.cross_tokenizer``."""
+``lightning_gkd.losses.cross_tokenizer``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.ops.cross_tokenizer import CrossTokenizerLoss
+from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss
 from lightning_gkd.teachers.spec import TeacherEntry, TeacherPlan
 
 Enabled = Literal["auto", "always", "never"]
@@ -72,6 +72,44 @@ def cross_tokenizer_settings(value: Any, *, beta: float, loss_temperature: float
         if given.get(key) is None:
             given[key] = default
     return CrossTokenizerSettings(enabled, CrossTokenizerLoss(**given), max_length)
+
+
+def _changed_settings(value: Any) -> list[str]:
+    """The ``cross_tokenizer`` settings in ``value`` (a mapping, ``CrossTokenizerLoss`` or settings) that differ from
+    the defaults (``enabled`` and nulls aside): ``key=value`` strings."""
+    if isinstance(value, CrossTokenizerSettings):
+        given: dict[str, Any] = {f.name: getattr(value.loss, f.name) for f in fields(CrossTokenizerLoss)}
+        given["teacher_max_length"] = value.teacher_max_length
+    elif isinstance(value, CrossTokenizerLoss):
+        given = {f.name: getattr(value, f.name) for f in fields(CrossTokenizerLoss)}
+    else:
+        given = dict(value or {})
+    defaults = {f.name: f.default for f in fields(CrossTokenizerLoss)}
+    return [
+        f"{_OPTION}.{key}={item!r}"
+        for key, item in given.items()
+        if key != "enabled" and item is not None and item != defaults.get(key)
+    ]
+
+
+def unread_cross_tokenizer_settings(value: Any, *, distillation_weight: float, crossentropy_weight: float) -> None:
+    """``ValueError`` for settings only the cross-tokenizer loss reads, given to a run that does not take it (the
+    teacher shares the student's tokenizer, or ``enabled=never``): ``distillation_weight`` other than 1,
+    ``crossentropy_weight`` other than 0, ``cross_tokenizer`` loss settings other than the defaults."""
+    unread = _changed_settings(value)
+    if distillation_weight != 1.0:
+        unread.append(f"distillation_weight={distillation_weight}")
+    if crossentropy_weight != 0.0:
+        unread.append(f"crossentropy_weight={crossentropy_weight}")
+    if unread:
+        raise ValueError(
+            f"{', '.join(unread)}: read only by the cross-tokenizer loss, and this run trains with GKD's usual loss "
+            "(the teacher shares the student's tokenizer, or cross_tokenizer.enabled=never). Drop "
+            f"{'it' if len(unread) == 1 else 'them'} (Hydra: method.distillation_weight=1.0, "
+            "method.crossentropy_weight=0.0, cross_tokenizer=auto), or train across tokenizers: give the teacher's "
+            "own tokenizer (model.teacher.tokenizer; Python: teacher_tokenizer=...) or set "
+            f"{_OPTION}.enabled=always."
+        )
 
 
 # --------------------------------------------------------------------------- before models load

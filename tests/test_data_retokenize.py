@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.data.cross_tokenizer import (
+from lightning_gkd.data.retokenize import (
     _BYTE_OF_CHAR,
     _TokenBytes,
     student_completions,

@@ -1,9 +1,9 @@
-"""GKD with a teacher whose tokenizer differs from the student's (cross-tokenizer distillation).
+"""GKD with a teacher whose tokenizer differs from the student's (cross-tokenizer distillation), as a loss object.
 
 Both models score the same completion *text*. For every batch (dataset completions, the student's samples,
-validation) the student's completions are decoded with byte spans (``data.cross_tokenizer.student_completions``),
+validation) the student's completions are decoded with byte spans (``data.retokenize.student_completions``),
 re-tokenized for the teacher after its own chat template of the rows' prompt messages (``teacher_batch``), and the
-two tokenizations are compared group by group (``ops.cross_tokenizer``: byte-span alignment, then each group's
+two tokenizations are compared group by group (``ops.aligned_row_loss``: byte-span alignment, then each group's
 likelihood under both models and the teacher's projected first-token distribution (``projected``, the default;
 ``ops.chunk_likelihood``), the likelihoods alone, or merged probabilities with GOLD's hybrid loss or ULD). Only the
 completion positions are projected to logits (``[N, V]`` per model, from final hidden states; full logits where the
@@ -11,80 +11,69 @@ lean forward is unsupported).
 
 The batch loss is the mean over *all aligned groups of the batch* (a row weighs by its group count; TRL averages
 per-row means instead), times ``distillation_weight``, plus ``crossentropy_weight`` times the student's
-cross-entropy on its completion tokens (a token mean). With ``loss_normalization="step"`` the optimizer step's
+cross-entropy on its completion tokens (a token mean). Its ``count`` is the group count, so the optimizer step's
 normaliser counts groups, not student tokens.
 
 Who decides: ``cross_tokenizer_plan.plan_cross_tokenizer`` (before any model loads) compares the teacher's
 tokenizer with the student's (``get_vocab()`` equal = the same tokenizer: GKD's usual path) and refuses what the
-cross path cannot do; ``CrossTokenizerStep`` computes the loss.
+cross path cannot do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.cross_tokenizer import student_completions, teacher_batch
+from lightning_gkd.data.retokenize import student_completions, teacher_batch
 from lightning_gkd.data.token_projection import ProjectionTables, projection_tables
-from lightning_gkd.methods.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
-from lightning_gkd.ops.cross_tokenizer import cross_tokenizer_row_terms, matched_vocabulary
-from lightning_gkd.ops.hf import (
-    LeanForwardUnsupported,
-    causal_lm_logits,
-    check_output_head,
-    final_hidden_states,
-    output_head,
-    resolve_eos_token_id,
-)
+from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag
+from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
+from lightning_gkd.models.loading import vocab_size
+from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_row_terms, matched_vocabulary
+from lightning_gkd.ops.hf import causal_lm_logits, hidden_states_and_head, resolve_eos_token_id
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.local import LocalTeacher
 
 
-class CrossTokenizerResult(NamedTuple):
-    """One batch: the loss, its aligned-group count, the hybrid's unweighted parts (group means; None for ULD),
-    the student's cross-entropy (None when its weight is 0), and both models' final hidden states (or logits) at
-    the completion positions for the non-finite watch."""
+class CrossTokenizerDistillation:
+    """The cross-tokenizer loss of a batch (see the module docstring) against ``teacher`` (an in-process model with
+    ``teacher_tokenizer``). The matched vocabulary (token strings both tokenizers hold, within both models' logit
+    columns) and the projection tables are computed once, here.
 
-    loss: torch.Tensor
-    groups: int
-    matched: torch.Tensor | None
-    unmatched: torch.Tensor | None
-    crossentropy: torch.Tensor | None
-    student_states: torch.Tensor
-    teacher_states: torch.Tensor
-
-
-class CrossTokenizerStep:
-    """The cross-tokenizer loss of a batch (see the module docstring). The matched vocabulary (token strings both
-    tokenizers hold, within both models' logit columns) is computed once, here."""
+    Logged: ``cross_tokenizer/groups`` (aligned groups per batch), and ``cross_tokenizer/matched`` /
+    ``cross_tokenizer/unmatched`` (the hybrid's unweighted parts, group means) and ``cross_tokenizer/crossentropy``
+    (with ``crossentropy_weight > 0``). ``max_new_tokens``: how much longer than the datamodule's ``max_length`` a
+    sampled row can be (the teacher's input budget, ``check_datamodule``)."""
 
     def __init__(
         self,
+        teacher: LocalTeacher,
         student_tokenizer: PreTrainedTokenizerBase,
         teacher_tokenizer: PreTrainedTokenizerBase,
         settings: CrossTokenizerSettings,
         *,
         student: nn.Module,
-        teacher: nn.Module,
-        lean: bool = True,
+        distillation_weight: float = 1.0,
+        crossentropy_weight: float = 0.0,
+        max_new_tokens: int = 0,
+        lean: LeanPath | None = None,
     ) -> None:
-        from lightning_gkd.models.loading import vocab_size
-
+        self.teacher = teacher
         self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
         self.settings, self.loss_settings = settings, settings.loss
+        self.distillation_weight, self.crossentropy_weight = distillation_weight, crossentropy_weight
         eos = resolve_eos_token_id(student, student_tokenizer)  # a sample ends at any of the model's EOS ids
         self.student_end_ids: Collection[int] = {eos} if isinstance(eos, int) else set(eos or [])
         if student_tokenizer.eos_token_id is not None:
             self.student_end_ids = {*self.student_end_ids, student_tokenizer.eos_token_id}
-        self.lean = lean
-        student_width, teacher_width = vocab_size(student), vocab_size(teacher)
+        self.lean = lean or LeanPath()
+        student_width, teacher_width = vocab_size(student), vocab_size(teacher.model)
         if teacher_width is not None and len(teacher_tokenizer) > teacher_width:
             raise ValueError(
                 f"The teacher's tokenizer ({getattr(teacher_tokenizer, 'name_or_path', '')!r}) has "
@@ -102,18 +91,19 @@ class CrossTokenizerStep:
         if self.loss_settings.loss == "projected":
             self.projection = projection_tables(student_tokenizer, teacher_tokenizer)
             self.projection.first_token[self.projection.first_token >= (student_width or len(student_tokenizer))] = -1
-        positions = getattr(getattr(teacher, "config", None), "max_position_embeddings", None)
+        positions = getattr(getattr(teacher.model, "config", None), "max_position_embeddings", None)
         self.teacher_positions: int | None = int(positions) if isinstance(positions, int) else None
         self.max_length = settings.teacher_max_length or self.teacher_positions or 1 << 20
+        self.max_new_tokens = max_new_tokens  # the samples' length beyond the datamodule's max_length
 
-    def check_datamodule(self, datamodule: Any, max_new_tokens: int) -> None:
+    def check_datamodule(self, datamodule: Any) -> None:
         """Ask ``datamodule`` for the rows' prompt messages (``check_cross_tokenizer_datamodule``) and set the
         teacher's input budget when ``teacher_max_length`` is null: the student's (the datamodule's ``max_length``
         plus ``max_new_tokens``), at most the teacher's positions."""
         check_cross_tokenizer_datamodule(datamodule)
         student_max_length = getattr(datamodule, "max_length", None)
         if self.settings.teacher_max_length is None and student_max_length:
-            budget = student_max_length + max_new_tokens
+            budget = student_max_length + self.max_new_tokens
             self.max_length = min(budget, self.teacher_positions) if self.teacher_positions else budget
 
     @property
@@ -150,51 +140,33 @@ class CrossTokenizerStep:
         )
         return completions, teacher
 
-    def _student_logits(self, student: nn.Module, batch: Mapping[str, Any], positions: torch.Tensor) -> tuple:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        if self.lean:
-            check_output_head(student, ids, mask)
-            hidden = final_hidden_states(student, ids, mask, positions)
-            return output_head(student).logits(hidden), hidden
-        logits = causal_lm_logits(student, batch)[positions]
-        return logits, logits
+    def _logits(
+        self, student: nn.Module, batch: Mapping[str, Any], t_batch: Mapping[str, torch.Tensor], *, lean: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Both models' logits at their completion positions, and what the non-finite guard reads of each (hidden
+        states on the lean path, else the logits)."""
+        s_positions = supervised_positions(batch["labels"])
+        t_positions = supervised_positions(t_batch["labels"])
+        if lean:
+            hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], s_positions)
+            t_hidden, t_head = self.teacher.hidden_states(t_batch, t_positions)
+            with torch.no_grad():
+                t_logits = t_head.logits(t_hidden)
+            return head.logits(hidden), hidden, t_logits, t_hidden
+        s_logits = causal_lm_logits(student, batch)[s_positions]
+        t_logits = self.teacher.logits(t_batch)[t_positions]
+        return s_logits, s_logits, t_logits, t_logits
 
-    @torch.no_grad()
-    def _teacher_logits(self, teacher: LocalTeacher, batch: Mapping[str, Any], positions: torch.Tensor) -> tuple:
-        if self.lean:
-            hidden, head = teacher.hidden_states(batch, positions)
-            return head.logits(hidden), hidden
-        logits = teacher.logits(batch)[positions]
-        return logits, logits
-
-    def __call__(
-        self,
-        student: nn.Module,
-        teacher: LocalTeacher,
-        batch: Mapping[str, Any],
-        *,
-        distillation_weight: float = 1.0,
-        crossentropy_weight: float = 0.0,
-    ) -> CrossTokenizerResult:
+    def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
         """The loss of ``batch`` (``input_ids``, ``attention_mask``, ``labels``, ``prompt_messages``)."""
         completions, teacher_rows = self.teacher_inputs(batch)
         device = batch["input_ids"].device
         t_batch = {key: teacher_rows[key].to(device) for key in ("input_ids", "attention_mask", "labels")}
-        s_positions = supervised_positions(batch["labels"])
-        t_positions = supervised_positions(t_batch["labels"])
-        try:
-            s_logits, s_states = self._student_logits(student, batch, s_positions)
-            t_logits, t_states = self._teacher_logits(teacher, t_batch, t_positions)
-        except LeanForwardUnsupported as reason:
-            rank_zero_warn(f"lean_loss: {reason}; computing the cross-tokenizer loss from full logits instead.")
-            self.lean = False
-            return self(
-                student,
-                teacher,
-                batch,
-                distillation_weight=distillation_weight,
-                crossentropy_weight=crossentropy_weight,
-            )
+        s_logits, s_states, t_logits, t_states = self.lean.run(
+            lambda: self._logits(student, batch, t_batch, lean=True),
+            lambda: self._logits(student, batch, t_batch, lean=False),
+            loss_name="cross-tokenizer",
+        )
         matched = self._matched(device)
         projection = self._projection(device)
         s_rows = s_logits.split([len(c.ids) for c in completions])
@@ -223,61 +195,19 @@ class CrossTokenizerStep:
         distances = torch.cat([term.loss for term in terms]) if terms else s_logits.new_zeros(0)
         groups = int(distances.numel())
         loss = distances.mean() if groups else s_logits.sum() * 0.0
-        matched_part = unmatched_part = crossentropy = None
+        rows = float(batch["input_ids"].shape[0])
+        logs = {"cross_tokenizer/groups": Logged(float(groups), rows)}
         if groups and self.loss_settings.loss == "hybrid":
             matched_part = torch.cat([t.matched for t in terms if t.matched is not None]).detach().mean()
             unmatched_part = torch.cat([t.unmatched for t in terms if t.unmatched is not None]).detach().mean()
-        loss = distillation_weight * loss if distillation_weight != 1.0 else loss
-        if crossentropy_weight > 0:
+            logs["cross_tokenizer/matched"] = Logged(matched_part, float(groups))
+            logs["cross_tokenizer/unmatched"] = Logged(unmatched_part, float(groups))
+        if self.distillation_weight != 1.0:
+            loss = self.distillation_weight * loss
+        if self.crossentropy_weight > 0:
             targets = torch.tensor([i for c in completions for i in c.ids], dtype=torch.long, device=device)
             crossentropy = F.cross_entropy(s_logits, targets) if targets.numel() else s_logits.sum() * 0.0
-            loss = loss + crossentropy_weight * crossentropy
-            crossentropy = crossentropy.detach()
-        return CrossTokenizerResult(loss, groups, matched_part, unmatched_part, crossentropy, s_states, t_states)
-
-
-def cross_tokenizer_step(
-    student_tokenizer: PreTrainedTokenizerBase,
-    teacher_tokenizer: PreTrainedTokenizerBase | None,
-    settings: CrossTokenizerSettings,
-    student: nn.Module,
-    teachers: Mapping[str, nn.Module],
-    lean: bool,
-) -> CrossTokenizerStep | None:
-    """The step for the only teacher (``teachers[""]``), or None without a cross-tokenizer teacher."""
-    if teacher_tokenizer is None:
-        return None
-    return CrossTokenizerStep(
-        student_tokenizer, teacher_tokenizer, settings, student=student, teacher=teachers[""], lean=lean
-    )
-
-
-def cross_tokenizer_loss(module: Any, batch: Mapping[str, Any]) -> torch.Tensor:
-    """``GKDModule.distillation_loss`` on the cross-tokenizer path: the loss of ``batch``, logged as
-    ``<train|val>/cross_tokenizer/{groups,matched,unmatched,crossentropy}``; the group count is kept in
-    ``module.cross_tokenizer_groups`` for the step's normaliser."""
-    step: CrossTokenizerStep = module.cross_tokenizer
-    result = step(
-        module.student,
-        module.teacher_source,
-        batch,
-        distillation_weight=module.distillation_weight,
-        crossentropy_weight=module.crossentropy_weight,
-    )
-    module.nonfinite_guard.record(module.model_role, result.student_states)
-    module.nonfinite_guard.record("teacher", result.teacher_states)
-    module.cross_tokenizer_groups = result.groups
-    if module.training:
-        prefix, options = "train/", {}
-    else:
-        results = getattr(getattr(module, "_trainer", None), "_results", None)  # the validation loader's index
-        index = getattr(results, "dataloader_idx", None) or 0
-        prefix = module.val_prefix(index)
-        options = {"add_dataloader_idx": module.val_names() is None, "sync_dist": True}
-    size = int(batch["input_ids"].shape[0])
-    module.log(f"{prefix}cross_tokenizer/groups", float(result.groups), batch_size=size, **options)
-    parts = {"matched": result.matched, "unmatched": result.unmatched, "crossentropy": result.crossentropy}
-    for name, value in parts.items():
-        if value is not None:
-            module.log(f"{prefix}cross_tokenizer/{name}", value, batch_size=max(result.groups, 1), **options)
-    return result.loss
+            loss = loss + self.crossentropy_weight * crossentropy
+            logs["cross_tokenizer/crossentropy"] = Logged(crossentropy.detach(), float(max(groups, 1)))
+        finite = {"student": finite_flag(s_states), "teacher": finite_flag(t_states)}
+        return LossOutput(loss, torch.tensor(groups, device=device), logs, finite)

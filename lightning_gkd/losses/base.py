@@ -1,0 +1,123 @@
+"""The contract every distillation loss object keeps, and the one policy for reading a model's final hidden states.
+
+A loss object is built once (``lightning_gkd.losses.plan.build_distillation_loss``, from the run's teacher plan) and
+called per batch: ``loss(student, batch) -> LossOutput``. The batch holds ``input_ids``, ``attention_mask`` and
+``labels`` ``(B, L)`` (left-padded, labels -100 off the completions), plus whatever its teacher needs (a routing
+column, the rows' prompt messages, the sampler's log-probs). The loss holds its teacher signal; the method never
+asks which kind it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+import torch
+from torch import nn
+
+from lightning_gkd.ops.hf import LeanForwardUnsupported
+
+Reduce = Literal["mean", "sum", "max"]
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One value a loss reports: logged as ``<train|val>/<name>``, averaged over a run's batches weighted by
+    ``weight`` (``reduce="mean"``), summed, or the largest."""
+
+    value: torch.Tensor | float
+    weight: float = 1.0
+    reduce: Reduce = "mean"
+
+
+def finite_flag(values: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: whether every entry of ``values`` is finite (one fused reduction, no host sync)."""
+    return torch.isfinite(values.detach().sum(dtype=torch.float32))
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """One batch's loss.
+
+    ``loss``: 0-dim, the mean over ``count`` units (supervised tokens; aligned groups for the cross-tokenizer loss;
+    pairs for DPO). ``count``: how many units that is: the optimizer step's token-mean normaliser weighs each
+    micro-batch by it (``lightning_gkd.training.normalization``). ``logs``: further values, by name without the
+    stage prefix. ``finite``: role (``"student"``, ``"teacher"``) -> whether that model's outputs the loss read
+    were finite, for the non-finite guard's message (a path that never forms logits reports its hidden states)."""
+
+    loss: torch.Tensor
+    count: torch.Tensor
+    logs: Mapping[str, Logged] = field(default_factory=dict)
+    finite: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class DistillationLoss(Protocol):
+    """A distillation loss with its teacher signal inside: ``loss(student, batch) -> LossOutput``.
+
+    It may also have (the method calls each one when present): ``check_datamodule(datamodule)`` before fitting
+    (what the loss needs from the rows: a routing column, the prompt messages), and ``close()`` at teardown."""
+
+    def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput: ...
+
+
+def combine(parts: list[LossOutput]) -> LossOutput:
+    """Several losses over disjoint rows as one: the ``count``-weighted mean of their losses; logs merged by their
+    own reductions (``mean``: weighted by each part's ``weight``); ``finite`` flags and-ed per role."""
+    if not parts:
+        raise ValueError("combine: no parts (an empty batch).")
+    counts = [part.count.to(torch.float32) for part in parts]
+    total = torch.stack(counts).sum()
+    loss = torch.stack([part.loss * count for part, count in zip(parts, counts, strict=True)]).sum() / total.clamp(
+        min=1.0
+    )
+    logs: dict[str, Logged] = {}
+    for name in dict.fromkeys(name for part in parts for name in part.logs):
+        entries = [part.logs[name] for part in parts if name in part.logs]
+        reduce = entries[0].reduce
+        values = [torch.as_tensor(entry.value, dtype=torch.float32) for entry in entries]
+        weight = sum(entry.weight for entry in entries)
+        if reduce == "max":
+            logs[name] = Logged(torch.stack(values).max(), weight, "max")
+        elif reduce == "sum":
+            logs[name] = Logged(torch.stack(values).sum(), weight, "sum")
+        else:
+            weighted = torch.stack([value * entry.weight for value, entry in zip(values, entries, strict=True)]).sum()
+            logs[name] = Logged(weighted / max(weight, 1e-12), weight)
+    finite: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for role, flag in part.finite.items():
+            finite[role] = flag if role not in finite else finite[role] & flag
+    return LossOutput(loss, total.to(torch.long), logs, finite)
+
+
+class LeanPath:
+    """Whether losses read final hidden states and the model's head (``lean``: only the supervised positions are
+    projected to logits, a chunk at a time) or full ``(B, L, V)`` logits, and the one fallback policy for a model
+    whose head the lean path cannot describe (``LeanForwardUnsupported``, from ``ops.hf.hidden_states_and_head``):
+    a loss with a full-logits form warns once and uses full logits from then on (``enabled`` turns False); a loss
+    without one raises a ValueError naming the model and what to use instead."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def run(self, lean: Callable[[], _T], full: Callable[[], _T] | None, *, loss_name: str) -> _T:
+        """``lean()`` while enabled, else (or once it raises ``LeanForwardUnsupported``) ``full()``."""
+        if self.enabled or full is None:
+            try:
+                return lean()
+            except LeanForwardUnsupported as reason:
+                if full is None:
+                    raise ValueError(
+                        f"The {loss_name} loss reads each model's final hidden states and head, and {reason}; it has "
+                        "no full-logits path: use models whose heads the lean path describes (Llama, Qwen, Mistral, "
+                        "Gemma, ...; tests/test_ops_hf_heads.py), or a teacher whose loss has one (an in-process "
+                        "teacher without top_k)."
+                    ) from reason
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(f"lean_loss: {reason}; computing the {loss_name} loss from full logits instead.")
+                self.enabled = False
+        return full()

@@ -1,0 +1,215 @@
+r"""On-policy distillation as a policy gradient (OPD's training loss): on the student's own samples ``x_t`` the
+reward of each token is ``r_t = log p_T(x_t) − log p_S(x_t)``, its advantage the ``gamma``-discounted sum of the
+rewards from ``t`` to the row's end, and the loss the surrogate ``−mean_t(w_t · A_t · log p_S(x_t))`` with truncated
+importance weights ``w_t = min(p_S(x_t) / p_sampler(x_t), max_is_weight)`` (``ops.opd``). ``kl_coef > 0`` adds that
+many times the full-distribution generalized JSD (``beta``) on the same positions.
+
+Two teacher signals, chosen once when the loss is built: an in-process teacher's final hidden states and head
+(``DensePolicyGradient``: the sampled token's log-prob and, for ``kl_coef``, the whole distribution) or a sparse
+teacher's ``TopKSignal`` (``TopKPolicyGradient``: ``next_logprobs`` and its top-k with a tail bucket or
+renormalised). Both read the student's final hidden states once for the reward and the ``kl_coef`` term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag
+from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.hf import EosTokenId, LogitHead, hidden_states_and_head
+from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.opd import OPDStats, policy_gradient_distillation_loss
+from lightning_gkd.ops.sparse_kd import topk_distillation_loss
+from lightning_gkd.ops.topk import topk_log_probs
+from lightning_gkd.teachers.base import SparseTeacher, Teacher, next_tokens, supervised_positions
+
+
+def eos_rate(labels: torch.Tensor, eos_token_id: EosTokenId) -> torch.Tensor | None:
+    """The fraction of rows of a sampled batch (``labels`` ``(B, L)``) whose last supervised token is an EOS, i.e.
+    whose sample ended within ``max_new_tokens`` (None without an EOS id or a supervised token)."""
+    if eos_token_id is None:
+        return None
+    supervised = labels != IGNORE_INDEX
+    sampled = supervised.any(dim=1)
+    if not sampled.any():
+        return None
+    columns = torch.arange(labels.shape[1], device=labels.device)
+    last = labels.gather(1, (supervised * columns).argmax(dim=1, keepdim=True)).squeeze(1)
+    eos = torch.as_tensor(eos_token_id, device=labels.device).reshape(-1)
+    return (torch.isin(last, eos) & sampled).float().sum() / sampled.sum()
+
+
+class PolicyGradientDistillation:
+    """The OPD loss (module docstring) on a batch of the student's samples, logging ``opd/reward``, ``opd/kl``
+    (``−reward``, the sampled estimate of KL(S‖T)), ``opd/is_weight_mean``, ``opd/is_weight_max``,
+    ``opd/is_truncated_fraction``, ``opd/eos_rate`` and, with ``kl_coef > 0``, ``opd/divergence``. A subclass reads
+    its teacher signal (``teacher_terms``).
+
+    ``importance_weights``: weight by ``p_S / p_sampler`` from the batch's ``sampled_logprobs`` (every shipped
+    sampler writes them); False, or a batch without them, uses ``w = 1``. ``eos_token_id``: the student's EOS
+    id(s), for ``opd/eos_rate``."""
+
+    def __init__(
+        self,
+        *,
+        gamma: float = 0.0,
+        max_is_weight: float = 2.0,
+        kl_coef: float = 0.0,
+        importance_weights: bool = True,
+        beta: float = 1.0,
+        temperature: float = 1.0,
+        chunk_size: int = 64,
+        eos_token_id: EosTokenId = None,
+    ) -> None:
+        self.gamma, self.max_is_weight, self.kl_coef = gamma, max_is_weight, kl_coef
+        self.importance_weights = importance_weights
+        self.beta, self.temperature, self.chunk_size = beta, temperature, chunk_size
+        self.eos_token_id = eos_token_id
+        self.lean = LeanPath()
+
+    def teacher_terms(
+        self,
+        batch: Mapping[str, Any],
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        head: LogitHead,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``(N,)`` the teacher's log-prob of each sampled token, the ``kl_coef`` term (None when ``kl_coef`` is
+        0) and the teacher's finite flags."""
+        raise NotImplementedError
+
+    def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
+        ids = batch["input_ids"]
+        positions = supervised_positions(batch["labels"])
+
+        def lean() -> LossOutput:
+            hidden, head = hidden_states_and_head(student, ids, batch["attention_mask"], positions)
+            tokens = next_tokens(ids, positions)
+            teacher_logprobs, divergence, finite = self.teacher_terms(batch, positions, tokens, hidden, head)
+            rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[positions]
+            loss, stats = policy_gradient_distillation_loss(
+                hidden,
+                head,
+                tokens,
+                teacher_logprobs,
+                rows=rows,
+                sampler_logprobs=self.sampler_logprobs(batch, positions),
+                gamma=self.gamma,
+                max_weight=self.max_is_weight,
+                chunk_size=self.chunk_size,
+            )
+            if divergence is not None:
+                loss = loss + self.kl_coef * divergence
+            count = positions.sum()
+            logs = self.logs(stats, divergence, batch["labels"], float(count))
+            return LossOutput(loss, count, logs, {"student": finite_flag(hidden), **finite})
+
+        return self.lean.run(lean, None, loss_name="OPD")
+
+    def sampler_logprobs(self, batch: Mapping[str, Any], positions: torch.Tensor) -> torch.Tensor | None:
+        """``(N,)`` the log-prob each token following a True position was sampled with (None: no weights)."""
+        logprobs = batch.get("sampled_logprobs")
+        if logprobs is None or not self.importance_weights:
+            return None
+        if logprobs.shape != batch["input_ids"].shape:
+            raise ValueError(
+                f"sampled_logprobs {tuple(logprobs.shape)} must match input_ids {tuple(batch['input_ids'].shape)}: "
+                "the log-prob of each token at its own column (lightning_gkd.ops.sampling.completion_batch)."
+            )
+        return next_tokens(logprobs, positions)  # each position's next column, as for the tokens themselves
+
+    def logs(
+        self, stats: OPDStats, divergence: torch.Tensor | None, labels: torch.Tensor, tokens: float
+    ) -> dict[str, Logged]:
+        if not tokens:
+            return {}
+        logs = {
+            "opd/reward": Logged(stats.mean_reward, tokens),
+            "opd/kl": Logged(-stats.mean_reward, tokens),
+            "opd/is_weight_mean": Logged(stats.mean_weight, tokens),
+            "opd/is_weight_max": Logged(stats.max_weight, tokens, "max"),
+            "opd/is_truncated_fraction": Logged(stats.truncated_fraction, tokens),
+        }
+        if divergence is not None:
+            logs["opd/divergence"] = Logged(divergence.detach(), tokens)
+        rate = eos_rate(labels, self.eos_token_id)
+        if rate is not None:  # a share of the sampled rows
+            logs["opd/eos_rate"] = Logged(rate, float((labels != IGNORE_INDEX).any(dim=1).sum()))
+        return logs
+
+
+class DensePolicyGradient(PolicyGradientDistillation):
+    """OPD against an in-process teacher: the sampled token's log-prob from the teacher's final hidden states and
+    head (no full logits), and for ``kl_coef`` the generalized JSD over its whole distribution."""
+
+    def __init__(self, teacher: Teacher, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.teacher = teacher
+
+    def teacher_terms(
+        self,
+        batch: Mapping[str, Any],
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        head: LogitHead,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        teacher_hidden, teacher_head = self.teacher.hidden_states(batch, positions)
+        _, _, following = topk_log_probs(
+            teacher_hidden, teacher_head, 1, next_tokens=tokens, chunk_size=self.chunk_size
+        )
+        assert following is not None  # next_tokens were given
+        divergence = None
+        if self.kl_coef > 0:
+            divergence = projected_jsd_loss(
+                hidden,
+                head,
+                teacher_hidden,
+                teacher_head,
+                beta=self.beta,
+                temperature=self.temperature,
+                chunk_size=self.chunk_size,
+            )
+        return following, divergence, {"teacher": finite_flag(teacher_hidden)}
+
+
+class TopKPolicyGradient(PolicyGradientDistillation):
+    """OPD against a sparse teacher (a server; a local one with ``top_k``): the reward from
+    ``TopKSignal.next_logprobs``, the ``kl_coef`` term over the top-k with a tail bucket (``tail=True``) or
+    renormalised."""
+
+    def __init__(self, teacher: SparseTeacher, *, tail: bool = True, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.teacher, self.tail = teacher, tail
+
+    def teacher_terms(
+        self,
+        batch: Mapping[str, Any],
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        head: LogitHead,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        signal = self.teacher.topk(batch, positions).to(hidden.device)
+        if signal.next_logprobs is None:
+            raise ValueError(
+                f"OPD's reward is the teacher's log-prob of each sampled token, which {type(self.teacher).__name__} "
+                "did not return (TopKSignal.next_logprobs is None): use teacher=local or teacher=server."
+            )
+        divergence = None
+        if self.kl_coef > 0:
+            divergence = topk_distillation_loss(
+                hidden,
+                head,
+                signal.ids,
+                signal.logprobs,
+                beta=self.beta,
+                tail=self.tail,
+                chunk_size=self.chunk_size,
+            )
+        return signal.next_logprobs, divergence, {}

@@ -1,0 +1,81 @@
+"""Losses against a sparse teacher signal (``TopKSignal``: an offline cache, a vLLM server, an in-process teacher's
+top-k): the generalized JSD over the teacher's top-k (with a tail bucket, or renormalised), and the sampled-token
+reverse-KL estimators k1/k3."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from lightning_gkd.losses.base import LeanPath, LossOutput, finite_flag
+from lightning_gkd.ops.hf import hidden_states_and_head
+from lightning_gkd.ops.sparse_kd import sampled_kl_loss, topk_distillation_loss
+from lightning_gkd.teachers.base import SparseTeacher, next_tokens, supervised_positions
+
+
+class TopKDistillation:
+    """The generalized JSD (``beta``) between the teacher's top-k log-probs and the student at every supervised
+    position: over the k tokens plus one bucket for the rest of the vocabulary (``tail=True``: the exact divergence
+    of those coarse distributions, the full one at k = V), or both renormalised over the k (``tail=False``). From
+    the student's final hidden states, ``chunk_size`` positions at a time (``ops.sparse_kd``); no full-logits path."""
+
+    def __init__(self, teacher: SparseTeacher, *, beta: float = 0.5, tail: bool = True, chunk_size: int = 64) -> None:
+        self.teacher = teacher
+        self.beta, self.tail, self.chunk_size = beta, tail, chunk_size
+        self.lean = LeanPath()
+
+    def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
+        positions = supervised_positions(batch["labels"])
+
+        def lean() -> LossOutput:
+            hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], positions)
+            signal = self.teacher.topk(batch, positions).to(hidden.device)
+            loss = topk_distillation_loss(
+                hidden,
+                head,
+                signal.ids,
+                signal.logprobs,
+                beta=self.beta,
+                tail=self.tail,
+                chunk_size=self.chunk_size,
+            )
+            return LossOutput(loss, positions.sum(), finite={"student": finite_flag(hidden)})
+
+        return self.lean.run(lean, None, loss_name="top-k")
+
+
+class SampledDistillation:
+    """A sampled-token estimate of the reverse KL(S‖T) on the student's own samples (``estimator``: ``k1``
+    unbiased, ``k3`` non-negative and lower-variance; ``ops.sparse_kd.sampled_kl_loss``), from the teacher's
+    log-prob of each sampled token (``TopKSignal.next_logprobs``)."""
+
+    def __init__(self, teacher: SparseTeacher, *, estimator: str = "k3", chunk_size: int = 64) -> None:
+        self.teacher = teacher
+        self.estimator, self.chunk_size = estimator, chunk_size
+        self.lean = LeanPath()
+
+    def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
+        ids = batch["input_ids"]
+        positions = supervised_positions(batch["labels"])
+
+        def lean() -> LossOutput:
+            hidden, head = hidden_states_and_head(student, ids, batch["attention_mask"], positions)
+            signal = self.teacher.topk(batch, positions).to(hidden.device)
+            if signal.next_logprobs is None:
+                raise ValueError(
+                    f"sparse_loss={self.estimator} needs the teacher's log-prob of each sampled token, which "
+                    f"{type(self.teacher).__name__} did not return; use sparse_loss=topk."
+                )
+            loss = sampled_kl_loss(
+                hidden,
+                head,
+                next_tokens(ids, positions),
+                signal.next_logprobs,
+                estimator=self.estimator,
+                chunk_size=self.chunk_size,
+            )
+            return LossOutput(loss, positions.sum(), finite={"student": finite_flag(hidden)})
+
+        return self.lean.run(lean, None, loss_name=f"sampled {self.estimator}")

@@ -1,0 +1,273 @@
+"""The on-policy base GKD and OPD share: a trainable student, the teachers of a teacher plan, a sampling engine and
+its lifecycle, the λ coin (student samples, teacher samples, or the dataset completions) and grouped generation. A
+method on it supplies its loss objects: ``training_loss`` for what a step trains on, ``completion_loss`` for
+validation's dataset completions."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, cast
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from transformers import PreTrainedTokenizerBase
+
+from lightning_gkd.data.loader import GenerationGroup, group_slot, shuffled_micro_batches
+from lightning_gkd.losses.base import DistillationLoss, LossOutput
+from lightning_gkd.methods.base import CausalLMModule
+from lightning_gkd.models.loading import ModelSource
+from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.sampling import validate_sampling_args
+from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler_available
+from lightning_gkd.teachers import LocalTeacher
+from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
+from lightning_gkd.training.sampler_shutdown import SamplerShutdown
+from lightning_gkd.training.teacher_outage import TeacherOutage
+
+Source = Literal["dataset", "student", "teacher"]  # where a batch's completions come from
+# salts that keep the coin flip's, the sampler's and the group shuffle's random streams apart
+_COIN, _SAMPLE, _SHUFFLE = 0, 1, 2
+
+
+def check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}.")
+
+
+class OnPolicyModule(CausalLMModule):
+    """A student trained on completions that come, per step, from the student itself (with probability ``lmbda``),
+    the teacher (``seq_kd``) or the dataset, against the teachers of ``teachers`` (a ``TeacherPlan``).
+
+    The coin flip and the sampler's seed are functions of (``seed``, global step, batch index), so every rank flips
+    the same coin and a resumed run repeats them. Sampling uses ``temperature``, ``top_k``, ``top_p`` and at most
+    ``max_new_tokens`` new tokens, always with the KV cache, through ``sampler`` (our KV-cache decoder unless one is
+    given; a factory, Hydra ``sampler=hf|vllm``, is called with the tokenizer and those options); a served teacher's
+    samples come from its server.
+
+    Grouped generation (``ChatDataModule(steps_per_generation=k)``): the coin is flipped once per group of ``k``
+    micro-batches; when it says sample, one sampling call covers the group's ``k * batch_size`` prompts, the result
+    is shuffled (seeded like the sampler) and cut into ``k`` micro-batches, one training step each. The pending
+    micro-batches are saved in checkpoints, so a run resumed in the middle of a group trains on the same samples.
+
+    A subclass sets ``self.loss`` (its training loss object) after calling ``__init__`` and defines
+    ``training_loss`` and ``completion_loss``; ``loss_objects`` lists every loss object it calls (their
+    ``check_datamodule`` and ``close`` run with the fit)."""
+
+    frozen_names = ("teacher",)
+    model_role = "student"
+    loss: DistillationLoss
+
+    def __init__(
+        self,
+        student: ModelSource,
+        teachers: TeacherPlan,
+        tokenizer: PreTrainedTokenizerBase | str,
+        *,
+        lmbda: float,
+        seq_kd: bool,
+        temperature: float,
+        max_new_tokens: int,
+        top_k: int,
+        top_p: float,
+        sampler: Sampler | SamplerFactory | None,
+        same_vocab: bool = True,
+        trust_remote_code: bool = False,
+        **common: Any,
+    ) -> None:
+        check_sampler_available(sampler)  # before any model loads
+        check_range("lmbda", lmbda, 0.0, 1.0)
+        validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
+        super().__init__(student, tokenizer, trust_remote_code=trust_remote_code, **common)
+        #: Where the losses read each teacher's signal (``lightning_gkd.teachers``), by name (``""``: the only one).
+        self.teacher_sources, models = build_teachers(
+            teachers,
+            lambda source, role: self.load_frozen(source, role=role, trust_remote_code=trust_remote_code),
+            self.student,
+            self.tokenizer,
+            same_vocab=same_vocab,
+        )
+        #: The in-process teacher model (an ``nn.ModuleDict`` by name under ``multi``; None without one).
+        self.teacher: torch.nn.Module | None = torch.nn.ModuleDict(models) if teachers.routed else models.get("")
+        if teachers.routed and any(role.startswith("teacher.") for role in self._frozen_dtype_open):
+            self._frozen_dtype_open.add("teacher")
+        #: The only teacher's source (None under ``multi``: see ``teacher_sources``).
+        self.teacher_source: Any = None if teachers.routed else self.teacher_sources[""]
+        sampling: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+        }
+        #: seq_kd with a served teacher: the server writes the teacher's completions (None: ``sampler`` does).
+        self.teacher_sampler: Sampler | None = None
+        if seq_kd and self.teacher is None:
+            from lightning_gkd.teachers.server import ServerSampler
+
+            self.teacher_sampler = ServerSampler(
+                cast(Any, self.teacher_source),
+                eos_token_id=resolve_eos_token_id(self.student, self.tokenizer),
+                pad_token_id=resolve_pad_token_id(self.tokenizer),
+                **sampling,
+            )
+        #: How completions are sampled (``lightning_gkd.samplers``).
+        self.sampler: Sampler = build_sampler(sampler or KVCacheSampler, self.tokenizer, **sampling)
+        self.lmbda, self.seq_kd = lmbda, seq_kd
+        self.temperature, self.max_new_tokens, self.top_k, self.top_p = temperature, max_new_tokens, top_k, top_p
+        self._batches = self._on_policy_batches = 0
+        self._group: GenerationGroup | None = None
+        self.sampling_calls = 0  # sampling calls in this process's current fit
+
+    @property
+    def student(self) -> torch.nn.Module:
+        """The trainable model (``self.model``)."""
+        return self.model
+
+    # -- the method's losses ----------------------------------------------------------------------------------------
+    def training_loss(self, batch: dict[str, Any]) -> LossOutput:
+        """The loss a training step takes on ``batch`` (dataset completions or samples)."""
+        raise NotImplementedError
+
+    def loss_objects(self) -> list[Any]:
+        """Every loss object the method calls (``check_datamodule`` and ``close`` run on those that have them)."""
+        return [self.loss]
+
+    def completion_requirement(self) -> str | None:
+        if self.lmbda >= 1 or self.seq_kd:
+            return None
+        return (
+            f"{type(self).__name__}(lmbda={self.lmbda}, seq_kd=False) trains on the dataset completions in about "
+            f"{1 - self.lmbda:.0%} of the steps. End every training row with an assistant message, or train "
+            "without dataset completions: lmbda=1.0 (student samples only; Hydra: method.lmbda=1.0) or "
+            "seq_kd=True (teacher samples; method.seq_kd=true)."
+        )
+
+    # -- the sampling engine's lifecycle (a serving engine such as VLLMSampler; KVCacheSampler has none) ---------
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        start = getattr(self.sampler, "start", None)
+        if callable(start):  # the engines' length, before callbacks (held-out evaluation) first use them
+            max_length = getattr(getattr(self._trainer, "datamodule", None), "max_length", None)
+            start(
+                {},
+                max_model_len=max_length + max(self.max_new_tokens, self.eval_max_new_tokens) if max_length else None,
+            )
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        start = getattr(self.sampler, "start", None)
+        if callable(start):  # engines start from the weights as fitting starts (after a checkpoint restore)
+            start({"student": self.student, **({"teacher": self.teacher} if self.seq_kd and self.teacher else {})})
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._batches = self._on_policy_batches = self.sampling_calls = 0
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        super().on_before_optimizer_step(optimizer)
+        weights_updated = getattr(self.sampler, "weights_updated", None)
+        if callable(weights_updated):  # the step about to run changes the student: its engine re-syncs when due
+            weights_updated()
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # an interrupted fit calls no module hook: this callback stops the engines then (SIGTERM, errors)
+        callbacks: list[L.Callback] = [SamplerShutdown()] if callable(getattr(self.sampler, "close", None)) else []
+        if any(not isinstance(source, LocalTeacher) for source in self.teacher_sources.values()):
+            callbacks.append(TeacherOutage())  # a teacher server that stays down: checkpoint, resume hint
+        return callbacks
+
+    def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
+        super().check_datamodule(datamodule)
+        for part in (*self.loss_objects(), *self.teacher_sources.values()):
+            check = getattr(part, "check_datamodule", None)
+            if callable(check):  # a routing column, prompt messages; a cache made from these rows
+                check(datamodule)
+
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)
+        engines = (self.sampler, self.teacher_sampler, *self.teacher_sources.values(), *self.loss_objects())
+        for engine in {id(engine): engine for engine in engines}.values():
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
+
+    # -- where a step's completions come from ----------------------------------------------------------------------
+    def choose_source(self, batch_idx: int) -> Source:
+        """The λ coin flip: "student" (on-policy) with probability lmbda, else "teacher" if seq_kd, else "dataset"."""
+        coin = torch.Generator().manual_seed(self.step_seed(batch_idx, _COIN))
+        if torch.rand((), generator=coin).item() < self.lmbda:
+            return "student"
+        return "teacher" if self.seq_kd else "dataset"
+
+    def sample_batch(self, model: torch.nn.Module | None, batch: dict[str, Any], seed: int) -> dict[str, Any]:
+        """Replace the batch completions by ``model``'s samples for its prompts (through ``self.sampler``, or the
+        teacher server's sampler for a served teacher's samples)."""
+        self.sampling_calls += 1
+        sampler = self.teacher_sampler if model is self.teacher and self.teacher_sampler is not None else self.sampler
+        # a server's sampler ignores the model (its weights are the served teacher's)
+        sampled = sampler.sample(
+            cast(torch.nn.Module, model), batch["prompts"], batch["prompt_attention_mask"], seed=seed
+        )
+        return {**batch, **sampled}
+
+    def _sampler_model(self, source: Source) -> torch.nn.Module | None:
+        return self.student if source == "student" else self.teacher
+
+    def training_batch(self, batch: dict[str, Any], batch_idx: int) -> tuple[Source, dict[str, Any]]:
+        """The batch this step trains on and where its completions come from.
+
+        A plain batch is its own group. A grouped micro-batch (``lightning_gkd.data.loader.group_slot``) uses its
+        group's plan, made at the group's first micro-batch: the dataset micro-batch itself, or its share of the
+        group's shuffled samples."""
+        slot = group_slot(batch)
+        if slot is None:
+            source = self.choose_source(batch_idx)
+            if source != "dataset":
+                batch = self.sample_batch(
+                    self._sampler_model(source), batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
+                )
+            return source, batch
+        if self._group is None or self._group.group_id != slot.group_id:
+            self._group = self.plan_group(slot.group, slot.group_id, slot.micro_batch_size, batch_idx)
+        if self._group.source == "dataset":
+            return "dataset", batch
+        return cast(Source, self._group.source), move_data_to_device(self._group.micro_batches[slot.step], self.device)
+
+    def plan_group(
+        self, group: dict[str, torch.Tensor], group_id: list[int], micro_batch_size: int, batch_idx: int
+    ) -> GenerationGroup:
+        """Flip the group's coin; if it says sample, sample the whole group at once, shuffle and cut it."""
+        source = self.choose_source(batch_idx)
+        if source == "dataset":
+            return GenerationGroup(group_id, source)
+        sampled = self.sample_batch(
+            self._sampler_model(source), group, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
+        )
+        seed = self.step_seed(batch_idx, _SHUFFLE, self.global_rank)
+        return GenerationGroup(group_id, source, shuffled_micro_batches(sampled, micro_batch_size, seed))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._group is not None:  # a resumed run continues the group with the same samples
+            checkpoint["generation_group"] = self._group.state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        plan = checkpoint.get("generation_group")
+        self._group = GenerationGroup(**plan) if plan is not None else None
+
+    # -- the step -------------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
+        source, batch = self.training_batch(batch, batch_idx)
+        step_loss = self.finish_training_step(self.training_loss(batch), batch)
+        if step_loss is None:
+            return None
+        self._batches += 1
+        self._on_policy_batches += source == "student"
+        size = batch["input_ids"].shape[0]
+        completion_tokens = (batch["labels"] != IGNORE_INDEX).sum(dim=1).float()
+        self.log("train/on_policy", float(source == "student"), batch_size=size)
+        # the share of on-policy batches so far in this fit (train/on_policy is this batch's 0 or 1)
+        self.log("train/on_policy_fraction", self._on_policy_batches / self._batches, prog_bar=True, batch_size=size)
+        self.log("train/completion_length", completion_tokens.mean(), batch_size=size)
+        return step_loss
