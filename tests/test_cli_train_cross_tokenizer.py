@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from lightning_gkd.cli.train import build, run
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer
 from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.losses.cross_tokenizer import CrossTokenizerDistillation
 from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
 
 FAST = [
@@ -108,10 +109,9 @@ def test_the_model_specs_tokenizer_key_names_the_teachers_tokenizer(tmp_path, bp
         f"+model.teacher.tokenizer={bpe_folders}/tokenizer",
     ]
     module = build(compose_train(tmp_path, [*FAST, *overrides])).module
-    assert module.cross_tokenizer is not None and module.teacher.config.vocab_size == len(
-        module.cross_tokenizer.teacher_tokenizer
-    )
-    assert module.cross_tokenizer.max_length == 64 + 6  # data.max_length + method.max_new_tokens
+    assert isinstance(module.loss, CrossTokenizerDistillation)
+    assert module.teacher.config.vocab_size == len(module.loss.teacher_tokenizer)
+    assert module.loss.max_length == 64 + 6  # data.max_length + method.max_new_tokens
 
 
 @pytest.mark.parametrize(

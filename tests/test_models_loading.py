@@ -2,8 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_gkd import models
-from lightning_gkd.models.loading import check_same_vocab, freeze, load_causal_lm
+from lightning_gkd.models.loading import check_same_vocab, freeze, load_causal_lm, resolve_dtype
 from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
 
 
@@ -59,7 +58,7 @@ def test_missing_folder_and_bad_spec_are_clear(tmp_path):
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['path'\]"):
         load_causal_lm({"path": "x"})
     with pytest.raises(ValueError, match="Unknown dtype 'float17'"):
-        models.resolve_dtype("float17")
+        resolve_dtype("float17")
 
 
 def test_freeze_makes_a_fixed_function(tokenizer):

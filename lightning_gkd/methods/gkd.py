@@ -10,14 +10,14 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import GenerationMetric
-from lightning_gkd.losses.base import DistillationLoss, LeanPath, LossOutput
+from lightning_gkd.losses.base import DistillationLoss, LossOutput
 from lightning_gkd.losses.cross_tokenizer import CrossTokenizerDistillation
 from lightning_gkd.losses.cross_tokenizer_plan import (
     cross_tokenizer_settings,
     plan_cross_tokenizer,
     unread_cross_tokenizer_settings,
 )
-from lightning_gkd.losses.plan import SparseLoss, check_teacher_settings, divergence_loss, refuse_unread_settings
+from lightning_gkd.losses.plan import SparseLoss, check_teacher_settings, refuse_unread_settings
 from lightning_gkd.methods.base import NonFinitePolicy, OptimizerFactory, SchedulerFactory
 from lightning_gkd.methods.on_policy import OnPolicyModule, check_range
 from lightning_gkd.models.loading import ModelSource
@@ -110,8 +110,6 @@ class GKDModule(OnPolicyModule):
         check_teacher_settings(
             plan, lmbda=lmbda, beta=beta, seq_kd=seq_kd, loss_temperature=loss_temperature, sparse_loss=sparse_loss
         )
-        if loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
         check_range("beta", beta, 0.0, 1.0)
         if not loss_temperature > 0:
             raise ValueError(f"loss_temperature must be > 0, got {loss_temperature}.")
@@ -138,6 +136,8 @@ class GKDModule(OnPolicyModule):
             top_k=top_k,
             top_p=top_p,
             sampler=sampler,
+            lean_loss=lean_loss,
+            loss_chunk_size=loss_chunk_size,
             same_vocab=teacher_tok is None,
             trust_remote_code=trust_remote_code,
             optimizer=optimizer,
@@ -152,8 +152,6 @@ class GKDModule(OnPolicyModule):
             frozen_dtype=frozen_dtype,
         )
         self.beta, self.loss_temperature, self.sparse_loss = beta, loss_temperature, sparse_loss
-        #: Hidden states or full logits for the in-process teachers' losses (``LeanPath``: the fallback policy).
-        self.lean_path = LeanPath(lean_loss)
         #: The loss object ``distillation_loss`` calls (``lightning_gkd.losses``), chosen once here.
         self.loss: DistillationLoss
         if loss is not None:
@@ -171,15 +169,7 @@ class GKDModule(OnPolicyModule):
                 lean=self.lean_path,
             )
         else:
-            self.loss = divergence_loss(
-                self.teacher_sources,
-                plan.column,
-                beta=beta,
-                temperature=loss_temperature,
-                sparse_loss=sparse_loss,
-                chunk_size=loss_chunk_size,
-                lean=self.lean_path,
-            )
+            self.loss = self.divergence_loss(beta=beta, temperature=loss_temperature, sparse_loss=sparse_loss)
         cross_tokenizer = cross.as_dict()  # saved as used (nulls resolved), plain values: weights-only checkpoints
         self.save_hyperparameters(ignore=_NOT_HYPERPARAMETERS.split())
 

@@ -13,7 +13,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.loader import GenerationGroup, group_slot, shuffled_micro_batches
-from lightning_gkd.losses.base import DistillationLoss, LossOutput
+from lightning_gkd.losses.base import DistillationLoss, LeanPath, LossOutput
+from lightning_gkd.losses.plan import divergence_loss
 from lightning_gkd.methods.base import CausalLMModule
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
@@ -71,12 +72,16 @@ class OnPolicyModule(CausalLMModule):
         top_k: int,
         top_p: float,
         sampler: Sampler | SamplerFactory | None,
+        lean_loss: bool = True,
+        loss_chunk_size: int = 64,
         same_vocab: bool = True,
         trust_remote_code: bool = False,
         **common: Any,
     ) -> None:
         check_sampler_available(sampler)  # before any model loads
         check_range("lmbda", lmbda, 0.0, 1.0)
+        if loss_chunk_size < 1:
+            raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
         validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
         super().__init__(student, tokenizer, trust_remote_code=trust_remote_code, **common)
         #: Where the losses read each teacher's signal (``lightning_gkd.teachers``), by name (``""``: the only one).
@@ -93,6 +98,10 @@ class OnPolicyModule(CausalLMModule):
             self._frozen_dtype_open.add("teacher")
         #: The only teacher's source (None under ``multi``: see ``teacher_sources``).
         self.teacher_source: Any = None if teachers.routed else self.teacher_sources[""]
+        self.teacher_column = teachers.column  # the rows' routing column under ``multi``
+        #: Hidden states or full logits for the in-process teachers' losses (``LeanPath``: the fallback policy).
+        self.lean_path = LeanPath(lean_loss)
+        self.loss_chunk_size = loss_chunk_size
         sampling: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "temperature": temperature,
@@ -124,6 +133,19 @@ class OnPolicyModule(CausalLMModule):
         return self.model
 
     # -- the method's losses ----------------------------------------------------------------------------------------
+    def divergence_loss(self, *, beta: float, temperature: float, sparse_loss: str) -> DistillationLoss:
+        """GKD's loss against this run's teachers (``losses.plan.divergence_loss``): the generalized JSD over each
+        in-process teacher's full distributions, ``sparse_loss`` over each sparse one's top-k."""
+        return divergence_loss(
+            self.teacher_sources,
+            self.teacher_column,
+            beta=beta,
+            temperature=temperature,
+            sparse_loss=sparse_loss,
+            chunk_size=self.loss_chunk_size,
+            lean=self.lean_path,
+        )
+
     def training_loss(self, batch: dict[str, Any]) -> LossOutput:
         """The loss a training step takes on ``batch`` (dataset completions or samples)."""
         raise NotImplementedError

@@ -10,13 +10,12 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import GenerationMetric
-from lightning_gkd.losses.base import DistillationLoss, LeanPath, LossOutput
+from lightning_gkd.losses.base import DistillationLoss, LossOutput
 from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings, plan_cross_tokenizer
 from lightning_gkd.losses.plan import (
     SparseLoss,
     check_sparse_loss,
     check_teacher_settings,
-    divergence_loss,
     policy_gradient_loss,
     refuse_unread_settings,
 )
@@ -119,8 +118,6 @@ class OPDModule(OnPolicyModule):
         check_range("beta", beta, 0.0, 1.0)
         if not loss_temperature > 0:
             raise ValueError(f"loss_temperature must be > 0, got {loss_temperature}.")
-        if loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
         check_sparse_loss(sparse_loss)
         if sparse_loss in ("k1", "k3"):
             raise ValueError(
@@ -153,6 +150,8 @@ class OPDModule(OnPolicyModule):
             top_k=top_k,
             top_p=top_p,
             sampler=sampler,
+            lean_loss=lean_loss,
+            loss_chunk_size=loss_chunk_size,
             trust_remote_code=trust_remote_code,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -169,7 +168,7 @@ class OPDModule(OnPolicyModule):
         #: The policy-gradient loss a training step takes (``lightning_gkd.losses.opd``).
         self.loss: DistillationLoss = policy_gradient_loss(
             self.teacher_sources,
-            plan.column,
+            self.teacher_column,
             sparse_loss=sparse_loss,
             gamma=gamma,
             max_is_weight=max_is_weight,
@@ -177,21 +176,11 @@ class OPDModule(OnPolicyModule):
             importance_weights=importance_weights,
             beta=beta,
             temperature=loss_temperature,
-            chunk_size=loss_chunk_size,
+            chunk_size=self.loss_chunk_size,
             eos_token_id=resolve_eos_token_id(self.student, self.tokenizer),
         )
-        #: Hidden states or full logits for the validation loss's in-process teachers (``LeanPath``).
-        self.lean_path = LeanPath(lean_loss)
         #: Validation's loss on the dataset completions: GKD's generalized JSD against the same teachers.
-        self.validation_loss: DistillationLoss = divergence_loss(
-            self.teacher_sources,
-            plan.column,
-            beta=beta,
-            temperature=loss_temperature,
-            sparse_loss=sparse_loss,
-            chunk_size=loss_chunk_size,
-            lean=self.lean_path,
-        )
+        self.validation_loss = self.divergence_loss(beta=beta, temperature=loss_temperature, sparse_loss=sparse_loss)
         self.save_hyperparameters(ignore=_NOT_HYPERPARAMETERS.split())
 
     def loss_objects(self) -> list[Any]:

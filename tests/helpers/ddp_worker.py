@@ -271,7 +271,7 @@ def cross_tokenizer(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_
         return None
     _, _, _, doubled_state = doubled_reference(tokenizer, rows, 2 * per_rank, steps, make=make)
     return {
-        "cross_path": module.cross_tokenizer is not None,
+        "cross_path": type(module.loss).__name__ == "CrossTokenizerDistillation",
         "weights_rank0_vs_rank1": max_abs_diff(finals[0], finals[1]),
         "weights_vs_doubled": max_abs_diff(final, doubled_state),
         "weights_changed": max_abs_diff(final, flat_state(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0))),
