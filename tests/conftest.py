@@ -10,6 +10,14 @@ from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A multi-process test is a slow one: ``multiprocess`` implies ``slow`` (pyproject's markers)."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_chatml_tokenizer()
