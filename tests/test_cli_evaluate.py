@@ -161,6 +161,7 @@ def test_a_run_folder_points_at_its_exported_student(trained, tmp_path, monkeypa
         run(compose_eval(tmp_path, [f"eval.model={tmp_path / 'plain.ckpt'}"]))
 
 
+@pytest.mark.slow
 def test_the_console_script_writes_to_outputs_eval(trained, tmp_path):
     result, _ = trained
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "lightning-gkd-eval"]

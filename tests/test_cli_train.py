@@ -102,6 +102,7 @@ def test_chat_files_data_from_the_command_line(tmp_path, toy_rows):
     assert "val/loss" not in result["metrics"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["module", "console_script"])
 def test_command_line_entry_points(tmp_path, launcher):
     if launcher == "module":
@@ -132,6 +133,7 @@ def test_command_line_entry_points(tmp_path, launcher):
     assert (tmp_path / "run" / "logs" / "metrics.csv").is_file()
 
 
+@pytest.mark.slow
 def test_the_console_script_imports_modules_from_the_folder_it_was_started_in(tmp_path):
     """A user's metric (or formatting_func, callback, any _target_) in the launch folder imports without
     PYTHONPATH=., as under ``python -m``."""

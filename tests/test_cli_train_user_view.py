@@ -157,6 +157,7 @@ SILENCED = (
 )
 
 
+@pytest.mark.slow
 def test_a_run_on_a_log_file_prints_no_expected_noise(tmp_path):
     rows = addition_rows("train", 8)
     data = tmp_path / "train.jsonl"
