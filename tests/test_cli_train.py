@@ -62,6 +62,15 @@ def test_the_readme_teacher_overrides_compose_into_specs(tmp_path):
     assert compose_train(tmp_path, []).method.teacher.model.name_or_path == cfg.model.teacher.name_or_path
 
 
+def test_fsdp_trainer_config_composes(tmp_path):
+    """trainer=fsdp (its runs: tests/test_models_sharding.py, multi-process)."""
+    cfg = compose_train(tmp_path, ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"])
+    strategy = cfg.trainer.strategy
+    assert strategy._target_ == "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert strategy.data_parallel_size == 2 and strategy.tensor_parallel_size == 1
+    assert strategy.save_distributed_checkpoint is False and cfg.trainer.gradient_clip_val == 1.0
+
+
 def test_composed_run_with_overrides(tmp_path):
     cfg = compose_train(
         tmp_path,
