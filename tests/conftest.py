@@ -1,13 +1,39 @@
-"""Shared fixtures: the project's tokenizer and tiny Qwen2 models built from a config in well under a second."""
+"""Shared fixtures: the project's tokenizer, tiny Qwen2 models built from a config in well under a second, and one
+fitted run of the default toy job for the tests that only read what a run printed and wrote."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+from helpers.hydra_compose import compose_train
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+
+# One intra-op thread for the tests run in this process, unless OMP_NUM_THREADS says otherwise (as the DDP, FSDP and
+# cache workers and several test modules already do): while other processes hold the cores (a shared machine, the
+# slow tier's subprocesses), two threads that wait for each other on every tiny op made the tests ~9x slower (2 busy
+# cores: test_methods_dpo.py, test_ops_losses.py and test_data_loader.py, 327 tests, took 9.5 s with one thread and
+# 89 s with two).
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A multi-process test is a slow one: ``multiprocess`` implies ``slow`` (pyproject's markers)."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +60,39 @@ def toy_rows() -> dict[str, list[dict]]:
 def hub_reachable(monkeypatch):
     """For tests that fake ``from_pretrained`` with a hub id: the hub counts as reachable (no network is used)."""
     monkeypatch.setattr("lightning_gkd.models.loading.hub_reachable", lambda timeout=3.0: True)
+
+
+@dataclass(frozen=True)
+class FittedRun:
+    result: dict[str, Any]  # what lightning_gkd.cli.train.run returned
+    run_dir: Path  # the run folder: logs/, tensorboard/, checkpoints/, student/, samples.jsonl
+    stdout: str  # everything the run printed
+
+
+#: `lightning-gkd experiment=debug` of the default toy job (4 steps, validation at steps 2 and 4) with CSV and
+#: TensorBoard logs, 8 validation and 32 test rows
+DEBUG_RUN = [
+    "experiment=debug",
+    "print_config=false",
+    "logger=[csv,tensorboard]",
+    "+data.val_data.num_rows=8",
+    "+data.test_data.num_rows=32",
+]
+
+
+@pytest.fixture(scope="session")
+def _debug_run_once(tmp_path_factory) -> FittedRun:
+    from lightning_gkd.cli.train import run
+
+    tmp = tmp_path_factory.mktemp("debug_run")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = run(compose_train(tmp, DEBUG_RUN))
+    return FittedRun(result, tmp / "run", printed.getvalue())
+
+
+@pytest.fixture()
+def debug_run(_debug_run_once) -> FittedRun:
+    """The session's one fit of DEBUG_RUN (its result a copy per test). Its folder is shared: read it, never write
+    into it (copy what a test changes into its own tmp_path)."""
+    return FittedRun(copy.deepcopy(_debug_run_once.result), _debug_run_once.run_dir, _debug_run_once.stdout)

@@ -143,6 +143,7 @@ COMMON = [
 ]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_command_line_run_saves_exits_0_and_resumes(tmp_path):
     """The real thing: `python -m lightning_gkd.cli.train` in a subprocess, SIGTERM once it has trained a few steps."""
     common = COMMON
@@ -204,6 +205,7 @@ def _default_sigint() -> None:  # a child of a shell script or CI runner may inh
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_command_line_saves_exits_130_and_ckpt_path_last_finishes(tmp_path):
     """A real `python -m lightning_gkd.cli.train`, Ctrl-C (SIGINT) once it has trained a few steps, then
     `ckpt_path=last` from a new launch: the run ends at max_steps in its own folder, every step trained once."""
@@ -271,6 +273,7 @@ class SlowStep(L.Callback):
 """
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_on_the_command_line_aborts_without_waiting_for_the_step(tmp_path):
     (tmp_path / "slow_step.py").write_text(SLOW_STEP)  # a module in the launch folder: importable by the run
     run_dir, log = tmp_path / "run", tmp_path / "run.log"

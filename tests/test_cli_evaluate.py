@@ -14,22 +14,10 @@ import torch
 from helpers.hydra_compose import compose_train
 
 from lightning_gkd.cli.evaluate import run
-from lightning_gkd.cli.train import run as train
 from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.training.checkpoint_io import CheckpointError
 
-ROWS = ["+data.val_data.num_rows=8", "+data.test_data.num_rows=32"]
-FAST = [
-    "trainer.max_steps=2",
-    "trainer.val_check_interval=2",
-    "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "data.batch_size=4",
-    "method.max_new_tokens=4",
-    "print_config=false",
-    "callbacks.sample_table=null",
-    "~logger",
-]
+ROWS = ["+data.val_data.num_rows=8", "+data.test_data.num_rows=32"]  # the rows of conftest.DEBUG_RUN
 
 
 def compose_eval(tmp_path: Path, overrides: list[str]):
@@ -37,12 +25,11 @@ def compose_eval(tmp_path: Path, overrides: list[str]):
     return compose_train(tmp_path, overrides, config="evaluate", run_dir="eval")
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A 2-step GKD run of the default toy job: its result (held-out scores, exported student) and run folder."""
-    tmp = tmp_path_factory.mktemp("trained")
-    result = train(compose_train(tmp, [*FAST, *ROWS]))
-    return result, tmp / "run"
+@pytest.fixture()
+def trained(debug_run):
+    """A 4-step GKD run of the default toy job (conftest.debug_run): its result (held-out scores, exported student)
+    and run folder."""
+    return debug_run.result, debug_run.run_dir
 
 
 def test_the_exported_student_scores_what_the_run_printed_for_student_after(trained, tmp_path):
@@ -161,6 +148,7 @@ def test_a_run_folder_points_at_its_exported_student(trained, tmp_path, monkeypa
         run(compose_eval(tmp_path, [f"eval.model={tmp_path / 'plain.ckpt'}"]))
 
 
+@pytest.mark.slow
 def test_the_console_script_writes_to_outputs_eval(trained, tmp_path):
     result, _ = trained
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "lightning-gkd-eval"]

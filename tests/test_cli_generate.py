@@ -142,6 +142,7 @@ def test_a_tokenizer_without_chat_template_needs_one(tmp_path, monkeypatch, caps
     assert out.getvalue() == "234\n"
 
 
+@pytest.mark.slow
 def test_the_console_script_reads_stdin():
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "lightning-gkd-generate"]
     assert script.value == "lightning_gkd.cli.generate:main"

@@ -30,6 +30,7 @@ def test_csv_and_tensorboard_together(tmp_path):
     assert [e.value for e in events.Scalars("train/lr")] == pytest.approx(csv_lr)
 
 
+@pytest.mark.slow
 def test_wandb_offline(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")  # WandbLogger(offline=True) sets it too; restored after the test

@@ -112,6 +112,7 @@ def _env() -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith(drop)}, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_a_real_sweep_names_its_jobs_and_prints_the_summary(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "lightning_gkd.cli.train", "-m", "method.beta=0,1", *FAST, "paths.cache_dir=cache"],
@@ -136,6 +137,7 @@ def test_a_real_sweep_names_its_jobs_and_prints_the_summary(tmp_path):
     assert json.loads((sweep / "0_method.beta=0" / "result.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.slow
 def test_a_sweep_over_paths_with_slashes_whose_jobs_fail(tmp_path):
     """Values with slashes stay one folder each, and failed jobs are rows of the summary (Hydra then re-raises the
     first job's error, so the sweep's exit status is 1)."""

@@ -62,6 +62,15 @@ def test_the_readme_teacher_overrides_compose_into_specs(tmp_path):
     assert compose_train(tmp_path, []).method.teacher.model.name_or_path == cfg.model.teacher.name_or_path
 
 
+def test_fsdp_trainer_config_composes(tmp_path):
+    """trainer=fsdp (its runs: tests/test_models_sharding.py, multi-process)."""
+    cfg = compose_train(tmp_path, ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"])
+    strategy = cfg.trainer.strategy
+    assert strategy._target_ == "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert strategy.data_parallel_size == 2 and strategy.tensor_parallel_size == 1
+    assert strategy.save_distributed_checkpoint is False and cfg.trainer.gradient_clip_val == 1.0
+
+
 def test_composed_run_with_overrides(tmp_path):
     cfg = compose_train(
         tmp_path,
@@ -102,6 +111,7 @@ def test_chat_files_data_from_the_command_line(tmp_path, toy_rows):
     assert "val/loss" not in result["metrics"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["module", "console_script"])
 def test_command_line_entry_points(tmp_path, launcher):
     if launcher == "module":
@@ -132,6 +142,7 @@ def test_command_line_entry_points(tmp_path, launcher):
     assert (tmp_path / "run" / "logs" / "metrics.csv").is_file()
 
 
+@pytest.mark.slow
 def test_the_console_script_imports_modules_from_the_folder_it_was_started_in(tmp_path):
     """A user's metric (or formatting_func, callback, any _target_) in the launch folder imports without
     PYTHONPATH=., as under ``python -m``."""

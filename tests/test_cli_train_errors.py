@@ -375,6 +375,7 @@ def test_identical_chosen_and_rejected_warn_with_the_rows(tokenizer):
         PreferenceDataModule(tokenizer, [tokenized]).setup("fit")
 
 
+@pytest.mark.slow
 def test_an_error_before_training_leaves_earlier_outputs_untouched(tmp_path, toy_rows):
     """A second run into the same run directory fails on a bad row: the first run's export and checkpoint stay."""
     from helpers.hydra_compose import compose_train

@@ -78,6 +78,7 @@ def losses(run_dir: Path) -> dict[int, float]:
         return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(handle) if r.get("train/loss")}
 
 
+@pytest.mark.slow
 def test_a_server_outage_stops_the_job_and_ckpt_path_last_finishes_it(server, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "outputs" / "runs"

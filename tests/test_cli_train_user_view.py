@@ -102,9 +102,8 @@ def test_sample_table_compares_dpo_against_its_reference(student, tokenizer, tmp
     assert len(table.history) == 2 and "top-1 agreement with reference" in capsys.readouterr().out
 
 
-def test_default_run_prints_the_sample_table_progress_lines_and_the_summary(tmp_path, capsys):
-    result = run(compose_train(tmp_path, ["model=tiny", "experiment=debug", "print_config=false"]))
-    out = capsys.readouterr().out
+def test_default_run_prints_the_sample_table_progress_lines_and_the_summary(debug_run):
+    result, out = debug_run.result, debug_run.stdout
     assert "Samples at step 2 (greedy)" in out and "Samples at step 4 (greedy)" in out
     # stdout is no terminal here (as in a SLURM log): a line per logged step (log_every_n_steps=1), the
     # learning rate among its metrics, and one per validation
@@ -120,9 +119,9 @@ def test_default_run_prints_the_sample_table_progress_lines_and_the_summary(tmp_
     # the last batch's 0/1 coin (train/on_policy) and the schedule's last rate are no results
     assert "train/on_policy:" not in summary and "train/lr" not in summary
     assert "held-out accuracy (student after)" in summary
-    assert f"trained model exported to: {tmp_path / 'run' / 'student'}" in summary
-    assert result["trained_tokens"] > 0 and (tmp_path / "run" / "samples.jsonl").is_file()
-    with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:
+    assert f"trained model exported to: {debug_run.run_dir / 'student'}" in summary
+    assert result["trained_tokens"] > 0 and (debug_run.run_dir / "samples.jsonl").is_file()
+    with open(debug_run.run_dir / "logs" / "metrics.csv") as handle:
         rates = [float(row["train/lr"]) for row in csv.DictReader(handle) if row.get("train/lr")]
     # experiment=debug: cosine with 20 warmup steps (of 4): 0, then lr/20 more each step
     assert rates == pytest.approx([0.0, 5e-5, 1e-4, 1.5e-4])
@@ -157,6 +156,7 @@ SILENCED = (
 )
 
 
+@pytest.mark.slow
 def test_a_run_on_a_log_file_prints_no_expected_noise(tmp_path):
     rows = addition_rows("train", 8)
     data = tmp_path / "train.jsonl"
@@ -189,11 +189,10 @@ def test_a_run_on_a_log_file_prints_no_expected_noise(tmp_path):
     assert "GPU available: False, used: False" in printed  # Lightning's other information stays
 
 
-def test_tensorboard_logger_from_config(tmp_path):
+def test_tensorboard_logger_from_config(debug_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run(compose_train(tmp_path, [*FAST, "model=tiny", "logger=tensorboard", "callbacks.held_out_eval=null"]))
-    folder = tmp_path / "run" / "tensorboard"
+    folder = debug_run.run_dir / "tensorboard"  # logger=[csv,tensorboard]
     assert list(folder.glob("events.out.tfevents.*"))
     events = EventAccumulator(str(folder)).Reload()
     assert {"train/loss", "train/tokens_per_sec", "val/loss", "samples/top1_agreement"} <= set(events.Tags()["scalars"])

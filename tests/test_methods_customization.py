@@ -157,6 +157,7 @@ def test_an_8bit_reference_trains_a_policy_on_gpu(student, tokenizer, tmp_path):
     assert trainer.global_step == 2 and math.isfinite(float(trainer.callback_metrics["train/loss"]))
 
 
+@pytest.mark.slow
 def test_offline_dpo_run_prefers_correct_sums_on_held_out_pairs(tmp_path):
     # The bundled run as shipped, minus checkpoints and export.
     cfg = compose_train(

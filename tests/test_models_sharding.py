@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.hydra_compose import compose_train
 
 WORKER = Path(__file__).parent / "helpers" / "fsdp_worker.py"
 
@@ -110,11 +109,3 @@ def test_distributed_checkpoint_folder_resumes(tmp_path):
     assert any(k.startswith("optimizer_0") for k in r["checkpoint_keys"])
     assert r["resumed_global_step"] == 4 and r["resumed_logits_vs_reference"] < 1e-4
     assert r["sharded_losses"][-1] == pytest.approx(r["reference_losses"][-1], rel=1e-4, abs=1e-7)
-
-
-def test_fsdp_trainer_config_composes(tmp_path):
-    cfg = compose_train(tmp_path, ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"])
-    strategy = cfg.trainer.strategy
-    assert strategy._target_ == "lightning.pytorch.strategies.ModelParallelStrategy"
-    assert strategy.data_parallel_size == 2 and strategy.tensor_parallel_size == 1
-    assert strategy.save_distributed_checkpoint is False and cfg.trainer.gradient_clip_val == 1.0

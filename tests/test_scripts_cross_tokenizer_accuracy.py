@@ -7,6 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a script smoke run
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cross_tokenizer_accuracy.py"
 
 

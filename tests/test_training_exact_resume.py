@@ -8,9 +8,12 @@ import signal
 from pathlib import Path
 
 import lightning as L
+import pytest
 from helpers.hydra_compose import compose_train
 
 from lightning_gkd.cli.train import run
+
+pytestmark = pytest.mark.slow  # three full CLI runs per test (whole, stopped, resumed)
 
 OVERRIDES = [
     "model=tiny",

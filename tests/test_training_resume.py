@@ -68,6 +68,7 @@ class FakeApi:
         FakeApi.calls.append(("upload_folder", kwargs["repo_id"], kwargs["folder_path"]))
 
 
+@pytest.mark.slow
 def test_card_push_and_resume_from_last(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

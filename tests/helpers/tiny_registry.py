@@ -35,6 +35,15 @@ SMALL = {
     "qk_nope_head_dim": 16,
     "v_head_dim": 32,
     "sliding_window": 16,
+    # linear-attention and state-space mixers (Kimi, Bailing, Falcon-H1): their reference PyTorch kernels at the
+    # default head counts and 256-token chunks took ~15 s per model on CPU
+    "linear_num_heads": 2,
+    "linear_head_dim": 32,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 8,
+    "mamba_d_ssm": 64,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 16,
 }
 MAX_PARAMETERS = 5_000_000
 
