@@ -22,13 +22,15 @@ MAY_IMPORT: dict[str, set[str]] = {
     "teachers": {"data", "evaluation", "models", "ops"},
     "training": {"evaluation", "ops", "teachers"},
     "losses": {"data", "models", "ops", "teachers"},
-    "methods": {"data", "evaluation", "losses", "models", "ops", "samplers", "teachers", "training"},
-    "callbacks": {"evaluation", "methods", "ops"},
+    "rollouts": {"data", "ops"},
+    "methods": {"data", "evaluation", "losses", "models", "ops", "rollouts", "samplers", "teachers", "training"},
+    "callbacks": {"evaluation", "methods", "ops", "rollouts"},
 }
 #: single modules that reach further than their room, and why
 EXCEPTIONS: dict[str, set[str]] = {
     "data/toy/tasks.py": {"evaluation", "models"},  # the registry of toy tasks: each one's metric and shipped models
     "models/tiny.py": {"data", "training"},  # builds the project's tokenizer, writes the assets atomically
+    "data/toy/tools.py": {"rollouts"},  # the toy agentic task's tools read their row's state (row_state)
 }
 
 

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generations, exact_match
 from lightning_gkd.methods.base import require_lm_module
+from lightning_gkd.rollouts.evaluate import evaluate_rollouts
 
 
 class HeldOutEvaluation(L.Callback):
@@ -20,6 +21,9 @@ class HeldOutEvaluation(L.Callback):
     ``accuracy``): the trained model at fit start ("before") and fit end ("after"), and the module's ``teacher``
     if it has one. Results go to ``self.results``, the logger (``test/<name>_before|after``,
     ``test/teacher_<name>``), ``held_out.json`` in the trainer's root dir, and a printed table.
+
+    With a method that rolls out with tools (``rollout``), each prompt is a greedy multi-turn rollout with the
+    method's tools, scored on the transcript's final answer (plus ``tool_calls`` and ``tool_failures``).
 
     Every rank evaluates (sharded models need all ranks in each forward); rank zero reports.
     """
@@ -40,9 +44,22 @@ class HeldOutEvaluation(L.Callback):
         return getattr(datamodule, "test_rows", None)
 
     def _evaluate(self, trainer: L.Trainer, model: Any, rows: Any, sampler: Any = None) -> dict[str, float]:
+        module = require_lm_module(trainer.lightning_module, type(self).__name__)
+        rollout = getattr(module, "rollout", None)
+        if rollout is not None:  # an agent: its transcripts' final answers, with the method's tools
+            return evaluate_rollouts(
+                model,
+                module.tokenizer,
+                rows,
+                rollout,
+                metrics=self.metrics,
+                batch_size=self.batch_size,
+                max_new_tokens=self.max_new_tokens,
+                sampler=sampler,
+            )
         return evaluate_generations(
             model,
-            require_lm_module(trainer.lightning_module, type(self).__name__).tokenizer,
+            module.tokenizer,
             rows,
             metrics=self.metrics,
             batch_size=self.batch_size,

@@ -19,6 +19,7 @@ from lightning_gkd.data.chat_tokens import (  # tokenize_chat, left_pad: also im
     TokenizedChat,
     check_assistant_turns,
     left_pad,
+    render_chat,
     tokenize_chat,
 )
 from lightning_gkd.data.formatting import FormattingFuncSpec, chat_rows, resolve_formatting_func
@@ -51,6 +52,8 @@ class ChatMLCollator:
     values (e.g. ``teacher`` for multi-teacher routing). ``carry_prompt_messages``: also ``prompt_messages``, per row
     the list of the messages ``prompts`` tokenizes (before the last assistant turn; whole, where ``prompts`` may have
     lost its beginning to ``max_length``), for a teacher that renders them with its own chat template.
+    ``tools``: tool schemas the template renders into every conversation; with them (or ``first_turn_prompts``) the
+    prompts end before the *first* assistant turn, where a multi-turn rollout starts (``lightning_gkd.rollouts``).
     """
 
     def __init__(
@@ -63,6 +66,8 @@ class ChatMLCollator:
         assistant_turns: AssistantTurns = "last",
         truncate_prompts: bool = True,
         carry_prompt_messages: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        first_turn_prompts: bool = False,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token; ChatDataModule sets it to EOS, or set one yourself.")
@@ -73,6 +78,16 @@ class ChatMLCollator:
         self.assistant_turns = check_assistant_turns(assistant_turns)
         self.truncate_prompts = truncate_prompts
         self.carry_prompt_messages = carry_prompt_messages
+        self.tools = [dict(tool) for tool in tools] if tools else None
+        self.first_turn_prompts = first_turn_prompts or bool(tools)
+
+    def _prompt_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The messages a prompt renders: before the last assistant turn (a last assistant message is the
+        completion), or before the first one (``first_turn_prompts``: where a rollout starts)."""
+        if self.first_turn_prompts:
+            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+            return [dict(m) for m in messages[:first]]
+        return [dict(m) for m in (messages[:-1] if messages[-1]["role"] == "assistant" else messages)]
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         chats = [self._tokenize(row) for row in rows]
@@ -80,6 +95,14 @@ class ChatMLCollator:
         full = [chat.ids for chat in chats]
         labels = [chat.labels() for chat in chats]
         prompts = [chat.ids[: chat.num_prompt_tokens] for chat in chats]
+        if self.first_turn_prompts:
+            prompts = [
+                self.tokenizer(
+                    render_chat(self.tokenizer, self._prompt_messages(row["messages"]), True, self.tools),
+                    add_special_tokens=False,
+                )["input_ids"]
+                for row in rows
+            ]
         batch: dict[str, Any] = {
             "input_ids": left_pad(full, pad_id),
             "attention_mask": left_pad([[1] * len(ids) for ids in full], 0),
@@ -88,11 +111,8 @@ class ChatMLCollator:
             "prompt_attention_mask": left_pad([[1] * len(ids) for ids in prompts], 0),
             **{column: [row.get(column) for row in rows] for column in self.columns},
         }
-        if self.carry_prompt_messages:  # split as tokenize_chat splits: a last assistant message is the completion
-            chats_messages = [row["messages"] for row in rows]
-            batch["prompt_messages"] = [
-                [dict(m) for m in (ms[:-1] if ms[-1]["role"] == "assistant" else ms)] for ms in chats_messages
-            ]
+        if self.carry_prompt_messages:
+            batch["prompt_messages"] = [self._prompt_messages(row["messages"]) for row in rows]
         return batch
 
     def _tokenize(self, row: Mapping[str, Any]) -> TokenizedChat:
@@ -103,6 +123,7 @@ class ChatMLCollator:
                 self.max_length,
                 assistant_turns=self.assistant_turns,
                 truncate_prompts=self.truncate_prompts,
+                tools=self.tools,
             )
         except ValueError as error:
             if ROW_INDEX in row:  # name the row: this may be hours into a run, on a row setup did not sample
@@ -251,6 +272,8 @@ class ChatDataModule(RowsDataModule):
         #: Row columns the collators carry into batches (``carry_columns``); ``carry_prompt_messages``.
         self.columns: list[str] = []
         self.carries_prompt_messages = False
+        self.tools: list[dict[str, Any]] | None = None  # rendered by the chat template (``use_rollouts``)
+        self.first_turn_prompts = False
         self.collator = ChatMLCollator(
             self.tokenizer,
             max_length=max_length,
@@ -324,6 +347,17 @@ class ChatDataModule(RowsDataModule):
             if isinstance(collator, ChatMLCollator):
                 collator.carry_prompt_messages = True
 
+    def use_rollouts(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        """Prepare batches for multi-turn rollouts (a method with tools or an environment calls it): the chat
+        template renders ``tools`` (JSON schemas) in every conversation, prompts end before the first assistant
+        turn (where the student starts acting) and carry their messages (``prompt_messages``)."""
+        self.tools = [dict(tool) for tool in tools] if tools else None
+        self.first_turn_prompts = True
+        self.carry_prompt_messages()
+        for collator in (self.collator, self.val_collator):
+            if isinstance(collator, ChatMLCollator):
+                collator.tools, collator.first_turn_prompts = self.tools, True
+
     def _load(
         self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
     ) -> Sequence[Mapping[str, Any]]:
@@ -353,6 +387,8 @@ class ChatDataModule(RowsDataModule):
             columns=self.columns,
             truncate_prompts=self.truncate_prompts,
             carry_prompt_messages=self.carries_prompt_messages,
+            tools=self.tools,
+            first_turn_prompts=self.first_turn_prompts,
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -47,10 +47,17 @@ class TokenizedChat:
 
 
 def render_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
+    """The chat template's text for ``messages`` (with the tool schemas ``tools`` where given)."""
     text = tokenizer.apply_chat_template(
-        [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+        [dict(message) for message in messages],
+        tools=[dict(tool) for tool in tools] if tools else None,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
     )
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not the rendered text.")
@@ -64,6 +71,7 @@ def tokenize_chat(
     *,
     assistant_turns: AssistantTurns = "last",
     truncate_prompts: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> TokenizedChat:
     """Tokenize a conversation, splitting prompt from completion.
 
@@ -73,13 +81,14 @@ def tokenize_chat(
     offsets, so prompt + completion tokens are exactly the tokens of the full conversation.
     ``assistant_turns="all"`` also marks every earlier assistant turn (``earlier_turns``), found the same way:
     from the render of the messages before it with the generation prompt to the render through it.
-    Truncation keeps the last ``max_length`` tokens; a prompt truncated away is a ``ValueError``, and so is a
+    ``tools``: the tool schemas the template renders (a tool-calling conversation; its tool messages are never
+    labels). Truncation keeps the last ``max_length`` tokens; a prompt truncated away is a ``ValueError``, and so is a
     prompt that would lose its beginning unless ``truncate_prompts``.
     """
     has_completion = messages[-1]["role"] == "assistant"
     prompt_messages = list(messages[:-1]) if has_completion else list(messages)
-    prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True)
-    full_text = render_chat(tokenizer, messages) if has_completion else prompt_text
+    prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True, tools=tools)
+    full_text = render_chat(tokenizer, messages, tools=tools) if has_completion else prompt_text
     if not full_text.startswith(prompt_text):
         raise ValueError(
             "The chat template renders the prompt (with the generation prompt) differently from the "
@@ -87,7 +96,7 @@ def tokenize_chat(
             f"template whose prompt is a prefix of the conversation. Prompt ends {prompt_text[-60:]!r}, "
             f"conversation has {full_text[len(prompt_text) - 60 : len(prompt_text)]!r} there."
         )
-    spans = _earlier_turn_spans(tokenizer, messages, full_text) if assistant_turns == "all" else []
+    spans = _earlier_turn_spans(tokenizer, messages, full_text, tools) if assistant_turns == "all" else []
     ids, (num_prompt, *ends) = _split_at_text_boundaries(
         tokenizer, full_text, [len(prompt_text), *(end for span in spans for end in span)]
     )
@@ -104,7 +113,10 @@ def tokenize_chat(
 
 
 def _earlier_turn_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]], full_text: str
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, str]],
+    full_text: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[tuple[int, int]]:
     """Character ranges of ``full_text`` holding the assistant turns before the last message: each from the end of
     the render of the messages before it with the generation prompt to the end of the render through it (its
@@ -113,8 +125,8 @@ def _earlier_turn_spans(
     for turn in range(len(messages) - 1):
         if messages[turn]["role"] != "assistant":
             continue
-        start = render_chat(tokenizer, messages[:turn], add_generation_prompt=True)
-        through = render_chat(tokenizer, messages[: turn + 1])
+        start = render_chat(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
+        through = render_chat(tokenizer, messages[: turn + 1], tools=tools)
         if not (through.startswith(start) and full_text.startswith(through)):
             raise ValueError(
                 f"The chat template renders the conversation up to assistant message {turn} differently from the "

@@ -17,6 +17,13 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+#: ``CHATML_TEMPLATE`` that also renders tools: a first system turn naming them (``tools: lookup, add``); tool
+#: messages are turns of role ``tool``. Compact on purpose: the toy models have short contexts.
+TOOLS_CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\ntools: ' }}{% for tool in tools %}"
+    "{{ tool['function']['name'] if tool['function'] is defined else tool['name'] }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}" + CHATML_TEMPLATE
+)
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -21,12 +21,15 @@ from lightning_gkd.losses.plan import SparseLoss, check_teacher_settings, refuse
 from lightning_gkd.methods.base import NonFinitePolicy, OptimizerFactory, SchedulerFactory
 from lightning_gkd.methods.on_policy import OnPolicyModule, check_range
 from lightning_gkd.models.loading import ModelSource
+from lightning_gkd.rollouts import ToolCallParser
 from lightning_gkd.samplers import Sampler, SamplerFactory
 from lightning_gkd.teachers.spec import TeacherSource, teacher_plan
 from lightning_gkd.training.normalization import LossNormalization
 
 # objects, not settings: kept out of checkpoints' hyper_parameters
-_NOT_HYPERPARAMETERS = "student teacher tokenizer teacher_tokenizer optimizer scheduler metrics sampler loss"
+_NOT_HYPERPARAMETERS = (
+    "student teacher tokenizer teacher_tokenizer optimizer scheduler metrics sampler loss tools environment tool_parser"
+)
 
 
 class GKDModule(OnPolicyModule):
@@ -99,6 +102,13 @@ class GKDModule(OnPolicyModule):
         loss_chunk_size: int = 64,
         sampler: Sampler | SamplerFactory | None = None,
         frozen_dtype: str = "auto",
+        tools: Sequence[Callable[..., Any] | str] | None = None,
+        environment: Callable[..., Any] | str | None = None,
+        max_tool_calling_iterations: int = 5,
+        tool_timeout: float = 10.0,
+        max_transcript_tokens: int | None = None,
+        tool_state_columns: Sequence[str] = (),
+        tool_parser: ToolCallParser | None = None,
         sparse_loss: SparseLoss = "topk",
         teacher_tokenizer: PreTrainedTokenizerBase | str | None = None,
         cross_tokenizer: Mapping[str, Any] | Any = None,
@@ -150,6 +160,13 @@ class GKDModule(OnPolicyModule):
             nonfinite=nonfinite,
             loss_normalization=loss_normalization,
             frozen_dtype=frozen_dtype,
+            tools=tools,
+            environment=environment,
+            max_tool_calling_iterations=max_tool_calling_iterations,
+            tool_timeout=tool_timeout,
+            max_transcript_tokens=max_transcript_tokens,
+            tool_state_columns=tool_state_columns,
+            tool_parser=tool_parser,
         )
         self.beta, self.loss_temperature, self.sparse_loss = beta, loss_temperature, sparse_loss
         #: The loss object ``distillation_loss`` calls (``lightning_gkd.losses``), chosen once here.

@@ -5,6 +5,7 @@ validation's dataset completions."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import lightning as L
@@ -13,13 +14,18 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.loader import GenerationGroup, group_slot, shuffled_micro_batches
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.evaluation.metrics import reference_texts
 from lightning_gkd.losses.base import DistillationLoss, LeanPath, LossOutput
 from lightning_gkd.losses.plan import divergence_loss
 from lightning_gkd.methods.base import CausalLMModule
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.sampling import validate_sampling_args
+from lightning_gkd.ops.sampling import eos_ids, validate_sampling_args
+from lightning_gkd.rollouts import MultiTurnRollout, ToolCallParser, build_environment
+from lightning_gkd.rollouts.evaluate import final_answers, greedy_engine_turn, greedy_turn
+from lightning_gkd.rollouts.templates import check_template_renders_tools
 from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler_available
 from lightning_gkd.teachers import LocalTeacher
 from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
@@ -29,6 +35,19 @@ from lightning_gkd.training.teacher_outage import TeacherOutage
 Source = Literal["dataset", "student", "teacher"]  # where a batch's completions come from
 # salts that keep the coin flip's, the sampler's and the group shuffle's random streams apart
 _COIN, _SAMPLE, _SHUFFLE = 0, 1, 2
+
+
+def refuse_rollouts_with(*, same_vocab: bool) -> None:
+    """Multi-turn rollouts need a teacher that scores transcripts in the student's tokens: ValueError, with the
+    reason, for a teacher of another tokenizer. (A top-k cache is refused for sampled steps whatever the rollout:
+    ``check_teacher_settings``.)"""
+    if not same_vocab:
+        raise ValueError(
+            "Tools or an environment with a teacher of another tokenizer are not supported: the cross-tokenizer "
+            "losses align one completion per row, while a transcript interleaves the student's turns with tool "
+            "and environment turns that the teacher's chat template would render differently. Use a teacher with "
+            "the student's tokenizer (e.g. the same family), or distil without tools."
+        )
 
 
 def check_range(name: str, value: float, low: float, high: float) -> None:
@@ -53,7 +72,15 @@ class OnPolicyModule(CausalLMModule):
 
     A subclass sets ``self.loss`` (its training loss object) after calling ``__init__`` and defines
     ``training_loss`` and ``completion_loss``; ``loss_objects`` lists every loss object it calls (their
-    ``check_datamodule`` and ``close`` run with the fit)."""
+    ``check_datamodule`` and ``close`` run with the fit).
+
+    Multi-turn rollouts (``lightning_gkd.rollouts``): with ``tools`` (callables or import paths) or an
+    ``environment``, a sampled completion is a whole transcript: the model writes a turn, the tools (or the
+    environment) answer, until it answers without a call, ``max_tool_calling_iterations`` replies have been made or
+    the transcript reaches ``max_transcript_tokens``. Only the model's tokens are labels. Each call gets
+    ``tool_timeout`` seconds and the row's ``tool_state_columns`` as ``row_state()``; ``tool_parser`` reads calls
+    (default: the tokenizer's response schema, else ``<tool_call>{json}</tool_call>``). Prompts end before each
+    row's first assistant turn; validation's generation metrics score the final answer of greedy rollouts."""
 
     frozen_names = ("teacher",)
     model_role = "student"
@@ -76,6 +103,13 @@ class OnPolicyModule(CausalLMModule):
         loss_chunk_size: int = 64,
         same_vocab: bool = True,
         trust_remote_code: bool = False,
+        tools: Sequence[Callable[..., Any] | str] | None = None,
+        environment: Callable[..., Any] | str | None = None,
+        max_tool_calling_iterations: int = 5,
+        tool_timeout: float = 10.0,
+        max_transcript_tokens: int | None = None,
+        tool_state_columns: Sequence[str] = (),
+        tool_parser: ToolCallParser | None = None,
         **common: Any,
     ) -> None:
         check_sampler_available(sampler)  # before any model loads
@@ -83,6 +117,15 @@ class OnPolicyModule(CausalLMModule):
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
         validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
+        tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        #: Multi-turn rollouts with tools or an environment (None: one completion per prompt).
+        self.rollout: MultiTurnRollout | None = None
+        rollout_environment, tool_schemas = build_environment(
+            list(tools or []), environment, tokenizer, timeout=tool_timeout, parser=tool_parser
+        )
+        if rollout_environment is not None:  # before any model loads: the template and the teachers can take them
+            check_template_renders_tools(tokenizer, tool_schemas)
+            refuse_rollouts_with(same_vocab=same_vocab)
         super().__init__(student, tokenizer, trust_remote_code=trust_remote_code, **common)
         #: Where the losses read each teacher's signal (``lightning_gkd.teachers``), by name (``""``: the only one).
         self.teacher_sources, models = build_teachers(
@@ -126,6 +169,16 @@ class OnPolicyModule(CausalLMModule):
         self._batches = self._on_policy_batches = 0
         self._group: GenerationGroup | None = None
         self.sampling_calls = 0  # sampling calls in this process's current fit
+        if rollout_environment is not None:
+            self.rollout = MultiTurnRollout(
+                self.tokenizer,
+                rollout_environment,
+                eos_token_ids=eos_ids(resolve_eos_token_id(self.student, self.tokenizer)),
+                max_iterations=max_tool_calling_iterations,
+                max_transcript_tokens=max_transcript_tokens,
+                tools=tool_schemas,
+                state_columns=tool_state_columns,
+            )
 
     @property
     def student(self) -> torch.nn.Module:
@@ -200,6 +253,16 @@ class OnPolicyModule(CausalLMModule):
 
     def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
         super().check_datamodule(datamodule)
+        if self.rollout is not None:
+            use_rollouts = getattr(datamodule, "use_rollouts", None)
+            if not callable(use_rollouts):
+                raise ValueError(
+                    f"Tools or an environment need a ChatDataModule (its prompts end before the first assistant turn "
+                    f"and carry their messages), got {type(datamodule).__name__}."
+                )
+            use_rollouts(self.rollout.tools)
+            if self.rollout.state_columns:
+                cast(Any, datamodule).carry_columns(self.rollout.state_columns)
         for part in (*self.loss_objects(), *self.teacher_sources.values()):
             check = getattr(part, "check_datamodule", None)
             if callable(check):  # a routing column, prompt messages; a cache made from these rows
@@ -227,10 +290,33 @@ class OnPolicyModule(CausalLMModule):
         self.sampling_calls += 1
         sampler = self.teacher_sampler if model is self.teacher and self.teacher_sampler is not None else self.sampler
         # a server's sampler ignores the model (its weights are the served teacher's)
-        sampled = sampler.sample(
-            cast(torch.nn.Module, model), batch["prompts"], batch["prompt_attention_mask"], seed=seed
+        if self.rollout is None:
+            sampled = sampler.sample(
+                cast(torch.nn.Module, model), batch["prompts"], batch["prompt_attention_mask"], seed=seed
+            )
+            return {**batch, **sampled}
+
+        def sample_turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
+            return sampler.sample(cast(torch.nn.Module, model), ids, mask, seed=turn_seed)
+
+        transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        for name, value in stats.metrics().items():
+            self.log(f"train/tools/{name}", value, batch_size=len(stats.turns))
+        return transcripts
+
+    def collect_generations(self, batch: Mapping[str, torch.Tensor], dataloader_idx: int = 0) -> None:
+        """With rollouts, validation's generation metrics score the final answers of greedy rollouts (through the
+        sampler's ``greedy`` where it has one) against the rows' last assistant turns."""
+        if self.rollout is None or not self.metrics:
+            super().collect_generations(batch, dataloader_idx)
+            return
+        turn = greedy_engine_turn(self.sampler, self.student, self.eval_max_new_tokens) or greedy_turn(
+            self.student, self.tokenizer, self.eval_max_new_tokens
         )
-        return {**batch, **sampled}
+        out, _ = self.rollout.run(turn, batch, seed=0)
+        eos = resolve_eos_token_id(self.student, self.tokenizer)
+        predictions = final_answers(out["transcripts"])
+        self.generation_scores.add(dataloader_idx, predictions, reference_texts(self.tokenizer, batch, eos))
 
     def _sampler_model(self, source: Source) -> torch.nn.Module | None:
         return self.student if source == "student" else self.teacher

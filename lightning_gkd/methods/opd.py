@@ -3,7 +3,7 @@ reward); the loss is ``lightning_gkd.losses.opd`` on top of ``lightning_gkd.ops.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -23,12 +23,13 @@ from lightning_gkd.methods.base import NonFinitePolicy, OptimizerFactory, Schedu
 from lightning_gkd.methods.on_policy import OnPolicyModule, check_range
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf import resolve_eos_token_id
+from lightning_gkd.rollouts import ToolCallParser
 from lightning_gkd.samplers import Sampler, SamplerFactory
 from lightning_gkd.teachers import CacheTeacher
 from lightning_gkd.teachers.spec import TeacherSource, teacher_plan
 from lightning_gkd.training.normalization import LossNormalization
 
-_NOT_HYPERPARAMETERS = "student teacher tokenizer optimizer scheduler metrics sampler"
+_NOT_HYPERPARAMETERS = "student teacher tokenizer optimizer scheduler metrics sampler tools environment tool_parser"
 
 
 class OPDModule(OnPolicyModule):
@@ -108,6 +109,13 @@ class OPDModule(OnPolicyModule):
         loss_chunk_size: int = 64,
         sampler: Sampler | SamplerFactory | None = None,
         frozen_dtype: str = "auto",
+        tools: Sequence[Callable[..., Any] | str] | None = None,
+        environment: Callable[..., Any] | str | None = None,
+        max_tool_calling_iterations: int = 5,
+        tool_timeout: float = 10.0,
+        max_transcript_tokens: int | None = None,
+        tool_state_columns: Sequence[str] = (),
+        tool_parser: ToolCallParser | None = None,
         sparse_loss: SparseLoss = "topk",
     ) -> None:
         check_range("gamma (the discount of later rewards)", gamma, 0.0, 1.0)
@@ -163,6 +171,13 @@ class OPDModule(OnPolicyModule):
             nonfinite=nonfinite,
             loss_normalization=loss_normalization,
             frozen_dtype=frozen_dtype,
+            tools=tools,
+            environment=environment,
+            max_tool_calling_iterations=max_tool_calling_iterations,
+            tool_timeout=tool_timeout,
+            max_transcript_tokens=max_transcript_tokens,
+            tool_state_columns=tool_state_columns,
+            tool_parser=tool_parser,
         )
         self.beta, self.loss_temperature, self.sparse_loss = beta, loss_temperature, sparse_loss
         #: The policy-gradient loss a training step takes (``lightning_gkd.losses.opd``).

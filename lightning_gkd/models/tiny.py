@@ -74,6 +74,8 @@ TOY_STUDENT = {
 # shapes with room for its longer rows; the student's size limits what it learns of the 20-50-token answers.
 CHAIN_TEACHER = {**TOY_TEACHER, "max_position_embeddings": 128}
 CHAIN_STUDENT = {**TOY_STUDENT, "max_position_embeddings": 128}
+TOOLS_TEACHER = {**TOY_TEACHER, "max_position_embeddings": 160}
+TOOLS_STUDENT = {**TOY_STUDENT, "max_position_embeddings": 160}
 
 
 def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> PreTrainedModel:

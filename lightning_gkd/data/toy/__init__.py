@@ -1,9 +1,11 @@
 """The bundled toy tasks: 3-digit addition written units digit first (``addition``), preference pairs made from it
-(``preference``), and sums of four numbers written step by step in one of two orders (``chain``)."""
+(``preference``), sums of four numbers written step by step in one of two orders (``chain``), and an agentic task
+whose answers need the ``lookup`` and ``add`` tools (``tools``)."""
 
 from lightning_gkd.data.toy.addition import SPLIT_SIZES, addition_row, addition_rows, reversed_digits
 from lightning_gkd.data.toy.chain import chain_rows, final_answer_match
 from lightning_gkd.data.toy.preference import addition_preference_rows, wrong_answer
+from lightning_gkd.data.toy.tools import tool_rows
 
 __all__ = [
     "SPLIT_SIZES",
@@ -13,5 +15,6 @@ __all__ = [
     "chain_rows",
     "final_answer_match",
     "reversed_digits",
+    "tool_rows",
     "wrong_answer",
 ]

@@ -1,0 +1,91 @@
+"""The toy agentic task: each row holds its own facts (a key-value store of 2-digit numbers, the ``facts`` column,
+JSON) that only the ``lookup`` tool can read; the question asks for the sum of two of them, which the ``add`` tool
+computes. A correct transcript makes three calls (lookup, lookup, add) and then answers with the sum:
+
+    user       b+e
+    assistant  <tool_call>{"name":"lookup","arguments":{"key":"b"}}</tool_call>
+    tool       37
+    assistant  <tool_call>{"name":"lookup","arguments":{"key":"e"}}</tool_call>
+    tool       58
+    assistant  <tool_call>{"name":"add","arguments":{"a":37,"b":58}}</tool_call>
+    tool       95
+    assistant  95
+
+The facts are never in the prompt, so a student that invents a tool result (or skips a call) is right by chance
+only. Tools get the row's facts through ``lightning_gkd.rollouts.row_state()`` (the method carries the column:
+``tool_state_columns=["facts"]``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from lightning_gkd.rollouts.tools import row_state
+
+KEYS = "abcdefghijklmnopqrstuvwxyz"
+FACTS_PER_ROW = 6
+_SPLIT_SEEDS = {"train": 0, "val": 1, "test": 2}
+_DEFAULT_ROWS = {"train": 20000, "val": 256, "test": 512}
+
+
+def lookup(key: str) -> int:
+    """Look up the number this row's facts store under a key.
+
+    Args:
+        key: The key, one lowercase letter.
+    """
+    facts = json.loads(row_state()["facts"])
+    if key not in facts:
+        raise KeyError(f"no fact named {key!r}")
+    return int(facts[key])
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return int(a) + int(b)
+
+
+#: The task's tools, as ``method.tools`` names them.
+TOOLS = ("lightning_gkd.data.toy.tools.lookup", "lightning_gkd.data.toy.tools.add")
+
+
+def tool_call(name: str, **arguments: Any) -> str:
+    """A call in the ``<tool_call>`` format, compact JSON (what the teacher is trained to write)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, separators=(",", ":")) + "</tool_call>"
+
+
+def transcript(facts: dict[str, int], first: str, second: str) -> list[dict[str, str]]:
+    """The correct three-call transcript for ``first+second``."""
+    a, b = facts[first], facts[second]
+    return [
+        {"role": "user", "content": f"{first}+{second}"},
+        {"role": "assistant", "content": tool_call("lookup", key=first)},
+        {"role": "tool", "name": "lookup", "content": str(a)},
+        {"role": "assistant", "content": tool_call("lookup", key=second)},
+        {"role": "tool", "name": "lookup", "content": str(b)},
+        {"role": "assistant", "content": tool_call("add", a=a, b=b)},
+        {"role": "tool", "name": "add", "content": str(a + b)},
+        {"role": "assistant", "content": str(a + b)},
+    ]
+
+
+def tool_rows(split: str = "train", num_rows: int | None = None) -> list[dict[str, Any]]:
+    """Rows of ``split`` (``train``/``val``/``test``, disjoint seeds): ``messages`` (the correct transcript),
+    ``facts`` (JSON of the row's key-value store) and ``answer`` (the sum, as text)."""
+    if split not in _SPLIT_SEEDS:
+        raise ValueError(f"split must be one of {sorted(_SPLIT_SEEDS)}, got {split!r}.")
+    rng = random.Random(1000 + _SPLIT_SEEDS[split])
+    rows = []
+    for _ in range(num_rows or _DEFAULT_ROWS[split]):
+        keys = rng.sample(KEYS, FACTS_PER_ROW)
+        facts = {key: rng.randint(10, 99) for key in keys}
+        first, second = rng.sample(keys, 2)
+        messages = transcript(facts, first, second)
+        rows.append({"messages": messages, "facts": json.dumps(facts), "answer": messages[-1]["content"]})
+    return rows

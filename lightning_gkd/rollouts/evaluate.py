@@ -1,0 +1,126 @@
+"""Greedy multi-turn rollouts over rows, for evaluation and generation with tools: the transcripts a model writes
+when it acts on each row's prompt, and each one's final answer (its last assistant message)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_gkd.data.chat import ChatMLCollator
+from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.rollouts.environment import Message
+from lightning_gkd.rollouts.rollout import MultiTurnRollout, RolloutStats, SampleTurn
+
+
+def greedy_turn(model: nn.Module, tokenizer: Any, max_new_tokens: int) -> SampleTurn:
+    """A ``SampleTurn`` that decodes greedily with our KV-cache decoder (one turn: up to EOS or ``max_new_tokens``)."""
+
+    def sample(ids: torch.Tensor, mask: torch.Tensor, seed: int) -> Mapping[str, torch.Tensor]:
+        return generate_completions(
+            model,
+            ids,
+            mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=resolve_pad_token_id(tokenizer),
+            eos_token_id=resolve_eos_token_id(model, tokenizer),
+            do_sample=False,
+        )
+
+    return sample
+
+
+def final_answers(transcripts: Sequence[Sequence[Message]]) -> list[str]:
+    """Each transcript's last assistant message ("" when it has none)."""
+    return [next((m["content"] for m in reversed(t) if m["role"] == "assistant"), "") for t in transcripts]
+
+
+@torch.no_grad()
+def rollout_rows(
+    model: nn.Module,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    rollout: MultiTurnRollout,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    sample: SampleTurn | None = None,
+) -> tuple[list[list[Message]], RolloutStats]:
+    """The transcripts ``model`` writes for ``rows`` (chat rows; their prompt is what precedes the first assistant
+    turn) with ``rollout``'s environment, greedy unless ``sample`` is given, and the stats over all of them."""
+    collator = ChatMLCollator(
+        tokenizer,
+        max_length=10**9,
+        columns=rollout.state_columns,
+        carry_prompt_messages=True,
+        tools=rollout.tools,
+        first_turn_prompts=True,
+    )
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    turn = sample or greedy_turn(model, tokenizer, max_new_tokens)
+    transcripts: list[list[Message]] = []
+    total = RolloutStats()
+    try:
+        for start in range(0, len(rows), batch_size):
+            batch = collator(list(rows[start : start + batch_size]))
+            batch["prompts"] = batch["prompts"].to(device)
+            batch["prompt_attention_mask"] = batch["prompt_attention_mask"].to(device)
+            out, stats = rollout.run(turn, batch, seed=start)
+            transcripts += out["transcripts"]
+            total.turns += stats.turns
+            total.calls += stats.calls
+            total.lengths += stats.lengths
+            total.failures.update(stats.failures)
+            total.truncated += stats.truncated
+            total.capped += stats.capped
+            total.unfinished += stats.unfinished
+    finally:
+        model.train(was_training)
+    return transcripts, total
+
+
+def greedy_engine_turn(sampler: Any, model: nn.Module, max_new_tokens: int) -> SampleTurn | None:
+    """Greedy turns through a serving engine's ``greedy`` (``VLLMSampler``), or None when ``sampler`` has none."""
+    greedy = getattr(sampler, "greedy", None)
+    if not callable(greedy):
+        return None
+
+    def turn(ids: torch.Tensor, mask: torch.Tensor, seed: int) -> Mapping[str, torch.Tensor]:
+        return greedy(model, ids, mask, max_new_tokens=max_new_tokens)
+
+    return turn
+
+
+def evaluate_rollouts(
+    model: nn.Module,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    rollout: MultiTurnRollout,
+    *,
+    metrics: Mapping[str, Any],
+    batch_size: int = 64,
+    max_new_tokens: int = 32,
+    sampler: Any = None,
+) -> dict[str, float]:
+    """``evaluate_generations`` for an agent: greedy rollouts of ``rows``' prompts with ``rollout``'s environment
+    (through ``sampler.greedy`` where it has one), each transcript's final answer scored against the row's last
+    assistant message by ``metrics``; also ``tool_calls`` and ``tool_failures`` per transcript."""
+    transcripts, stats = rollout_rows(
+        model,
+        tokenizer,
+        rows,
+        rollout,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        sample=greedy_engine_turn(sampler, model, max_new_tokens),
+    )
+    references = [str(row["messages"][-1]["content"]) for row in rows]
+    predictions = final_answers(transcripts)
+    scores = {name: float(metric(predictions, references)) for name, metric in metrics.items()}
+    summary = stats.metrics()
+    return {**scores, "tool_calls": summary["calls"], "tool_failures": summary["failures"]}

@@ -1,0 +1,203 @@
+"""Make the toy agentic task's assets: a BPE tokenizer learned on its tool transcripts, a teacher trained (SFT,
+every assistant turn) to act with the tools, and a smaller student given a brief SFT so it starts well below the
+teacher. Writes lightning_gkd/assets/toy_tools/{teacher,student_init} and a manifest.
+
+    python scripts/train_toy_tools.py --threads 2
+
+Success is measured the way the task is used: greedy multi-turn rollouts with the task's tools (lookup, add) on
+held-out rows; a row succeeds when the transcript's last assistant message is the right sum. The teacher must reach
+--required on the test split, else the script exits non-zero."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from transformers import get_cosine_schedule_with_warmup
+
+from lightning_gkd import ChatDataModule, SFTModule
+from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer
+from lightning_gkd.data.toy.tools import TOOLS, tool_rows
+from lightning_gkd.evaluation.metrics import exact_match
+from lightning_gkd.models.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
+from lightning_gkd.rollouts import MultiTurnRollout, build_environment
+from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+
+ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets" / "toy_tools"
+MAX_NEW_TOKENS = 24  # per turn: a call is 14 tokens, an answer 2
+MAX_LENGTH = 128
+
+
+def build_tokenizer(merges: int):
+    """Byte-level BPE learned on the training transcripts (tools rendered), plus the call markers as added tokens
+    (as Qwen2.5's tokenizer has them), with the tool-rendering ChatML template."""
+    plain = build_chatml_bpe_tokenizer([], merges=0)
+    plain.chat_template = TOOLS_CHATML_TEMPLATE
+    _, schemas = build_environment(list(TOOLS), None, plain, timeout=5)
+    corpus = [plain.apply_chat_template(r["messages"], tools=schemas, tokenize=False) for r in tool_rows("train")]
+    tokenizer = build_chatml_bpe_tokenizer(corpus, merges=merges)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = TOOLS_CHATML_TEMPLATE
+    return tokenizer
+
+
+def task_rollout(tokenizer) -> MultiTurnRollout:
+    environment, schemas = build_environment(list(TOOLS), None, tokenizer, timeout=5)
+    return MultiTurnRollout(
+        tokenizer,
+        environment,
+        eos_token_ids=[tokenizer.eos_token_id],
+        max_iterations=4,
+        max_transcript_tokens=MAX_LENGTH,
+        tools=schemas,
+        state_columns=["facts"],
+    )
+
+
+def success(model, tokenizer, rows) -> float:
+    transcripts, _ = rollout_rows(model, tokenizer, rows, task_rollout(tokenizer), max_new_tokens=MAX_NEW_TOKENS)
+    return exact_match(final_answers(transcripts), [row["answer"] for row in rows])
+
+
+class RolloutValidation(L.Callback):
+    """Every ``every`` steps: greedy rollout success on ``rows``; stops training once it reaches ``target``."""
+
+    def __init__(self, rows, every: int, target: float | None) -> None:
+        self.rows, self.every, self.target = rows, every, target
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every:
+            return
+        score = success(pl_module.model, pl_module.tokenizer, self.rows)
+        print(f"step {trainer.global_step}: val success {score:.4f}", flush=True)
+        if self.target is not None and score >= self.target:
+            trainer.should_stop = True
+
+
+def sft(model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, target: float, every: int, root):
+    L.seed_everything(seed, workers=True)
+    module = SFTModule(
+        model,
+        tokenizer,
+        optimizer=partial(torch.optim.AdamW, lr=lr),
+        scheduler=partial(
+            get_cosine_schedule_with_warmup, num_warmup_steps=min(100, steps // 10), num_training_steps=steps
+        ),
+        seed=seed,
+    )
+    data = ChatDataModule(
+        tokenizer, tool_rows("train"), batch_size=batch_size, max_length=MAX_LENGTH, seed=seed, assistant_turns="all"
+    )
+    _, schemas = build_environment(list(TOOLS), None, tokenizer, timeout=5)
+    data.use_rollouts(schemas)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        gradient_clip_val=1.0,
+        callbacks=[RolloutValidation(tool_rows("val")[:128], every, target)],
+        default_root_dir=root,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    return module
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ASSETS)
+    parser.add_argument("--merges", type=int, default=200)
+    parser.add_argument("--teacher-steps", type=int, default=3000)
+    parser.add_argument("--student-steps", type=int, default=2000, help="length of the student's LR schedule")
+    parser.add_argument("--student-target", type=float, default=0.2)
+    parser.add_argument("--target", type=float, default=0.98)
+    parser.add_argument("--required", type=float, default=0.95)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    tokenizer = build_tokenizer(args.merges)
+    print(f"tokenizer: {len(tokenizer)} tokens", flush=True)
+    test = tool_rows("test")
+    teacher = sft(
+        tiny_causal_lm(TOOLS_TEACHER, tokenizer, seed=args.seed),
+        tokenizer,
+        steps=args.teacher_steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        target=args.target,
+        every=250,
+        root=args.out.parent / ".train_tools_teacher",
+    )
+    teacher_success = success(teacher.model, tokenizer, test)
+    print(f"teacher: {teacher.global_step} steps, test success {teacher_success:.4f}", flush=True)
+    if teacher_success < args.required:
+        print(f"teacher test success {teacher_success:.4f} < {args.required}; raise --teacher-steps", file=sys.stderr)
+        return 1
+    student = sft(
+        tiny_causal_lm(TOOLS_STUDENT, tokenizer, seed=args.seed + 1),
+        tokenizer,
+        steps=args.student_steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed + 1,
+        target=args.student_target,
+        every=50,
+        root=args.out.parent / ".train_tools_student",
+    )
+    student_success = success(student.model, tokenizer, test)
+    print(f"student start: {student.global_step} steps, test success {student_success:.4f}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    teacher.export(args.out / "teacher")
+    student.export(args.out / "student_init")
+    manifest = {
+        "task": "lightning_gkd.data.toy.tools (sum of two of a row's facts, read with lookup and added with add: "
+        "three tool calls, then the answer; success = the last assistant message is the sum)",
+        "tokenizer": {
+            "builder": "lightning_gkd.data.tokenizer.build_chatml_bpe_tokenizer on the training transcripts, plus "
+            "<tool_call> and </tool_call> as added tokens; chat template TOOLS_CHATML_TEMPLATE",
+            "merges": args.merges,
+            "vocabulary_size": len(tokenizer),
+        },
+        "teacher": {"config": TOOLS_TEACHER, "sft_steps": teacher.global_step, "test_success": teacher_success},
+        "student_init": {
+            "config": TOOLS_STUDENT,
+            "sft_steps": student.global_step,
+            "schedule_steps": args.student_steps,
+            "test_success": student_success,
+        },
+        "evaluation": f"greedy rollouts, max_tool_calling_iterations=4, {MAX_NEW_TOKENS} new tokens a turn, "
+        f"{len(test)} test rows",
+        "training": {
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "seed": args.seed,
+            "schedule": "cosine with warmup",
+            "seconds": round(time.perf_counter() - started, 1),
+        },
+        "command": "python scripts/train_toy_tools.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+    }
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
