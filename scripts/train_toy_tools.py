@@ -24,15 +24,14 @@ from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer
-from lightning_gkd.data.toy.tools import TOOLS, tool_rows
+from lightning_gkd.data.toy.tools import MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS, TOOLS, task_rollout, tool_rows
 from lightning_gkd.evaluation.metrics import exact_match
 from lightning_gkd.models.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
-from lightning_gkd.rollouts import MultiTurnRollout, build_environment
+from lightning_gkd.rollouts import build_environment
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 
 ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets" / "toy_tools"
-MAX_NEW_TOKENS = 24  # per turn: a call is 14 tokens, an answer 2
-MAX_LENGTH = 128
+MAX_LENGTH = MAX_TRANSCRIPT_TOKENS
 
 
 def build_tokenizer(merges: int):
@@ -46,19 +45,6 @@ def build_tokenizer(merges: int):
     tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
     tokenizer.chat_template = TOOLS_CHATML_TEMPLATE
     return tokenizer
-
-
-def task_rollout(tokenizer) -> MultiTurnRollout:
-    environment, schemas = build_environment(list(TOOLS), None, tokenizer, timeout=5)
-    return MultiTurnRollout(
-        tokenizer,
-        environment,
-        eos_token_ids=[tokenizer.eos_token_id],
-        max_iterations=4,
-        max_transcript_tokens=MAX_LENGTH,
-        tools=schemas,
-        state_columns=["facts"],
-    )
 
 
 def success(model, tokenizer, rows) -> float:

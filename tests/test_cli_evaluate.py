@@ -170,3 +170,18 @@ def test_the_console_script_writes_to_outputs_eval(trained, tmp_path):
     (written,) = (tmp_path / "outputs" / "eval").glob("*/eval.json")
     assert json.loads(written.read_text())["num_rows"] == {"val": 4, "test": 4}
     assert "== lightning_gkd evaluation ==" in done.stdout and "test/accuracy: " in done.stdout
+
+
+def test_with_tools_the_teacher_is_scored_on_greedy_rollouts_with_them(tmp_path):
+    """experiment=toy_tools: the method's tools roll every prompt out; the final answers are scored and each
+    sample keeps its transcript."""
+    teacher = asset_path("toy_tools/teacher")
+    rows = ["+data.val_data.num_rows=8", "+data.test_data.num_rows=16", "eval.max_rows=16"]
+    out = run(compose_eval(tmp_path, ["experiment=toy_tools", *rows, f"eval.model={teacher}"]))
+    assert out["metrics"]["test/success"] >= 0.9  # the shipped teacher (see assets/toy_tools/manifest.json)
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    transcript = samples[-1]["transcript"]
+    assert [m["role"] for m in transcript] == ["user", "assistant", "tool"] * 1 + ["assistant", "tool"] * 2 + [
+        "assistant"
+    ]
+    assert transcript[-1]["content"] == samples[-1]["completion"]

@@ -155,3 +155,24 @@ def test_the_console_script_reads_stdin():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == "234\n"  # 347 + 85 = 432, digits reversed
+
+
+def test_with_tools_each_prompt_is_rolled_out_and_its_transcript_written(tmp_path):
+    from lightning_gkd.data.toy import tool_rows
+    from lightning_gkd.data.toy.tools import TOOLS
+
+    rows = tool_rows("test", 8)
+    prompts = tmp_path / "agent.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = io.StringIO()
+    tools = ["--tools", *TOOLS, "--tool-state-columns", "facts", "--max-tool-calling-iterations", "4"]
+    main(
+        [asset_path("toy_tools/teacher"), "--prompts", str(prompts), "--output", "-", "--max-new-tokens", "24", *tools],
+        stdout=out,
+    )
+    items = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [item["reference"] for item in items] == [row["answer"] for row in rows]
+    assert sum(item["completion"] == item["reference"] for item in items) >= 7  # the shipped teacher, with its tools
+    for item in items:
+        assert item["transcript"][-1] == {"role": "assistant", "content": item["completion"]}
+    assert [m["role"] for m in items[0]["transcript"]].count("tool") == 3  # lookup, lookup, add

@@ -330,7 +330,7 @@ def fit_with_tools(module, tokenizer, rows, steps=2, batch_size=2, **data):
     return trainer
 
 
-@pytest.mark.parametrize("method", ["gkd", "opd"])
+@pytest.mark.parametrize("method", ["gkd", "seq_kd", "opd"])
 def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(tool_tokenizer, method):
     rows = tool_rows("train", 4)
     sampler = ScriptedSampler(tool_tokenizer, scripted_rows(rows))
@@ -343,11 +343,12 @@ def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(
         max_new_tokens=64,
         metrics={"success": lambda p, r: sum(a == b for a, b in zip(p, r, strict=True)) / len(p)},
     )
-    module = (
-        GKDModule(student, teacher, tool_tokenizer, lmbda=1.0, **common)
-        if method == "gkd"
-        else OPDModule(student, teacher, tool_tokenizer, **common)
-    )
+    if method == "opd":
+        module = OPDModule(student, teacher, tool_tokenizer, **common)
+    else:  # seq_kd: the teacher acts, with the same tools
+        module = GKDModule(
+            student, teacher, tool_tokenizer, lmbda=float(method == "gkd"), seq_kd=method == "seq_kd", **common
+        )
     seen = []
     loss = module.training_loss
 
@@ -465,3 +466,56 @@ def test_a_resume_in_the_middle_of_a_group_of_transcripts_repeats_the_uninterrup
     assert 0 < sum(full_flips) < 8  # sampled (transcript) groups and dataset groups both happened
     assert resumed_flips == full_flips[4:]
     assert resumed_losses == full_losses[4:]
+
+
+def test_the_toy_task_names_where_a_transcript_went_wrong():
+    from lightning_gkd.data.toy.tools import failure_kind
+
+    row = tool_rows("test", 1)[0]
+    reference = row["messages"]
+    first, second = reference[0]["content"].split("+")
+    facts = json.loads(row["facts"])
+
+    def with_turns(*turns):  # the reference transcript with its assistant turns from index 1 replaced
+        return [reference[0], *({"role": "assistant", "content": t} for t in turns)]
+
+    assert failure_kind(reference, row) == "correct"
+    assert failure_kind(with_turns('<tool_call>{"name": "lookup"'), row) == "malformed call"
+    assert failure_kind(with_turns(tool_call("search", key=first)), row) == "wrong tool or arguments"
+    assert failure_kind(with_turns(str(int(row["answer"]) + 1)), row) == "invented a tool result"
+    wrong_add = [*reference[:5], {"role": "assistant", "content": tool_call("add", a=facts[first], b=1)}]
+    assert failure_kind(wrong_add, row) == "ignored a result"
+    assert failure_kind([*reference[:-1], {"role": "assistant", "content": "7"}], row) == "ignored a result"
+    assert failure_kind(reference[:-2], row) == "not stopping"
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_the_teachers_score_of_a_transcript_equals_scoring_it_as_a_dataset_row(tool_tokenizer, beta):
+    """GKD's loss on a rolled-out transcript equals its loss on the same conversation collated as a dataset row
+    (assistant_turns="all") with the same positions supervised: one forward over the whole transcript, the tool
+    tokens unscored."""
+    rows = tool_rows("test", 2)
+    student = tiny_causal_lm(TINY_STUDENT, tool_tokenizer, seed=0)
+    teacher = tiny_causal_lm(TINY_TEACHER, tool_tokenizer, seed=1)
+    module = GKDModule(
+        student, teacher, tool_tokenizer, lmbda=1.0, beta=beta, tools=list(TOOLS), tool_state_columns=["facts"]
+    )
+    rollout = module.rollout
+    collator = ChatMLCollator(
+        tool_tokenizer, columns=["facts"], carry_prompt_messages=True, tools=rollout.tools, first_turn_prompts=True
+    )
+    sampler = ScriptedSampler(tool_tokenizer, scripted_rows(rows))
+    sampled, _ = rollout.run(lambda i, m, s: sampler.sample(None, i, m, seed=s), collator(rows), seed=0)
+    dataset = ChatMLCollator(tool_tokenizer, assistant_turns="all", tools=rollout.tools)(rows)
+    # the dataset row labels the template's newline after each end-of-turn token; the student never wrote it
+    labels = dataset["labels"].clone()
+    eos = tool_tokenizer.eos_token_id
+    labels[:, 1:][labels[:, :-1] == eos] = IGNORE_INDEX
+    # both batches are left-padded the same way (the prompts here have equal lengths): compare on the shared width
+    width = sampled["input_ids"].shape[1]
+    assert torch.equal(sampled["input_ids"], dataset["input_ids"][:, :width])
+    assert torch.equal(sampled["labels"], labels[:, :width])
+    as_rollout = module.distillation_loss(sampled)
+    as_dataset = module.distillation_loss({**dataset, "labels": labels})
+    assert as_rollout.count == as_dataset.count
+    assert torch.allclose(as_rollout.loss, as_dataset.loss, atol=1e-6)

@@ -199,3 +199,11 @@ def test_ddp_with_a_teacher_of_another_tokenizer_equals_one_process_with_the_dou
     assert r["cross_path"]
     assert r["weights_rank0_vs_rank1"] == 0.0
     assert r["weights_changed"] > 1e-3 and r["weights_vs_doubled"] < 1e-6
+
+
+def test_ddp_with_tools_equals_one_process_rolling_out_the_doubled_batch(ddp):
+    """Each rank rolls out its own rows (the tools run on that rank); the transcripts' token counts differ between
+    ranks, and the step's token mean over both ranks gives the weights of one process on the doubled batch."""
+    r = ddp["tools"]
+    assert r["completion_tokens"][0] != r["completion_tokens"][1]
+    assert r["weights_changed"] > 1e-3 and r["weights_vs_doubled"] < 1e-6

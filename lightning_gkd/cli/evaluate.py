@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import lightning as L
@@ -38,7 +38,10 @@ from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generati
 from lightning_gkd.methods.base import check_data_format
 from lightning_gkd.methods.sft import SFTModule
 from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
-from lightning_gkd.ops.hf import float32_matmul_precision
+from lightning_gkd.ops.hf import float32_matmul_precision, resolve_eos_token_id
+from lightning_gkd.ops.sampling import eos_ids
+from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
+from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 from lightning_gkd.training.checkpoint_io import CheckpointError
 from lightning_gkd.training.quiet import quiet_run
 
@@ -247,6 +250,21 @@ def scored_generations(
     return scores, seen.get("predictions", []), seen.get("references", [])
 
 
+def method_rollout(cfg: DictConfig, module: Any, tokenizer: Any) -> MultiTurnRollout | None:
+    """The configured method's multi-turn rollout (``method.tools`` or ``method.environment``): the module's own, or
+    built from the settings when only the student loaded (``eval.loss=cross_entropy``); None without tools."""
+    if getattr(module, "rollout", None) is not None:
+        return cast(MultiTurnRollout, module.rollout)
+    keys = ("tools", "environment", "max_tool_calling_iterations", "tool_timeout", "max_transcript_tokens")
+    method = cast(dict[str, Any], OmegaConf.to_container(cfg.method, resolve=True))
+    chosen = {key: method[key] for key in keys if method.get(key) is not None}
+    if not chosen.get("tools") and chosen.get("environment") is None:
+        return None
+    columns = list(method.get("tool_state_columns") or [])
+    eos = eos_ids(resolve_eos_token_id(module.model, tokenizer))
+    return build_rollout(tokenizer, eos_token_ids=eos, tool_state_columns=columns, **chosen)
+
+
 def generation_results(
     model: nn.Module,
     tokenizer: Any,
@@ -255,8 +273,11 @@ def generation_results(
     *,
     max_new_tokens: int,
     batch_size: int,
+    rollout: MultiTurnRollout | None = None,
 ) -> tuple[dict[str, float], dict[str, int], list[dict[str, Any]]]:
-    """Greedy completions of every set, scored: (``<prefix>/<metric>`` values, rows per set, samples)."""
+    """Greedy completions of every set, scored: (``<prefix>/<metric>`` values, rows per set, samples). With a
+    ``rollout`` (tools), each prompt is a greedy multi-turn rollout, scored on its final answer; its sample keeps the
+    transcript."""
     values: dict[str, float] = {}
     counts: dict[str, int] = {}
     samples: list[dict[str, Any]] = []
@@ -264,9 +285,16 @@ def generation_results(
         if not len(rows):
             continue
         options: dict[str, Any] = {"batch_size": batch_size, "max_new_tokens": max_new_tokens}
-        if max_length is not None:
-            options["max_length"] = max_length
-        scores, predictions, references = scored_generations(model, tokenizer, rows, metrics, **options)
+        transcripts: list[Any] = []
+        if rollout is not None:
+            transcripts, _ = rollout_rows(model, tokenizer, rows, rollout, **options)
+            predictions = final_answers(transcripts)
+            references = [str(row["messages"][-1]["content"]) for row in rows]
+            scores = {name: float(metric(predictions, references)) for name, metric in metrics.items()}
+        else:
+            if max_length is not None:
+                options["max_length"] = max_length
+            scores, predictions, references = scored_generations(model, tokenizer, rows, metrics, **options)
         values.update({f"{prefix}/{name}": value for name, value in scores.items()})
         counts[prefix] = len(rows)
         for index, (prediction, reference) in enumerate(zip(predictions, references, strict=True)):
@@ -280,6 +308,7 @@ def generation_results(
                     "completion": prediction,
                     "reference": reference,
                     "scores": {name: float(m([prediction], [reference])) for name, m in metrics.items()},
+                    **({"transcript": transcripts[index]} if transcripts else {}),
                 }
             )
     return values, counts, samples
@@ -328,6 +357,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 metrics,
                 max_new_tokens=cfg.eval.max_new_tokens,
                 batch_size=cfg.eval.batch_size,
+                rollout=method_rollout(cfg, module, datamodule.tokenizer),
             )
             values.update(generated)
     output_dir = Path(cfg.paths.output_dir)

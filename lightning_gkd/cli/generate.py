@@ -18,9 +18,9 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import torch
 from torch import nn
@@ -31,8 +31,10 @@ from lightning_gkd.data.chat import ChatMLCollator, prepare_tokenizer
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import completion_texts
 from lightning_gkd.models.loading import check_hub_id_reachable, load_causal_lm
-from lightning_gkd.ops.hf import resolve_eos_token_id
-from lightning_gkd.ops.sampling import derive_seed
+from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.sampling import derive_seed, eos_ids, generate_completions
+from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
+from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 
 Messages = list[dict[str, str]]
 
@@ -44,6 +46,7 @@ class PromptRow:
     messages: Messages
     prompt: Any
     reference: str | None = None
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other keys (a tool's row_state())
 
 
 # -- reading prompts ---------------------------------------------------------------------------------------------------
@@ -63,19 +66,20 @@ def prompt_row(row: Any, where: str) -> PromptRow:
     :class:`PromptRow`; ValueError naming ``where`` otherwise."""
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: expected a JSON object with 'messages' or 'prompt', got {row!r}.")
+    columns = {key: value for key, value in row.items() if key not in ("messages", "prompt", "completion")}
     if "messages" in row:
         messages = _messages(row["messages"], where)
         if messages[-1]["role"] == "assistant":
             if len(messages) == 1:
                 raise ValueError(f"{where}: the only message is the assistant's; there is nothing to complete.")
-            return PromptRow(messages[:-1], messages[:-1], messages[-1]["content"])
-        return PromptRow(messages, messages)
+            return PromptRow(messages[:-1], messages[:-1], messages[-1]["content"], columns)
+        return PromptRow(messages, messages, columns=columns)
     if "prompt" in row:
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, where)
         completion = row.get("completion")
         reference = completion if isinstance(completion, str) else None
-        return PromptRow(messages, prompt, reference)
+        return PromptRow(messages, prompt, reference, columns)
     raise ValueError(f"{where}: no 'messages' or 'prompt' key (keys: {sorted(row)}).")
 
 
@@ -165,13 +169,56 @@ def complete(
     return texts
 
 
-def output_rows(rows: Sequence[PromptRow], completions: Sequence[str]) -> list[dict[str, Any]]:
-    """``{"prompt", "completion"}`` per prompt (the prompt as given), with ``reference`` where the row had one."""
+def act(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[PromptRow],
+    rollout: MultiTurnRollout,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> list[list[dict[str, Any]]]:
+    """Each conversation rolled out with ``rollout``'s tools: the transcripts (greedy at ``temperature`` 0)."""
+    eos = resolve_eos_token_id(model, tokenizer)
+
+    def turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
+        return generate_completions(
+            model,
+            ids,
+            mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=resolve_pad_token_id(tokenizer),
+            eos_token_id=eos,
+            do_sample=temperature > 0,
+            temperature=temperature or 1.0,
+            top_k=top_k,
+            top_p=top_p,
+            seed=turn_seed,
+        )
+
+    chats = [{"messages": row.messages, **row.columns} for row in rows]
+    transcripts, _ = rollout_rows(
+        model, tokenizer, chats, rollout, max_new_tokens=max_new_tokens, batch_size=batch_size, sample=turn
+    )
+    return transcripts
+
+
+def output_rows(
+    rows: Sequence[PromptRow], completions: Sequence[str], transcripts: Sequence[Any] | None = None
+) -> list[dict[str, Any]]:
+    """``{"prompt", "completion"}`` per prompt (the prompt as given), with ``reference`` where the row had one and
+    ``transcript`` (every message) for a rollout with tools."""
     out = []
-    for row, completion in zip(rows, completions, strict=True):
+    for index, (row, completion) in enumerate(zip(rows, completions, strict=True)):
         item: dict[str, Any] = {"prompt": row.prompt, "completion": completion}
         if row.reference is not None:
             item["reference"] = row.reference
+        if transcripts is not None:
+            item["transcript"] = transcripts[index]
         out.append(item)
     return out
 
@@ -212,6 +259,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto (as saved), float32, bfloat16, float16")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for a tokenizer without one")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code to run")
+    tools = p.add_argument_group("tools (multi-turn rollouts: docs/tools.md)")
+    tools.add_argument(
+        "--tools", nargs="+", default=None, help="import paths of the tools the model may call (package.module.fn)"
+    )
+    tools.add_argument("--max-tool-calling-iterations", type=int, default=5, help="tool replies per transcript")
+    tools.add_argument("--tool-timeout", type=float, default=10.0, help="seconds a tool call may take")
+    tools.add_argument("--max-transcript-tokens", type=int, default=None, help="cap on a transcript's tokens")
+    tools.add_argument(
+        "--tool-state-columns", nargs="+", default=[], help="jsonl row keys a tool reads through row_state()"
+    )
     return p
 
 
@@ -275,10 +332,38 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
         if folder is None:  # a hub id: fail now when it can be neither downloaded nor found in the cache
             check_hub_id_reachable("model", args.model)
         tokenizer = chat_tokenizer(args)
+        rollout_settings: dict[str, Any] = dict(
+            tools=args.tools,
+            max_tool_calling_iterations=args.max_tool_calling_iterations,
+            tool_timeout=args.tool_timeout,
+            max_transcript_tokens=args.max_transcript_tokens,
+            tool_state_columns=args.tool_state_columns,
+        )
+        if args.tools:  # the tools and the template, before the model loads
+            build_rollout(tokenizer, eos_token_ids=[], **rollout_settings)
     except (FileNotFoundError, ValueError) as error:
         p.error(str(error))
     add_system_prompt(rows, args.system)
     model = load(args)
+    if args.tools:
+        rollout = build_rollout(
+            tokenizer, eos_token_ids=eos_ids(resolve_eos_token_id(model, tokenizer)), **rollout_settings
+        )
+        transcripts = act(
+            model,
+            tokenizer,
+            rows,
+            cast(MultiTurnRollout, rollout),
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            batch_size=args.batch_size,
+        )
+        items = output_rows(rows, final_answers(transcripts), transcripts)
+        write(items, args.output, stdout or sys.stdout)
+        return
     completions = complete(
         model,
         tokenizer,

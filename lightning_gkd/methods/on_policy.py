@@ -23,9 +23,8 @@ from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.ops.losses import IGNORE_INDEX
 from lightning_gkd.ops.sampling import eos_ids, validate_sampling_args
-from lightning_gkd.rollouts import MultiTurnRollout, ToolCallParser, build_environment
+from lightning_gkd.rollouts import MultiTurnRollout, ToolCallParser, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, greedy_engine_turn, greedy_turn
-from lightning_gkd.rollouts.templates import check_template_renders_tools
 from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler_available
 from lightning_gkd.teachers import LocalTeacher
 from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
@@ -118,13 +117,17 @@ class OnPolicyModule(CausalLMModule):
             raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
         validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
         tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        #: Multi-turn rollouts with tools or an environment (None: one completion per prompt).
-        self.rollout: MultiTurnRollout | None = None
-        rollout_environment, tool_schemas = build_environment(
-            list(tools or []), environment, tokenizer, timeout=tool_timeout, parser=tool_parser
+        rollout_settings: dict[str, Any] = dict(
+            tools=list(tools or []),
+            environment=environment,
+            max_tool_calling_iterations=max_tool_calling_iterations,
+            tool_timeout=tool_timeout,
+            max_transcript_tokens=max_transcript_tokens,
+            tool_state_columns=tool_state_columns,
+            tool_parser=tool_parser,
         )
-        if rollout_environment is not None:  # before any model loads: the template and the teachers can take them
-            check_template_renders_tools(tokenizer, tool_schemas)
+        if tools or environment is not None:  # before any model loads: the template and the teachers can take them
+            build_rollout(tokenizer, eos_token_ids=[], **rollout_settings)
             refuse_rollouts_with(same_vocab=same_vocab)
         super().__init__(student, tokenizer, trust_remote_code=trust_remote_code, **common)
         #: Where the losses read each teacher's signal (``lightning_gkd.teachers``), by name (``""``: the only one).
@@ -169,16 +172,12 @@ class OnPolicyModule(CausalLMModule):
         self._batches = self._on_policy_batches = 0
         self._group: GenerationGroup | None = None
         self.sampling_calls = 0  # sampling calls in this process's current fit
-        if rollout_environment is not None:
-            self.rollout = MultiTurnRollout(
-                self.tokenizer,
-                rollout_environment,
-                eos_token_ids=eos_ids(resolve_eos_token_id(self.student, self.tokenizer)),
-                max_iterations=max_tool_calling_iterations,
-                max_transcript_tokens=max_transcript_tokens,
-                tools=tool_schemas,
-                state_columns=tool_state_columns,
-            )
+        #: Multi-turn rollouts with tools or an environment (None: one completion per prompt).
+        self.rollout: MultiTurnRollout | None = build_rollout(
+            self.tokenizer,
+            eos_token_ids=eos_ids(resolve_eos_token_id(self.student, self.tokenizer)),
+            **rollout_settings,
+        )
 
     @property
     def student(self) -> torch.nn.Module:

@@ -5,7 +5,13 @@ failures as ``{"error": ...}``); ``parsers`` read calls from a turn; ``row_state
 
 from lightning_gkd.rollouts.environment import Environment, EnvironmentReply, ToolEnvironment
 from lightning_gkd.rollouts.parsers import HermesToolCallParser, ResponseSchemaParser, ToolCallParser, default_parser
-from lightning_gkd.rollouts.rollout import MultiTurnRollout, RolloutStats, build_environment, continuation_ids
+from lightning_gkd.rollouts.rollout import (
+    MultiTurnRollout,
+    RolloutStats,
+    build_environment,
+    build_rollout,
+    continuation_ids,
+)
 from lightning_gkd.rollouts.tools import FAILURE_KINDS, Tool, ToolCall, ToolResult, build_tools, row_state
 
 __all__ = [
@@ -22,6 +28,7 @@ __all__ = [
     "ToolEnvironment",
     "ToolResult",
     "build_environment",
+    "build_rollout",
     "build_tools",
     "continuation_ids",
     "default_parser",

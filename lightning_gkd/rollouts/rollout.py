@@ -278,4 +278,42 @@ def build_environment(
     return environment, getattr(environment, "tool_schemas", None)
 
 
-__all__ = ["EnvironmentReply", "MultiTurnRollout", "RolloutStats", "build_environment", "continuation_ids"]
+def build_rollout(
+    tokenizer: Any,
+    *,
+    eos_token_ids: Sequence[int],
+    tools: Sequence[Any] | None = None,
+    environment: Environment | str | None = None,
+    max_tool_calling_iterations: int = 5,
+    tool_timeout: float = 10.0,
+    max_transcript_tokens: int | None = None,
+    tool_state_columns: Sequence[str] = (),
+    tool_parser: Any = None,
+) -> MultiTurnRollout | None:
+    """The rollout a method's (or a command's) tool settings describe, its template checked; None without tools or
+    an environment. The one place the settings become a rollout: training, evaluation and generation share it."""
+    from lightning_gkd.rollouts.templates import check_template_renders_tools
+
+    built, schemas = build_environment(tools, environment, tokenizer, timeout=tool_timeout, parser=tool_parser)
+    if built is None:
+        return None
+    check_template_renders_tools(tokenizer, schemas)
+    return MultiTurnRollout(
+        tokenizer,
+        built,
+        eos_token_ids=eos_token_ids,
+        max_iterations=max_tool_calling_iterations,
+        max_transcript_tokens=max_transcript_tokens,
+        tools=schemas,
+        state_columns=tool_state_columns,
+    )
+
+
+__all__ = [
+    "EnvironmentReply",
+    "build_rollout",
+    "MultiTurnRollout",
+    "RolloutStats",
+    "build_environment",
+    "continuation_ids",
+]

@@ -21,6 +21,8 @@ trained on:
 6. ``cross_tokenizer``: ``parity_uneven`` with a teacher whose tokenizer differs (a BPE over the toy rows): the loss
    is a mean over byte-aligned groups and the step's normaliser counts groups over both ranks, so DDP's weights match
    one process on the doubled batch.
+7. ``tools``: lmbda = 1 with tools (scripted turns, real tool calls on each rank for its own rows), 2 steps, against
+   one process rolling out the doubled batch.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ import torch.distributed as dist
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.loader import rank_groups
-from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer, build_chatml_tokenizer
+from lightning_gkd.data.toy import addition_rows, tool_rows
+from lightning_gkd.data.toy.tools import TOOLS
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from tests.helpers.scripted_sampler import ScriptedSampler
 
 KEYS = ("input_ids", "attention_mask", "labels")
 LR, MAX_LENGTH, SEED = 1.0, 64, 0
@@ -338,6 +342,51 @@ def grouped(out: Path, tokenizer, steps: int = 4, k: int = 2, per_rank: int = 2)
     return {"ranks": parts, "steps": steps, "k": k} if rank == 0 else None
 
 
+# -- 7: on-policy steps with tools (multi-turn rollouts), each rank rolling out its own rows ----------------------
+def tools(out: Path, steps: int = 2, per_rank: int = 2) -> dict | None:
+    tokenizer = build_chatml_tokenizer()
+    tokenizer.chat_template = TOOLS_CHATML_TEMPLATE
+    rows = tool_rows("train", 16)
+    script = {
+        row["messages"][0]["content"]: [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        for row in rows
+    }
+
+    def make() -> Recorded:
+        return make_module(
+            tokenizer,
+            lmbda=1.0,
+            tools=list(TOOLS),
+            tool_state_columns=["facts"],
+            sampler=ScriptedSampler(tokenizer, script),
+            max_new_tokens=64,
+        )
+
+    def data(batch_size: int) -> ChatDataModule:
+        return ChatDataModule(tokenizer, rows, batch_size=batch_size, max_length=400, seed=SEED, assistant_turns="all")
+
+    module = make()
+    fit(out, module, data(per_rank), steps)
+    final = flat_state(module.student)
+    tokens = gather([int((row["labels"] != -100).sum()) for row in module.trained])
+    if dist.get_rank() != 0:
+        return None
+    ref, ref_data = make(), data(2 * per_rank)
+    ref.check_datamodule(ref_data)
+    opt = torch.optim.SGD([p for p in ref.student.parameters() if p.requires_grad], lr=LR)
+    for step, batch in enumerate(itertools.islice(ref_data.train_dataloader(), steps)):
+        _, sampled = ref.training_batch(batch, step)
+        loss = ref.distillation_loss(sampled).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {
+        "completion_tokens": tokens,  # [rank][step]: labels of whole transcripts
+        "weights_vs_doubled": max_abs_diff(final, flat_state(ref.student)),
+        "weights_changed": max_abs_diff(final, flat_state(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0))),
+    }
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -350,6 +399,7 @@ def main() -> None:
     result["grouped"] = grouped(out / "grouped", tokenizer)
     result["accumulated"] = accumulated(out / "accumulated", tokenizer, addition_rows("train", 24))
     result["cross_tokenizer"] = cross_tokenizer(out / "cross_tokenizer", tokenizer, addition_rows("train", 24))
+    result["tools"] = tools(out / "tools")
     result["world_size"] = dist.get_world_size()
     result["backend"] = dist.get_backend()
     if dist.get_rank() == 0:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_gkd.rollouts.tools import row_state
@@ -89,3 +90,71 @@ def tool_rows(split: str = "train", num_rows: int | None = None) -> list[dict[st
         messages = transcript(facts, first, second)
         rows.append({"messages": messages, "facts": json.dumps(facts), "answer": messages[-1]["content"]})
     return rows
+
+
+#: How a transcript of this task ends, in the order ``failure_kind`` checks them.
+OUTCOMES = (
+    "correct",
+    "malformed call",
+    "wrong tool or arguments",
+    "ignored a result",
+    "invented a tool result",
+    "not stopping",
+)
+
+
+def failure_kind(messages: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) -> str:
+    """Where a transcript of this task went wrong (one of ``OUTCOMES``), judged by its first deviation from the
+    correct procedure: a call that does not parse (*malformed call*); a call to another tool, a lookup of a key the
+    question does not name, or other arguments (*wrong tool or arguments*); an ``add`` of other numbers than the
+    lookups returned, or a final answer other than the sum ``add`` returned (*ignored a result*); an answer given
+    before both lookups and the addition came back (*invented a tool result*); a transcript that ends on a call or
+    mid-turn (*not stopping*: the iteration or token cap)."""
+    from lightning_gkd.rollouts.parsers import HermesToolCallParser
+
+    facts = json.loads(row["facts"])
+    wanted = set(row["messages"][0]["content"].split("+"))
+    parser = HermesToolCallParser()
+    looked_up: dict[str, int] = {}
+    added: int | None = None
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for position in assistant:
+        content = str(messages[position]["content"])
+        calls = parser.parse(content)
+        if not calls:  # an answer
+            if position != assistant[-1]:
+                return "not stopping"
+            if len(looked_up) < 2 or added is None:
+                return "correct" if content.strip() == row["answer"] else "invented a tool result"
+            return "correct" if content.strip() == row["answer"] else "ignored a result"
+        for call in calls:
+            if call.error is not None:
+                return "malformed call"
+            if call.name == "lookup" and call.arguments.get("key") in wanted and set(call.arguments) == {"key"}:
+                looked_up[call.arguments["key"]] = facts[call.arguments["key"]]
+            elif call.name == "add" and set(call.arguments) == {"a", "b"}:
+                if sorted(map(str, call.arguments.values())) != sorted(map(str, looked_up.values())):
+                    return "ignored a result"
+                added = sum(looked_up.values())
+            else:
+                return "wrong tool or arguments"
+    return "not stopping"  # the last turn was a call: the cap ended the transcript
+
+
+#: How the task is rolled out and scored: tool replies per transcript, tokens a turn, tokens a transcript.
+MAX_TOOL_CALLING_ITERATIONS, MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS = 4, 24, 128
+
+
+def task_rollout(tokenizer: Any) -> Any:
+    """The ``MultiTurnRollout`` this task is trained and scored with (its tools, the row's ``facts``, its caps)."""
+    from lightning_gkd.rollouts import build_rollout
+
+    return build_rollout(
+        tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        tools=list(TOOLS),
+        max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS,
+        tool_timeout=5.0,
+        max_transcript_tokens=MAX_TRANSCRIPT_TOKENS,
+        tool_state_columns=["facts"],
+    )
