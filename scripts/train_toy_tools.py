@@ -23,7 +23,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, SFTModule
-from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer
+from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer, load_tokenizer
 from lightning_gkd.data.toy.tools import MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS, TOOLS, task_rollout, tool_rows
 from lightning_gkd.evaluation.metrics import exact_match
 from lightning_gkd.models.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
@@ -55,11 +55,11 @@ def success(model, tokenizer, rows) -> float:
 class RolloutValidation(L.Callback):
     """Every ``every`` steps: greedy rollout success on ``rows``; stops training once it reaches ``target``."""
 
-    def __init__(self, rows, every: int, target: float | None) -> None:
-        self.rows, self.every, self.target = rows, every, target
+    def __init__(self, rows, every: int, target: float | None, start: int = 0) -> None:
+        self.rows, self.every, self.target, self.start = rows, every, target, start
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every:
+        if trainer.global_step % self.every or trainer.global_step < self.start:
             return
         score = success(pl_module.model, pl_module.tokenizer, self.rows)
         print(f"step {trainer.global_step}: val success {score:.4f}", flush=True)
@@ -67,7 +67,9 @@ class RolloutValidation(L.Callback):
             trainer.should_stop = True
 
 
-def sft(model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, target: float, every: int, root):
+def sft(
+    model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, target: float, every: int, root, start=0
+):
     L.seed_everything(seed, workers=True)
     module = SFTModule(
         model,
@@ -89,7 +91,7 @@ def sft(model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, 
         logger=False,
         enable_checkpointing=False,
         gradient_clip_val=1.0,
-        callbacks=[RolloutValidation(tool_rows("val")[:128], every, target)],
+        callbacks=[RolloutValidation(tool_rows("val")[:128], every, target, start)],
         default_root_dir=root,
         enable_model_summary=False,
         enable_progress_bar=False,
@@ -99,6 +101,49 @@ def sft(model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, 
     return module
 
 
+def make_student(args, tokenizer, test):
+    """The student's start: a brief SFT stopped once its validation success passes --student-target."""
+    student = sft(
+        tiny_causal_lm(TOOLS_STUDENT, tokenizer, seed=args.seed + 1),
+        tokenizer,
+        steps=args.student_steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed + 1,
+        target=args.student_target,
+        every=args.student_every,
+        start=args.student_eval_from,
+        root=args.out.parent / ".train_tools_student",
+    )
+    student_success = success(student.model, tokenizer, test)
+    print(f"student start: {student.global_step} steps, test success {student_success:.4f}", flush=True)
+    return student, student_success
+
+
+def student_entry(args, student, student_success) -> dict:
+    return {
+        "config": TOOLS_STUDENT,
+        "sft_steps": student.global_step,
+        "schedule_steps": args.student_steps,
+        "validated": f"every {args.student_every} steps from {args.student_eval_from}, target {args.student_target}",
+        "test_success": student_success,
+    }
+
+
+def remake_student(args, test, started: float) -> int:
+    """--reuse-teacher: a new student start beside the teacher already in --out; the manifest's other entries kept."""
+    manifest = json.loads((args.out / "manifest.json").read_text())
+    tokenizer = load_tokenizer(args.out / "teacher")
+    student, student_success = make_student(args, tokenizer, test)
+    student.export(args.out / "student_init")
+    manifest["student_init"] = student_entry(args, student, student_success)
+    manifest["student_command"] = "python scripts/train_toy_tools.py " + " ".join(sys.argv[1:])
+    manifest["student_seconds"] = round(time.perf_counter() - started, 1)
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ASSETS)
@@ -106,6 +151,13 @@ def main() -> int:
     parser.add_argument("--teacher-steps", type=int, default=3000)
     parser.add_argument("--student-steps", type=int, default=2000, help="length of the student's LR schedule")
     parser.add_argument("--student-target", type=float, default=0.2)
+    parser.add_argument("--student-every", type=int, default=10, help="student validation every this many steps")
+    parser.add_argument("--student-eval-from", type=int, default=600, help="first step the student is validated")
+    parser.add_argument(
+        "--reuse-teacher",
+        action="store_true",
+        help="keep the teacher in --out (and its manifest entry); remake the student",
+    )
     parser.add_argument("--target", type=float, default=0.98)
     parser.add_argument("--required", type=float, default=0.95)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -116,9 +168,11 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    test = tool_rows("test")
+    if args.reuse_teacher:
+        return remake_student(args, test, started)
     tokenizer = build_tokenizer(args.merges)
     print(f"tokenizer: {len(tokenizer)} tokens", flush=True)
-    test = tool_rows("test")
     teacher = sft(
         tiny_causal_lm(TOOLS_TEACHER, tokenizer, seed=args.seed),
         tokenizer,
@@ -135,19 +189,7 @@ def main() -> int:
     if teacher_success < args.required:
         print(f"teacher test success {teacher_success:.4f} < {args.required}; raise --teacher-steps", file=sys.stderr)
         return 1
-    student = sft(
-        tiny_causal_lm(TOOLS_STUDENT, tokenizer, seed=args.seed + 1),
-        tokenizer,
-        steps=args.student_steps,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed + 1,
-        target=args.student_target,
-        every=50,
-        root=args.out.parent / ".train_tools_student",
-    )
-    student_success = success(student.model, tokenizer, test)
-    print(f"student start: {student.global_step} steps, test success {student_success:.4f}", flush=True)
+    student, student_success = make_student(args, tokenizer, test)
     args.out.mkdir(parents=True, exist_ok=True)
     teacher.export(args.out / "teacher")
     student.export(args.out / "student_init")
@@ -161,12 +203,7 @@ def main() -> int:
             "vocabulary_size": len(tokenizer),
         },
         "teacher": {"config": TOOLS_TEACHER, "sft_steps": teacher.global_step, "test_success": teacher_success},
-        "student_init": {
-            "config": TOOLS_STUDENT,
-            "sft_steps": student.global_step,
-            "schedule_steps": args.student_steps,
-            "test_success": student_success,
-        },
+        "student_init": student_entry(args, student, student_success),
         "evaluation": f"greedy rollouts, max_tool_calling_iterations=4, {MAX_NEW_TOKENS} new tokens a turn, "
         f"{len(test)} test rows",
         "training": {

@@ -90,3 +90,26 @@ def test_bpe_teacher_answers_held_out_prompts():
     folder = asset_path("toy_bpe/teacher")
     scores = evaluate_generations(load_causal_lm(folder), load_tokenizer(folder), rows, max_new_tokens=8)
     assert scores["accuracy"] >= 0.8
+
+
+def test_the_agentic_task_assets_act_with_their_tools():
+    """assets/toy_tools: the teacher succeeds with the tools on held-out rows, the student start mostly fails, and the
+    shipped tokenizer's template renders the tools and keeps the call markers as single tokens."""
+    from lightning_gkd.data.toy import tool_rows
+    from lightning_gkd.data.toy.tools import MAX_NEW_TOKENS, task_rollout
+    from lightning_gkd.evaluation import exact_match
+    from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+
+    manifest = json.loads((PACKAGE_ASSETS / "toy_tools" / "manifest.json").read_text())
+    assert manifest["teacher"]["test_success"] >= 0.95 and manifest["student_init"]["test_success"] <= 0.3
+    size = sum(p.stat().st_size for p in (PACKAGE_ASSETS / "toy_tools").rglob("*") if p.is_file())
+    assert size < 10 * 2**20
+    tokenizer = load_tokenizer(asset_path("toy_tools/teacher"))
+    assert len(tokenizer("<tool_call></tool_call>", add_special_tokens=False)["input_ids"]) == 2
+    rows = tool_rows("test", 64)
+    scores = {}
+    for who in ("teacher", "student_init"):
+        model = load_causal_lm(asset_path(f"toy_tools/{who}"))
+        transcripts, _ = rollout_rows(model, tokenizer, rows, task_rollout(tokenizer), max_new_tokens=MAX_NEW_TOKENS)
+        scores[who] = exact_match(final_answers(transcripts), [row["answer"] for row in rows])
+    assert scores["teacher"] >= 0.95 and scores["student_init"] <= 0.4

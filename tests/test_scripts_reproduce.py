@@ -72,3 +72,19 @@ def test_chain_fast_mode_scores_every_method_per_position_and_against_compute(tm
         assert (tmp_path / plot).stat().st_size > 10_000
     assert script.main(["--task", "chain", "--rerender", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "results.md").read_text() == report
+
+
+def test_tools_fast_mode_runs_every_method_and_classifies_every_transcript(tmp_path):
+    spec = importlib.util.spec_from_file_location("reproduce_tools", SCRIPT.parent / "reproduce_tools.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    assert script.main(["--fast", "--out", str(tmp_path), "--workers", "1"]) == 0
+    saved = json.loads((tmp_path / "results_tools.json").read_text())
+    assert [row["method"] for row in saved["table"]] == [m.name for m in script.METHODS]
+    assert saved["teacher"]["success"] > saved["start"]["success"]
+    for run in saved["runs"]:
+        assert sum(run["outcomes"].values()) == pytest.approx(1.0)
+        assert run["example"][0]["role"] == "user"
+    report = (tmp_path / "results.md").read_text()
+    assert "<!-- task:tools -->" in report and "| OPD with tools |" in report and "Best on-policy method" in report

@@ -34,6 +34,9 @@ from lightning_gkd.training.teacher_outage import TeacherOutage
 Source = Literal["dataset", "student", "teacher"]  # where a batch's completions come from
 # salts that keep the coin flip's, the sampler's and the group shuffle's random streams apart
 _COIN, _SAMPLE, _SHUFFLE = 0, 1, 2
+#: With tools and no ``max_transcript_tokens``, a serving engine is sized for transcripts this many times
+#: ``data.max_length`` (plus a turn's ``max_new_tokens``).
+ROLLOUT_CONTEXT_FACTOR = 4
 
 
 def refuse_rollouts_with(*, same_vocab: bool) -> None:
@@ -222,6 +225,8 @@ class OnPolicyModule(CausalLMModule):
         start = getattr(self.sampler, "start", None)
         if callable(start):  # the engines' length, before callbacks (held-out evaluation) first use them
             max_length = getattr(getattr(self._trainer, "datamodule", None), "max_length", None)
+            if max_length and self.rollout is not None:  # a transcript grows past the prompt, turn by turn
+                max_length = self.rollout.max_transcript_tokens or ROLLOUT_CONTEXT_FACTOR * max_length
             start(
                 {},
                 max_model_len=max_length + max(self.max_new_tokens, self.eval_max_new_tokens) if max_length else None,

@@ -3,8 +3,9 @@ writes again, until it answers without a call, hits the iteration cap or the tok
 one training row: every token the student sampled is a label (kept as sampled, never re-tokenized from text); the
 prompt and the environment's tokens are -100 (the tool mask).
 
-A turn is sampled through any ``Sampler`` (the method's engine: ``hf`` re-prefills the transcript each turn, ``vllm``
-batches the rows still going and reuses cached prefixes), so rows can finish at different turns."""
+A turn is sampled through any ``Sampler`` (the method's engine) for the rows still going, so rows can finish at
+different turns. Each turn re-prefills the transcript so far: ``hf`` and ``vllm`` both (VLLMSampler keeps vLLM's prefix
+cache off, whose blocks would outlive a weight sync)."""
 
 from __future__ import annotations
 
