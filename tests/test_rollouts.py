@@ -484,8 +484,8 @@ def test_the_toy_task_names_where_a_transcript_went_wrong():
     assert failure_kind(with_turns(tool_call("search", key=first)), row) == "wrong tool or arguments"
     assert failure_kind(with_turns(str(int(row["answer"]) + 1)), row) == "invented a tool result"
     wrong_add = [*reference[:5], {"role": "assistant", "content": tool_call("add", a=facts[first], b=1)}]
-    assert failure_kind(wrong_add, row) == "ignored a result"
-    assert failure_kind([*reference[:-1], {"role": "assistant", "content": "7"}], row) == "ignored a result"
+    assert failure_kind(wrong_add, row) == "ignored a lookup result"
+    assert failure_kind([*reference[:-1], {"role": "assistant", "content": "7"}], row) == "ignored the sum"
     assert failure_kind(reference[:-2], row) == "not stopping"
 
 

@@ -97,7 +97,8 @@ OUTCOMES = (
     "correct",
     "malformed call",
     "wrong tool or arguments",
-    "ignored a result",
+    "ignored a lookup result",
+    "ignored the sum",
     "invented a tool result",
     "not stopping",
 )
@@ -107,7 +108,8 @@ def failure_kind(messages: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) 
     """Where a transcript of this task went wrong (one of ``OUTCOMES``), judged by its first deviation from the
     correct procedure: a call that does not parse (*malformed call*); a call to another tool, a lookup of a key the
     question does not name, or other arguments (*wrong tool or arguments*); an ``add`` of other numbers than the
-    lookups returned, or a final answer other than the sum ``add`` returned (*ignored a result*); an answer given
+    lookups returned (*ignored a lookup result*), or a final answer other than the sum ``add`` returned (*ignored the
+    sum*): both are the issue's "ignoring a result"; an answer given
     before both lookups and the addition came back (*invented a tool result*); a transcript that ends on a call or
     mid-turn (*not stopping*: the iteration or token cap)."""
     from lightning_gkd.rollouts.parsers import HermesToolCallParser
@@ -126,7 +128,7 @@ def failure_kind(messages: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) 
                 return "not stopping"
             if len(looked_up) < 2 or added is None:
                 return "correct" if content.strip() == row["answer"] else "invented a tool result"
-            return "correct" if content.strip() == row["answer"] else "ignored a result"
+            return "correct" if content.strip() == row["answer"] else "ignored the sum"
         for call in calls:
             if call.error is not None:
                 return "malformed call"
@@ -134,7 +136,7 @@ def failure_kind(messages: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) 
                 looked_up[call.arguments["key"]] = facts[call.arguments["key"]]
             elif call.name == "add" and set(call.arguments) == {"a", "b"}:
                 if sorted(map(str, call.arguments.values())) != sorted(map(str, looked_up.values())):
-                    return "ignored a result"
+                    return "ignored a lookup result"
                 added = sum(looked_up.values())
             else:
                 return "wrong tool or arguments"
