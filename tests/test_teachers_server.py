@@ -160,7 +160,7 @@ def test_a_client_error_is_not_retried(toy, fake, batch):
     teacher = teacher_for(fake, top_k=21)  # above the server's max-logprobs (20)
     with pytest.raises(TeacherRequestError, match="greater than max allowed: 20"):
         teacher.topk(batch, supervised_positions(batch["labels"]))
-    assert fake.count("/v1/completions") <= teacher.concurrency
+    assert fake.count("/v1/completions") <= teacher.server.concurrency
 
 
 def free_port() -> int:
@@ -258,7 +258,7 @@ def test_the_teacher_pickles_and_closes(toy, fake, batch):
     first = teacher.topk(batch, positions)
     copy = pickle.loads(pickle.dumps(teacher))
     teacher.close()
-    assert teacher._pool is None
+    assert teacher.server._pool is None
     assert_same_signal(copy.topk(batch, positions), first)
     assert_same_signal(teacher.topk(batch, positions), first)  # a new pool after close
     teacher.close()

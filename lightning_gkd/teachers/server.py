@@ -16,10 +16,8 @@ http``), and a server that stays down raises ``TeacherUnavailable``.
 from __future__ import annotations
 
 import threading
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,22 +25,10 @@ from torch import nn
 from lightning_gkd.ops.hf import EosTokenId
 from lightning_gkd.ops.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
 from lightning_gkd.teachers.base import TeacherUnavailable, TopKSignal
-from lightning_gkd.teachers.http import (
-    JsonClient,
-    TeacherRequestError,
-    check_number,
-    map_concurrently,
-    normalize_url,
-    start_command,
-)
+from lightning_gkd.teachers.http import TeacherRequestError, check_number, normalize_url, start_command
+from lightning_gkd.teachers.served_model import ServedModel, scored_rows
 
 __all__ = ["ServerSampler", "ServerTeacher", "TeacherRequestError", "TeacherUnavailable"]
-
-#: text whose tokenization the server and the student's tokenizer must agree on (digits, spaces, newlines, tabs,
-#: punctuation, accents, CJK, an emoji; ``check`` appends the tokenizer's special tokens)
-PROBE_TEXT = "Hello, world!\n  12 + 34 = 46\tÜber café; naïve? 日本語 🙂 (x_1 - y) ** 2 {'k': [v]}"
-
-_T = TypeVar("_T")
 
 
 class ServerTeacher:
@@ -66,59 +52,38 @@ class ServerTeacher:
         retries: int = 4,
         backoff: float = 1.0,
     ) -> None:
-        self.url = normalize_url(url)
-        if model is not None and (not isinstance(model, str) or not model):
-            raise ValueError(
-                f"teacher.model must be the served model's name (see GET /v1/models) or null, got {model!r}."
-            )
         check_number("teacher.top_k", top_k, 1, "tokens per position; <= the server's --max-logprobs", integer=True)
-        check_number("teacher.concurrency", concurrency, 1, "rows sent to the server at once", integer=True)
-        check_number("teacher.retries", retries, 0, "retries of a transient failure; 0: none", integer=True)
-        check_number("teacher.timeout", timeout, 1e-3, "seconds a request may take")
-        check_number("teacher.backoff", backoff, 0, "seconds before the first retry, doubled after each")
-        self.model = model
-        self.top_k = top_k
-        self.timeout, self.backoff = float(timeout), float(backoff)
-        self.concurrency, self.retries = concurrency, retries
-        #: the server's ``max_model_len`` (from ``GET /v1/models``), once known
-        self.max_model_len: int | None = None
-        self.vocab_size: int | None = None
-        self._client = JsonClient(
-            self.url,
-            timeout=self.timeout,
+        #: the connection (URL, client with retries, model name, thread pool), shared with ``ServerSampler``
+        self.server = ServedModel(
+            url,
+            model,
+            timeout=timeout,
+            concurrency=concurrency,
             retries=retries,
-            backoff=self.backoff,
-            hint=f"Start it with: {start_command(self.url, top_k)}",
+            backoff=backoff,
+            hint=f"Start it with: {start_command(normalize_url(url), top_k)}",
         )
-        self._resolved = False  # model and max_model_len read from GET /v1/models
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self.url = self.server.url
+        self.top_k = top_k
+        self.vocab_size: int | None = None
+
+    @property
+    def model(self) -> str | None:
+        return self.server.model
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The server's ``max_model_len`` (from ``GET /v1/models``), once known."""
+        return self.server.max_model_len
 
     # -- probe ------------------------------------------------------------------------------------------------------
     def check(self, tokenizer: Any, vocab_size: int) -> None:
         """Before training: the server is up, serves ``model``, allows ``top_k`` log-probs, and tokenizes like
         ``tokenizer`` with a vocabulary of ``vocab_size`` (the student's). Raises ``TeacherUnavailable`` (down) or
         ``ValueError`` naming the URL and both values of what does not match."""
-        self._client.get("/health")
-        model = self._served_model()
-        theirs = self._tokenize(model, tokenizer)
-        text = _probe_text(tokenizer)
-        ours = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
-        if theirs is None:
-            warnings.warn(
-                f"The teacher server at {self.url} has no tokenizer (--skip-tokenizer-init): its tokenizer cannot be "
-                "compared with the student's; make sure the teacher was trained with the same one.",
-                stacklevel=2,
-            )
-        elif theirs != ours:
-            first = next(
-                (i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b), min(len(theirs), len(ours))
-            )
-            raise ValueError(
-                f"The teacher server at {self.url} (model {model!r}) tokenizes differently from the student's "
-                f"tokenizer: {text!r} is {theirs} there and {ours} here (first difference at token {first}). Serve "
-                "a teacher that shares the student's tokenizer (--tokenizer <the student's tokenizer folder>)."
-            )
+        self.server.client.get("/health")
+        model = self.server.name()
+        theirs = self.server.check_tokenizer(tokenizer)
         probe = [vocab_size - 1, 0] if vocab_size > 1 else [0, 0]
         try:
             entries = self._prompt_logprobs(model, probe, None)
@@ -161,30 +126,23 @@ class ServerTeacher:
         L)``, left-padded): ``ids``/``logprobs`` ``(N, k)``, ``next_logprobs`` ``(N,)``, row-major, on the batch's
         device. Ties in log-probs are ordered by id (as ``lightning_gkd.ops.topk.topk_log_probs``)."""
         input_ids = batch["input_ids"]
-        ids, mask, where = input_ids.cpu(), batch["attention_mask"].cpu().bool(), positions.cpu().bool()
-        rows: list[tuple[list[int], list[int]]] = []  # (prompt, its prompt_logprobs indices)
-        for row in range(ids.shape[0]):
-            columns = where[row].nonzero().flatten()
-            if columns.numel() == 0:
-                continue
-            start = int(mask[row].int().argmax()) if bool(mask[row].any()) else ids.shape[1]
-            end = int(columns[-1]) + 2  # through the token the last position predicts
-            if int(columns[0]) < start or end > ids.shape[1] or not bool(mask[row, start:end].all()):
-                raise ValueError(
-                    f"ServerTeacher.topk: row {row} has positions {columns.tolist()} outside its tokens (attention "
-                    f"{mask[row].int().tolist()}): a position must be a real token followed by a real token."
-                )
-            rows.append((ids[row, start:end].tolist(), (columns - start + 1).tolist()))
+        # prompt_logprobs entry j is the distribution of token j given tokens < j: position i reads entry i + 1
+        rows = [
+            (prompt, [index + 1 for index in indices])
+            for _, prompt, indices in scored_rows(
+                input_ids, batch["attention_mask"], positions, owner="ServerTeacher.topk"
+            )
+        ]
         k = self.top_k
         if not rows:  # nothing supervised: no request
             empty = torch.zeros(0, k)
             return TopKSignal(empty.long(), empty, torch.zeros(0)).to(input_ids.device)
-        model = self._served_model()
-        self._check_length(max(len(prompt) for prompt, _ in rows), 1)
+        model = self.server.name()
+        self.server.check_length(max(len(prompt) for prompt, _ in rows), 1)
         top = max(max(prompt) for prompt, _ in rows)
         if self.vocab_size is not None and top >= self.vocab_size:  # such an id can crash a server without tokenizer
             raise ValueError(f"ServerTeacher.topk: token id {top} is outside the vocabulary ({self.vocab_size}).")
-        scored = self._map(lambda job, abort: self._prompt_logprobs(model, job[0], abort), rows)
+        scored = self.server.map(lambda job, abort: self._prompt_logprobs(model, job[0], abort), rows)
         out_ids, out_logprobs, following = [], [], []
         for (prompt, indices), entries in zip(rows, scored, strict=True):
             for index in indices:
@@ -206,61 +164,15 @@ class ServerTeacher:
 
     def close(self) -> None:
         """Shut the thread pool down (a later call starts a new one)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def __getstate__(self) -> dict[str, Any]:  # picklable (spawned DDP workers): no pool or lock in the state
-        state = dict(self.__dict__)
-        state["_pool"], state["_lock"] = None, None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self.server.close()
 
     # -- internals --------------------------------------------------------------------------------------------------
-    def _served_model(self) -> str:
-        """``model``, checked against ``GET /v1/models`` once (None: the one model served)."""
-        if self._resolved and self.model is not None:
-            return self.model
-        served = self._client.get("/v1/models").get("data", [])
-        names = [str(entry["id"]) for entry in served]
-        if self.model is None:
-            if len(names) != 1:
-                raise ValueError(
-                    f"The teacher server at {self.url} serves {len(names)} models ({', '.join(names) or 'none'}): "
-                    "name one with teacher.model."
-                )
-            self.model = names[0]
-        if self.model not in names:
-            raise ValueError(
-                f"The teacher server at {self.url} does not serve teacher.model={self.model!r}; it serves "
-                f"{', '.join(names) or 'no model'}."
-            )
-        self.max_model_len = int(served[names.index(self.model)].get("max_model_len") or 0) or None
-        self._resolved = True
-        return self.model
-
-    def _tokenize(self, model: str, tokenizer: Any) -> list[int] | None:
-        """The server's ids for the probe text; None when the server has no tokenizer (``--skip-tokenizer-init``)."""
-        try:
-            answer = self._client.post(
-                "/tokenize", {"model": model, "prompt": _probe_text(tokenizer), "add_special_tokens": False}
-            )
-        except TeacherRequestError as error:
-            if "tokenizer" in error.message.lower():
-                return None
-            raise
-        return [int(i) for i in answer["tokens"]]
-
     def _prompt_logprobs(
         self, model: str, prompt: list[int], abort: threading.Event | None, *, top_k: int | None = None
     ) -> list[dict[str, dict[str, Any]]]:
         """``prompt_logprobs`` of one prompt (entry 0, ``null``, kept as ``{}``)."""
         body = {"model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": top_k or self.top_k}
-        answer = self._client.post("/v1/completions", {**body, "temperature": 0}, abort=abort)
+        answer = self.server.client.post("/v1/completions", {**body, "temperature": 0}, abort=abort)
         entries = answer["choices"][0].get("prompt_logprobs")
         if not isinstance(entries, list) or len(entries) != len(prompt):
             raise ValueError(
@@ -268,21 +180,6 @@ class ServerTeacher:
                 f"(got {type(entries).__name__}); is it a vLLM server?"
             )
         return [entry or {} for entry in entries]
-
-    def _check_length(self, tokens: int, new_tokens: int) -> None:
-        if self.max_model_len is not None and tokens + new_tokens > self.max_model_len:
-            raise ValueError(
-                f"A row of {tokens} tokens (+{new_tokens} new) does not fit the teacher server's max_model_len="
-                f"{self.max_model_len} ({self.url}). Restart it with --max-model-len {tokens + new_tokens} or more, "
-                "or lower data.max_length / max_new_tokens."
-            )
-
-    def _map(self, call: Callable[[Any, threading.Event], _T], jobs: Sequence[Any]) -> list[_T]:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="lightning-gkd-teacher")
-            pool = self._pool
-        return map_concurrently(pool, call, jobs)
 
 
 class ServerSampler:
@@ -347,10 +244,10 @@ class ServerSampler:
         seeds: Sequence[int | None],
         max_new_tokens: int,
     ) -> dict[str, torch.Tensor]:
-        teacher = self.teacher
-        model = teacher._served_model()
+        teacher, server = self.teacher, self.teacher.server
+        model = server.name()
         rows = [ids[m.bool()].tolist() for ids, m in zip(prompts.cpu(), prompt_attention_mask.cpu(), strict=True)]
-        teacher._check_length(max((len(r) for r in rows), default=0), max_new_tokens)
+        server.check_length(max((len(r) for r in rows), default=0), max_new_tokens)
         stop = eos_ids(self.eos_token_id)
 
         def generate(job: tuple[list[int], int | None], abort: threading.Event) -> tuple[list[int], list[float]]:
@@ -370,7 +267,7 @@ class ServerSampler:
             }
             if seed is not None:
                 body["seed"] = seed
-            choice = teacher._client.post("/v1/completions", body, abort=abort)["choices"][0]
+            choice = server.client.post("/v1/completions", body, abort=abort)["choices"][0]
             tokens = [int(t) for t in choice["token_ids"]]
             logprobs = [float(v) for v in (choice.get("logprobs") or {}).get("token_logprobs", [])]
             if len(logprobs) != len(tokens):
@@ -380,7 +277,7 @@ class ServerSampler:
                 )
             return tokens, logprobs
 
-        outputs = teacher._map(generate, list(zip(rows, seeds, strict=True)))
+        outputs = server.map(generate, list(zip(rows, seeds, strict=True)))
         width = max([1, *(len(tokens) for tokens, _ in outputs)])
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         values = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -388,8 +285,3 @@ class ServerSampler:
             ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             values[row, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
         return completion_batch(prompts, prompt_attention_mask, ids.to(prompts.device), self.eos_token_id, values)
-
-
-def _probe_text(tokenizer: Any) -> str:
-    specials = [str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []]
-    return PROBE_TEXT + "".join(specials)
