@@ -32,11 +32,21 @@ class HiddenStateTeacher:
 
     Subclasses implement ``read_states(batch, positions) -> (N, H)``: the teacher's final hidden states at the ``N``
     True ``positions`` ``(B, L)`` of ``batch`` (row-major), any float dtype, any device. They are cast to the head's
-    dtype and moved to the batch's device here; the head is moved once per device."""
+    dtype and moved to the batch's device here; the head is moved once per device. ``head`` None: ``load_head()``
+    reads it on first use."""
 
-    def __init__(self, head: LogitHead) -> None:
-        self.head = head
+    def __init__(self, head: LogitHead | None = None) -> None:
+        self._head = head
         self._heads: dict[torch.device, LogitHead] = {}
+
+    @property
+    def head(self) -> LogitHead:
+        if self._head is None:
+            self._head = self.load_head()
+        return self._head
+
+    def load_head(self) -> LogitHead:
+        raise NotImplementedError(f"{type(self).__name__} was built without a head and cannot load one.")
 
     @property
     def hidden_size(self) -> int:
