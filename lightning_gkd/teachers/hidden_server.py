@@ -81,7 +81,9 @@ class HiddenServerTeacher(HiddenStateTeacher):
         backoff: float = 1.0,
     ) -> None:
         if dtype not in WIRE_DTYPES:
-            raise ValueError(f"teacher.dtype must be one of {', '.join(WIRE_DTYPES)} (the states' wire dtype), got {dtype!r}.")
+            raise ValueError(
+                f"teacher.dtype must be one of {', '.join(WIRE_DTYPES)} (the states' wire dtype), got {dtype!r}."
+            )
         self.server = ServedModel(
             url,
             model,
@@ -110,8 +112,8 @@ class HiddenServerTeacher(HiddenStateTeacher):
             name = self.server.name()
             if not (Path(name) / "config.json").is_file():
                 raise ValueError(
-                    f"The teacher server at {self.url} serves {name!r}, which is not a local folder: give the teacher's "
-                    "weights for its head with teacher.head=<folder or hub id> (only the head tensors are read)."
+                    f"The teacher server at {self.url} serves {name!r}, which is not a local folder: give the "
+                    "teacher's weights for its head with teacher.head=<folder or hub id> (only the head tensors are read)."
                 )
             source = name
         return load_output_head(source)
@@ -126,8 +128,8 @@ class HiddenServerTeacher(HiddenStateTeacher):
         self.server.check_tokenizer(tokenizer)
         if self.vocab_size != vocab_size:
             raise ValueError(
-                f"The teacher head read from {self.head_source or model!r} has {self.vocab_size} rows but the student's "
-                f"vocabulary has {vocab_size} tokens: serve a teacher with the student's vocabulary."
+                f"The teacher head read from {self.head_source or model!r} has {self.vocab_size} rows but the "
+                f"student's vocabulary has {vocab_size} tokens: serve a teacher with the student's vocabulary."
             )
         probe = [int(i) for i in tokenizer("Hello, world! 12 + 34 = 46", add_special_tokens=False)["input_ids"]]
         probe = probe[: self.server.max_model_len or len(probe)] or [0]
