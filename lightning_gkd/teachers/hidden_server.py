@@ -113,7 +113,8 @@ class HiddenServerTeacher(HiddenStateTeacher):
             if not (Path(name) / "config.json").is_file():
                 raise ValueError(
                     f"The teacher server at {self.url} serves {name!r}, which is not a local folder: give the "
-                    "teacher's weights for its head with teacher.head=<folder or hub id> (only the head tensors are read)."
+                    "teacher's weights for its head with teacher.head=<folder or hub id> (only its head tensors are "
+                    "read)."
                 )
             source = name
         return load_output_head(source)
