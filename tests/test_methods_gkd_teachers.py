@@ -165,7 +165,7 @@ def test_teacher_settings_refused_before_models_load(tokenizer, teacher_spec, kw
 
 def test_plain_model_sources_stay_local_dense(teacher):
     plan = teacher_plan({"name_or_path": "some/folder"})
-    assert plan.all_local_dense and plan.entries[""].settings["model"] == {"name_or_path": "some/folder"}
+    assert plan.all_dense and plan.entries[""].settings["model"] == {"name_or_path": "some/folder"}
     assert teacher_plan(teacher).entries[""].kind == "local"
 
 

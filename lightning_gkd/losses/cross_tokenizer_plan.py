@@ -275,7 +275,7 @@ def check_cross_tokenizer_config(cfg: Any, datamodule: Any) -> None:
         if tokenizer and Path(str(tokenizer)).is_dir() and not same_tokenizer(datamodule.tokenizer, _load(tokenizer)):
             raise ValueError(
                 f"model.teacher's tokenizer ({tokenizer}) differs from the student's tokenizer, but "
-                f"teacher.kind={kinds.pop()} gives top-k log-probs over the student's token ids. Cross-tokenizer "
+                f"teacher.kind={kinds.pop()} gives its signal over the student's token ids. Cross-tokenizer "
                 "distillation needs the teacher in process: use teacher=local."
             )
     if getattr(datamodule, "assistant_turns", "last") != "all":

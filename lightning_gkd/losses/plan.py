@@ -18,6 +18,7 @@ from lightning_gkd.losses.dense import DenseDistillation
 from lightning_gkd.losses.opd import DensePolicyGradient, TopKPolicyGradient
 from lightning_gkd.losses.routed import RoutedDistillation
 from lightning_gkd.losses.sparse import SampledDistillation, TopKDistillation
+from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.local import LocalTeacher
 from lightning_gkd.teachers.spec import TeacherPlan
 
@@ -30,7 +31,9 @@ SPARSE_LOSSES: tuple[str, ...] = get_args(SparseLoss)
 
 
 def _is_dense(source: Any) -> bool:
-    return isinstance(source, LocalTeacher) and source.top_k is None
+    """Full distributions: the in-process model without ``top_k``, or a teacher of final hidden states and a head
+    (``HiddenStateTeacher``: a pooling server, a hidden-state cache)."""
+    return isinstance(source, HiddenStateTeacher) or isinstance(source, LocalTeacher) and source.top_k is None
 
 
 def divergence_loss(
@@ -90,9 +93,15 @@ def check_teacher_settings(
     """GKD: raise ``ValueError`` for settings a run's teachers cannot serve, naming the setting and what to do."""
     check_sparse_loss(sparse_loss)
     kinds = {entry.kind for entry in plan.entries.values()}
-    if plan.all_local_dense:
+    if seq_kd and any(entry.kind == "server" and entry.dense for entry in plan.entries.values()):
+        raise ValueError(
+            "seq_kd=true samples completions from the teacher, and a teacher server with signal=hidden is a pooling "
+            "server: it sends hidden states and does not generate. Set method.seq_kd=false, or serve the teacher "
+            "for completions too (teacher=server, signal=topk)."
+        )
+    if plan.all_dense and "cache" not in kinds:
         return
-    if loss_temperature != 1.0:
+    if loss_temperature != 1.0 and not plan.all_dense:
         raise ValueError(
             f"loss_temperature={loss_temperature}: a top-k teacher signal carries log-probs at temperature 1 only "
             "(the full logits are not there to rescale). Set method.loss_temperature=1.0, or use an in-process "
@@ -100,7 +109,7 @@ def check_teacher_settings(
         )
     if "cache" in kinds and (lmbda > 0 or seq_kd):
         raise ValueError(
-            f"teacher.kind=cache holds the teacher's log-probs for the dataset completions only, but lmbda={lmbda} "
+            f"teacher.kind=cache holds the teacher's signal for the dataset completions only, but lmbda={lmbda} "
             f"and seq_kd={seq_kd} train on new samples. Set method.lmbda=0.0 and method.seq_kd=false (supervised "
             "KD), or use teacher=server or teacher=local to score samples."
         )
@@ -121,7 +130,7 @@ def refuse_unread_settings(plan: TeacherPlan, *, sparse_loss: str, lean_loss: bo
     """``ValueError`` for a loss setting no teacher of this run reads: ``sparse_loss`` other than ``topk`` with only
     dense teachers (full distributions), ``lean_loss=False`` with only sparse ones (their losses always read hidden
     states). ``owner``: the method, for the message."""
-    dense = [entry.kind == "local" and entry.top_k is None for entry in plan.entries.values()]
+    dense = [entry.dense for entry in plan.entries.values()]
     if sparse_loss != "topk" and all(dense):
         raise ValueError(
             f"{owner}(sparse_loss={sparse_loss!r}): sparse_loss is read only against a sparse teacher (teacher=cache"

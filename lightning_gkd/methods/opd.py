@@ -135,7 +135,7 @@ class OPDModule(OnPolicyModule):
         plan = teacher_plan(teacher)
         if any(entry.kind == "cache" or isinstance(entry.built, CacheTeacher) for entry in plan.entries.values()):
             raise ValueError(
-                "teacher.kind=cache holds the teacher's log-probs of the dataset completions only, and OPD scores "
+                "teacher.kind=cache holds the teacher's signal for the dataset completions only, and OPD scores "
                 "the student's new samples: use teacher=local (in process) or teacher=server (a vLLM server)."
             )
         check_teacher_settings(

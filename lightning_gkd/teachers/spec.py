@@ -7,10 +7,13 @@ in-process model, as before), a built teacher object, or a *teacher spec*, a map
   train on its top-k log-probs with the sparse loss (what a cache or server of it gives), null = full distributions;
   ``tokenizer``: the teacher's tokenizer when it differs from the student's (cross-tokenizer distillation,
   ``lightning_gkd.losses.cross_tokenizer``; null = the model spec's ``tokenizer``, else the one in the model's folder);
-- ``{kind: cache, path: <folder>, top_k: null}``: top-k log-probs precomputed by ``lightning-gkd-cache``
+- ``{kind: cache, path: <folder>, top_k: null}``: top-k log-probs (or, for a cache built with ``signal=hidden``,
+  final hidden states and the head: full distributions) precomputed by ``lightning-gkd-cache``
   (``lightning_gkd.teachers.cache``); no teacher model in memory;
 - ``{kind: server, url: ..., model: null, top_k: 20, timeout: 60, concurrency: 4, retries: 4, backoff: 1}``: a vLLM
-  OpenAI-compatible server scoring each batch's token ids (``lightning_gkd.teachers.server``);
+  OpenAI-compatible server scoring each batch's token ids (``lightning_gkd.teachers.server``); with ``signal: hidden``
+  (and ``head: null, dtype: bfloat16``, no ``top_k``) a vLLM pooling server sending the teacher's final hidden
+  states, scored with the teacher's head read here (``lightning_gkd.teachers.hidden_server``): full distributions;
 - ``{kind: multi, column: teacher, teachers: {<name>: <spec>, ...}}``: each row's ``column`` value names its teacher.
 
 ``teacher_plan`` checks a spec (unknown kinds and keys, a bad ``top_k``) before any model loads.
@@ -26,15 +29,18 @@ from torch import nn
 
 from lightning_gkd.models.loading import ModelSource, check_same_vocab, vocab_size
 from lightning_gkd.teachers.base import SparseTeacher
+from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.local import LocalTeacher
 
 TEACHER_KINDS = ("local", "cache", "server", "multi")
+#: what a served teacher sends: top-k log-probs (a generative server) or final hidden states (a pooling server)
+SERVER_SIGNALS = ("topk", "hidden")
 #: A distillation ``teacher`` argument: a model source (the in-process model), a teacher spec or a built sparse teacher.
-TeacherSource = ModelSource | Mapping[str, Any] | SparseTeacher
+TeacherSource = ModelSource | Mapping[str, Any] | SparseTeacher | HiddenStateTeacher
 _KEYS: dict[str, set[str]] = {
     "local": {"model", "top_k", "tokenizer"},
     "cache": {"path", "top_k"},
-    "server": {"url", "model", "top_k", "timeout", "concurrency", "retries", "backoff"},
+    "server": {"url", "model", "top_k", "signal", "head", "dtype", "timeout", "concurrency", "retries", "backoff"},
     "multi": {"column", "teachers"},
 }
 
@@ -51,6 +57,22 @@ class TeacherEntry:
     def top_k(self) -> int | None:
         return self.settings.get("top_k")
 
+    @property
+    def dense(self) -> bool:
+        """Whether this teacher gives full distributions: an in-process model without ``top_k``, a server with
+        ``signal: hidden``, a cache of hidden states (its manifest says), or a built object with ``hidden_states``
+        and no ``topk``."""
+        if self.kind == "local":
+            return self.top_k is None
+        if self.kind == "server":
+            return self.settings.get("signal") == "hidden"
+        if self.kind == "cache":
+            from lightning_gkd.teachers.cache import read_manifest
+
+            manifest = read_manifest(str(self.settings["path"])) or {}
+            return manifest.get("signal") == "hidden"
+        return hasattr(self.built, "hidden_states") and not hasattr(self.built, "topk")
+
 
 @dataclass(frozen=True)
 class TeacherPlan:
@@ -64,8 +86,8 @@ class TeacherPlan:
         return self.column is not None
 
     @property
-    def all_local_dense(self) -> bool:
-        return all(entry.kind == "local" and entry.top_k is None for entry in self.entries.values())
+    def all_dense(self) -> bool:
+        return all(entry.dense for entry in self.entries.values())
 
 
 def is_teacher_spec(teacher: Any) -> bool:
@@ -78,6 +100,8 @@ def teacher_plan(teacher: Any) -> TeacherPlan:
     if not is_teacher_spec(teacher):
         if hasattr(teacher, "topk") and not isinstance(teacher, nn.Module):  # a sparse teacher object
             return TeacherPlan({"": TeacherEntry("object", {"top_k": getattr(teacher, "top_k", None)}, teacher)})
+        if isinstance(teacher, HiddenStateTeacher):  # a built dense teacher without a model (server, cache)
+            return TeacherPlan({"": TeacherEntry("object", {}, teacher)})
         return TeacherPlan({"": TeacherEntry("local", {"model": teacher})})
     kind = _check_spec(teacher, "teacher")
     if kind != "multi":
@@ -113,10 +137,33 @@ def _check_spec(spec: Mapping[str, Any], where: str) -> str:
     top_k = spec.get("top_k")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"{where}.top_k must be a positive integer or null, got {top_k!r}.")
+    if kind == "server":
+        _check_server_signal(spec, where)
     required = {"local": "model", "cache": "path", "server": "url"}.get(kind)
     if required is not None and not spec.get(required):
         raise ValueError(f"{where}: kind={kind} needs {where}.{required}.")
     return str(kind)
+
+
+def _check_server_signal(spec: Mapping[str, Any], where: str) -> None:
+    signal = spec.get("signal") or "topk"
+    if signal not in SERVER_SIGNALS:
+        raise ValueError(
+            f"{where}.signal must be one of {', '.join(SERVER_SIGNALS)} (top-k log-probs from a generative vLLM "
+            f"server, or final hidden states from a pooling one), got {signal!r}."
+        )
+    if signal == "hidden" and spec.get("top_k") is not None:
+        raise ValueError(
+            f"{where}: signal=hidden gives the teacher's full distributions, so top_k={spec['top_k']} would not be "
+            f"read. Set {where}.top_k=null (Hydra: teacher=server_hidden has none)."
+        )
+    if signal == "topk":
+        unread = sorted(key for key in ("head", "dtype") if spec.get(key) is not None)
+        if unread:
+            raise ValueError(
+                f"{where}: {', '.join(unread)} are read only with signal=hidden (a pooling server sending hidden "
+                f"states); this server sends top-k log-probs. Remove them, or set {where}.signal=hidden."
+            )
 
 
 def _entry(spec: Mapping[str, Any], where: str) -> TeacherEntry:
@@ -134,6 +181,10 @@ def build_remote_teacher(entry: TeacherEntry) -> Any:
 
         return CacheTeacher(settings.pop("path"), **settings)
     if entry.kind == "server":
+        if settings.pop("signal", "topk") == "hidden":
+            from lightning_gkd.teachers.hidden_server import HiddenServerTeacher
+
+            return HiddenServerTeacher(settings.pop("url"), **settings)
         from lightning_gkd.teachers.server import ServerTeacher
 
         return ServerTeacher(settings.pop("url"), **settings)

@@ -1,6 +1,8 @@
 """A stand-in for vLLM's OpenAI-compatible server (``vllm.entrypoints.openai.api_server``, 0.32), for the server
 teacher's tests without vLLM: ``/health``, ``/v1/models``, ``/tokenize`` and ``/v1/completions`` answered in the JSON
-format of the real server (checked against it), with log-probs computed by a Hugging Face causal LM.
+format of the real server (checked against it), with log-probs computed by a Hugging Face causal LM; ``/pooling``
+(per-token final hidden states, base64, as a server started with ``--runner pooling --pooler-config '{"task":
+"token_embed", ...}'``; ``normalize=True``: L2-normalised, as with ``use_activation`` on).
 
 Switches make it misbehave: ``fail_next(n, status)`` answers the next ``n`` requests with an HTTP error,
 ``drop_next(n)`` closes the next ``n`` connections without an answer, ``delay_next(n, seconds)`` answers them late,
@@ -9,6 +11,7 @@ Switches make it misbehave: ``fail_next(n, status)`` answers the next ``n`` requ
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_gkd.ops.hf import final_hidden_states
 from lightning_gkd.ops.sampling import _sampling_logits
 
 
@@ -39,6 +43,7 @@ class FakeVLLMServer:
         vocab_size: int | None = None,
         tokenize: Callable[[str, bool], list[int]] | None = None,
         eos_token_id: int | None = 2,
+        normalize: bool = False,
     ) -> None:
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
         self.served = served if served is not None else [name]
@@ -46,6 +51,7 @@ class FakeVLLMServer:
         self.vocab_size = vocab_size if vocab_size is not None else int(model.config.vocab_size)
         self.tokenize = tokenize or (lambda text, special: tokenizer(text, add_special_tokens=special)["input_ids"])
         self.eos_token_id = eos_token_id
+        self.normalize = normalize
         self.requests: list[tuple[str, str]] = []
         self._fail: list[int] = []  # statuses of the next failing requests
         self._drop = 0
@@ -117,6 +123,8 @@ class FakeVLLMServer:
             }
         if method == "POST" and path == "/v1/completions":
             return self._completions(body)
+        if method == "POST" and path == "/pooling":
+            return self._pooling(body)
         return 404, {"detail": "Not Found"}
 
     def _model_card(self, name: str) -> dict[str, Any]:
@@ -204,6 +212,36 @@ class FakeVLLMServer:
             "kv_transfer_params": None,
             "ec_transfer_params": None,
             "metrics": None,
+        }
+
+    @torch.no_grad()
+    def _pooling(self, body: dict[str, Any]) -> tuple[int, Any]:
+        if body.get("model") not in self.served:
+            return _model_not_found(body.get("model"), self.served)
+        if body.get("task", "token_embed") != "token_embed":
+            return _bad_request("Try switching the model's pooling_task via --pooler-config.task", param="task")
+        ids = [int(i) for i in body["input"]]
+        if len(ids) > self.max_model_len:
+            return _bad_request(f"This model's maximum context length is {self.max_model_len} tokens.")
+        with self._model_lock:
+            positions = torch.ones(1, len(ids), dtype=torch.bool)
+            mask = torch.ones(1, len(ids), dtype=torch.long)
+            states = final_hidden_states(self.model, torch.tensor([ids]), mask, positions).float()
+        if self.normalize:
+            states = torch.nn.functional.normalize(states, dim=-1)
+        dtype = body.get("embed_dtype", "float32")
+        if dtype == "bfloat16":
+            raw = states.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+        else:
+            raw = states.numpy().astype("<f4" if dtype == "float32" else "<f2").tobytes()
+        data: Any = base64.b64encode(raw).decode() if body.get("encoding_format") == "base64" else states.tolist()
+        return 200, {
+            "id": f"pooling-fake{len(self.requests)}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": body["model"],
+            "data": [{"index": 0, "object": "pooling", "data": data}],
+            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids), "completion_tokens": 0},
         }
 
     @torch.no_grad()
