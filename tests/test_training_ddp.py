@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.fake_vllm_server import FakeVLLMServer
+
+from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
 
 TESTS = Path(__file__).parent
 pytestmark = pytest.mark.multiprocess
@@ -59,14 +63,20 @@ def clean_env(**extra: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ddp") / "run"
-    done = subprocess.run(
-        [sys.executable, str(TESTS / "helpers" / "ddp_worker.py"), str(out)],
-        cwd=out.parent,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    # the hidden_server scenario's one teacher server (both ranks are its clients): the worker's teacher, seed 1
+    tokenizer = build_chatml_tokenizer()
+    teacher = tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1)
+    head = out.parent / "teacher"
+    teacher.save_pretrained(head)
+    with FakeVLLMServer(teacher, tokenizer, max_model_len=128) as server:
+        done = subprocess.run(
+            [sys.executable, str(TESTS / "helpers" / "ddp_worker.py"), str(out)],
+            cwd=out.parent,
+            env=clean_env(LIGHTNING_GKD_TEST_HIDDEN_URL=server.url, LIGHTNING_GKD_TEST_HIDDEN_HEAD=str(head)),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["backend"] == "gloo"
@@ -207,3 +217,12 @@ def test_ddp_with_tools_equals_one_process_rolling_out_the_doubled_batch(ddp):
     r = ddp["tools"]
     assert r["completion_tokens"][0] != r["completion_tokens"][1]
     assert r["weights_changed"] > 1e-3 and r["weights_vs_doubled"] < 1e-6
+
+
+def test_ddp_with_one_hidden_state_server_equals_one_process_with_the_teacher_in_process(ddp):
+    """Both ranks read their rows' teacher states from one pooling server (float32 on the wire) and score them with
+    the head read from the teacher's folder: the update equals one process with the teacher in process on the
+    doubled batch."""
+    r = ddp["hidden_server"]
+    assert r["weights_rank0_vs_rank1"] == 0.0
+    assert r["weights_changed"] > 1e-3 and r["weights_vs_doubled"] < 1e-5

@@ -23,6 +23,9 @@ trained on:
    one process on the doubled batch.
 7. ``tools``: lmbda = 1 with tools (scripted turns, real tool calls on each rank for its own rows), 2 steps, against
    one process rolling out the doubled batch.
+8. ``hidden_server``: ``parity_uneven`` with the teacher served as final hidden states (one fake vLLM pooling server
+   that tests/test_training_ddp.py starts, both ranks its clients; the head read from the teacher's folder), against
+   one process with the teacher in process on the doubled batch.
 """
 
 from __future__ import annotations
@@ -387,6 +390,26 @@ def tools(out: Path, steps: int = 2, per_rank: int = 2) -> dict | None:
     }
 
 
+# -- 8: one hidden-state server for both ranks ---------------------------------------------------------------------
+def hidden_server(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_rank: int = 4) -> dict | None:
+    url, head = os.environ["LIGHTNING_GKD_TEST_HIDDEN_URL"], os.environ["LIGHTNING_GKD_TEST_HIDDEN_HEAD"]
+    spec = {"kind": "server", "signal": "hidden", "url": url, "head": head, "dtype": "float32", "retries": 2}
+    data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
+    student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
+    module = Recorded(student, spec, tokenizer, lmbda=0.0, beta=0.5, optimizer=SGD, seed=SEED)
+    fit(out, module, data, steps)
+    final = flat_state(module.student)
+    finals = gather(final)
+    if dist.get_rank() != 0:
+        return None
+    doubled = doubled_reference(tokenizer, rows, 2 * per_rank, steps)
+    return {
+        "weights_rank0_vs_rank1": max_abs_diff(finals[0], finals[1]),
+        "weights_vs_doubled": max_abs_diff(final, doubled[3]),
+        "weights_changed": max_abs_diff(final, flat_state(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0))),
+    }
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -400,6 +423,7 @@ def main() -> None:
     result["accumulated"] = accumulated(out / "accumulated", tokenizer, addition_rows("train", 24))
     result["cross_tokenizer"] = cross_tokenizer(out / "cross_tokenizer", tokenizer, addition_rows("train", 24))
     result["tools"] = tools(out / "tools")
+    result["hidden_server"] = hidden_server(out / "hidden_server", tokenizer, addition_rows("train", 24))
     result["world_size"] = dist.get_world_size()
     result["backend"] = dist.get_backend()
     if dist.get_rank() == 0:
