@@ -12,17 +12,12 @@ from __future__ import annotations
 import csv
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
+from helpers.vllm_server import stop, vllm_server
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd.data.chat import ChatMLCollator
@@ -40,73 +35,20 @@ else:
 pytestmark = pytest.mark.vllm
 
 TEACHER = str(asset_path("toy/teacher"))
-STARTUP_TIMEOUT_S = 120.0
 KEYS = ("input_ids", "attention_mask", "labels")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``(url, process)`` of a vLLM server for the toy teacher, healthy."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        TEACHER,
-        "--dtype",
-        "float32",
-        "--max-logprobs",
-        "20",
+    arguments = [
+        *("--model", TEACHER, "--dtype", "float32", "--max-logprobs", "20"),
         # An explicit KV cache: vLLM's CPU build otherwise reserves gpu_memory_utilization x the NUMA node's RAM
         # *minus the server process's own RSS*, which goes negative at 0.05 once its imports grow (seen here).
-        "--kv-cache-memory-bytes",
-        str(64 << 20),
-        "--enforce-eager",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        *("--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager"),
     ]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace")[-3000:]
-                pytest.fail(f"the vLLM server did not become healthy (exit {process.poll()}):\n{tail}")
-            time.sleep(0.5)
+    with vllm_server(arguments, tmp_path_factory.mktemp("vllm_server") / "server.log") as (url, process):
         yield url, process
-    finally:
-        stop(process)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from lightning_gkd.models.tiny import tiny_causal_lm
 
-# Two families with different module layouts (Qwen2: q/k/v biases; Llama: none), uneven GQA.
+# Families with different module layouts (Qwen2: q/k/v biases; Llama: none; Gemma 2: a soft-capped head), GQA.
 VLLM_TINY = {
     "qwen2": {
         "model_type": "qwen2",
@@ -30,6 +30,20 @@ VLLM_TINY = {
         "num_key_value_heads": 2,
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
+    },
+    # a soft-capped head (final_logit_softcapping 30), tied embeddings scaled by sqrt(H), sliding-window layers
+    "gemma2": {
+        "model_type": "gemma2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": 128,
+        "sliding_window": 16,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
     },
 }
 
