@@ -1,5 +1,6 @@
 """The offline teacher cache: built by a Lightning predict loop (lightning_gkd/teachers/cache_build.py), read back by
-CacheTeacher (lightning_gkd/teachers/cache.py), and the `lightning-gkd-cache` Hydra entry point.
+CacheTeacher (top-k) or HiddenCacheTeacher (final hidden states and the head: an exact dense teacher;
+lightning_gkd/teachers/cache.py), and the `lightning-gkd-cache` Hydra entry point.
 
 Everything runs on the shipped toy teacher over the first rows of the toy training split; the 2-process build is
 tests/helpers/cache_build_worker.py.
@@ -30,8 +31,15 @@ from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.loading import load_frozen_causal_lm
 from lightning_gkd.models.tiny import asset_path
-from lightning_gkd.teachers import LocalTeacher, SparseTeacher, supervised_positions
-from lightning_gkd.teachers.cache import CacheMiss, CacheTeacher, read_manifest, shard_name
+from lightning_gkd.teachers import LocalTeacher, SparseTeacher, Teacher, supervised_positions
+from lightning_gkd.teachers.cache import (
+    CacheMiss,
+    CacheTeacher,
+    HiddenCacheTeacher,
+    open_teacher_cache,
+    read_manifest,
+    shard_name,
+)
 from lightning_gkd.teachers.cache_build import build_teacher_cache, build_teacher_cache_report
 
 TESTS = Path(__file__).parent
@@ -378,3 +386,265 @@ def test_offline_seq_kd_caches_the_teachers_own_completions_and_trains_from_them
     assert run.module.teacher is None
     result = fit(run)
     assert result["global_step"] == 3 and 0 < result["metrics"]["val/loss"] < 10
+
+
+# -- the hidden-state signal (cache.signal=hidden): the teacher's final hidden states and its head ---------------------
+HIDDEN_SIZE, VOCAB = 128, 259  # the toy teacher's
+
+
+@pytest.fixture(scope="module")
+def hidden_built(tmp_path_factory, tokenizer, rows) -> Path:
+    """The hidden-state build (float16) over the rows and shards of ``built``."""
+    path = tmp_path_factory.mktemp("hidden") / "cache"
+    report = build_teacher_cache_report(TEACHER, tokenizer, rows, path, trainer=TRAINER, signal="hidden", **settings())
+    assert report.built_shards == 6 and report.built_tokens == report.manifest["total_tokens"] > 0
+    return path
+
+
+def scaled_teacher(teacher, factor: float):
+    """The toy teacher with its final norm scaled by ``factor``: hidden states ``factor`` times larger, its head
+    still exactly the projection of them."""
+    scaled = copy.deepcopy(teacher)
+    with torch.no_grad():
+        scaled.model.norm.weight.mul_(factor)
+    return scaled
+
+
+def test_hidden_cache_gives_the_live_teachers_hidden_states_and_head(hidden_built, tokenizer, rows, teacher):
+    manifest = read_manifest(hidden_built)
+    assert manifest["status"] == "complete" and manifest["signal"] == "hidden"
+    assert manifest["hidden_dtype"] == "float16" and manifest["k"] is None and manifest["max_token_id"] is None
+    head = {"scale": 1.0, "softcap": None, "hidden_size": HIDDEN_SIZE, "vocab_size": VOCAB, "dtype": "float32"}
+    assert {key: manifest["head"][key] for key in head} == head
+    assert manifest["head"]["bytes"] == (hidden_built / "head.safetensors").stat().st_size
+    files = sorted(p.name for p in hidden_built.iterdir())
+    assert files == ["head.safetensors", "manifest.json", *[shard_name(s) for s in range(6)]]
+    from datasets import Dataset
+
+    features = Dataset.from_file(str(hidden_built / shard_name(0))).features
+    assert set(features) == {"key", "row_index", "hidden"} and features["hidden"].feature.feature.dtype == "float16"
+
+    cache, live = HiddenCacheTeacher(hidden_built), LocalTeacher(teacher)
+    assert isinstance(cache, Teacher) and not isinstance(cache, SparseTeacher)
+    assert (cache.hidden_size, cache.vocab_size) == (HIDDEN_SIZE, VOCAB)
+    collator = ChatMLCollator(tokenizer, max_length=MAX_LENGTH)
+    largest, difference = 0.0, 0.0
+    for group in batches(rows, [7, 1, 13, 32, 20, 23], seed=1):  # any order, uneven rows and batches
+        batch = collator(group)
+        positions = supervised_positions(batch["labels"])
+        (got, got_head), (want, want_head) = cache.hidden_states(batch, positions), live.hidden_states(batch, positions)
+        assert got.dtype == torch.float32 and got.shape == (int(positions.sum()), HIDDEN_SIZE)
+        assert torch.equal(got, want.half().float())  # exactly the float16 rounding of the live states
+        largest, difference = max(largest, float(want.abs().max())), max(difference, float((got - want).abs().max()))
+        assert torch.equal(got_head.weight, want_head.weight) and got_head.bias is None and want_head.bias is None
+        assert (got_head.scale, got_head.softcap) == (want_head.scale, want_head.softcap)
+        logits, exact = cache.logits(batch), live.logits(batch)  # the full-logits path: (B, L, V) where supervised
+        torch.testing.assert_close(logits[positions], exact[positions].float(), rtol=0, atol=2e-3)
+    print(f"hidden states: max |h| {largest:.3g}, max |cached - live| {difference:.3g} (float16: 2^-11 relative)")
+    assert 0 < difference <= largest * 2**-11
+    cache.check(tokenizer, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_dense_loss_from_the_hidden_cache_equals_the_live_teachers(hidden_built, tokenizer, rows, teacher, beta):
+    """The generalized JSD (lean and full-logits paths) and the student's gradients from the cache equal those from
+    the in-process teacher up to the float16 storage."""
+    from lightning_gkd.losses.base import LeanPath
+    from lightning_gkd.losses.dense import DenseDistillation
+    from lightning_gkd.models.tiny import TOY_STUDENT, tiny_causal_lm
+
+    student = tiny_causal_lm(TOY_STUDENT, tokenizer, seed=0)
+    batch = ChatMLCollator(tokenizer, max_length=MAX_LENGTH)(rows[8:40])
+    cache, live = HiddenCacheTeacher(hidden_built), LocalTeacher(teacher)
+
+    def loss_and_grads(source, lean: bool):
+        student.zero_grad(set_to_none=True)
+        out = DenseDistillation(source, beta=beta, lean=LeanPath(lean))(student, batch)
+        out.loss.backward()
+        return out.loss.detach(), [p.grad.clone() for p in student.parameters() if p.grad is not None]
+
+    for lean in (True, False):
+        (got, got_grads), (want, want_grads) = loss_and_grads(cache, lean), loss_and_grads(live, lean)
+        assert float(want) > 0 and len(got_grads) == len(want_grads) > 0
+        relative = abs(float(got) - float(want)) / float(want)
+        worst = max(float((g - w).norm() / w.norm()) for g, w in zip(got_grads, want_grads, strict=True))
+        print(
+            f"beta={beta} lean={lean}: loss {float(want):.6f}; relative error: loss {relative:.2e}, "
+            f"gradients {worst:.2e}"
+        )
+        assert relative < 1e-3 and worst < 1e-3
+
+
+def test_hidden_cache_costs_2h_bytes_per_token(hidden_built, built):
+    """Per supervised token: H float16 numbers (2H bytes) and one int32 list offset; per row its key, index and
+    offset; per shard the Arrow schema. Top-k (k=20): k int32 ids + k float16 log-probs + the next log-prob."""
+    hidden, topk = read_manifest(hidden_built), read_manifest(built)
+    tokens, rows, shards = hidden["total_tokens"], hidden["num_rows"], hidden["num_shards"]
+    assert tokens == topk["total_tokens"]
+    per_token = {name: manifest["total_bytes"] / tokens for name, manifest in (("hidden", hidden), ("topk", topk))}
+    print(
+        f"bytes per supervised token ({tokens} tokens, {rows} rows): hidden float16 {per_token['hidden']:.1f} "
+        f"(2H = {2 * HIDDEN_SIZE}), top-{TOP_K} {per_token['topk']:.1f} (6k + 2 = {6 * TOP_K + 2}); head "
+        f"{hidden['head']['bytes']} bytes once"
+    )
+    overhead = (48 * rows + 2048 * shards) / tokens  # key (32 + 4) + row_index 8 + offset 4 a row; schema a shard
+    assert 2 * HIDDEN_SIZE + 4 <= per_token["hidden"] <= 2 * HIDDEN_SIZE + 4 + overhead
+    assert 6 * TOP_K + 2 + 8 <= per_token["topk"] <= 6 * TOP_K + 2 + 8 + overhead
+    assert hidden["bytes_per_million_tokens"] == round(per_token["hidden"] * 1e6, 1)
+    assert hidden["head"]["bytes"] > VOCAB * HIDDEN_SIZE * 4  # float32 weight (the toy teacher's dtype)
+
+
+def test_bfloat16_hidden_cache_holds_states_beyond_float16(tmp_path, tokenizer, rows, teacher):
+    """A teacher whose hidden states exceed float16's range is refused as float16 (naming hidden_dtype=bfloat16) and
+    cached as bfloat16 bits: exactly the bfloat16 rounding of its states."""
+    from datasets import Dataset
+
+    scaled = scaled_teacher(teacher, 1e5)
+    few = {**settings(), "shard_size": 16}
+    with pytest.raises(
+        ValueError,
+        match=r"state \(in the batch of rows 0\.\.7\) is .* beyond float16's range .*cache.hidden_dtype=bfloat16",
+    ):
+        build_teacher_cache(scaled, tokenizer, rows[:32], tmp_path / "fp16", trainer=TRAINER, signal="hidden", **few)
+    path = tmp_path / "bf16"
+    manifest = build_teacher_cache(
+        scaled, tokenizer, rows[:32], path, trainer=TRAINER, signal="hidden", hidden_dtype="bfloat16", **few
+    )
+    assert manifest["hidden_dtype"] == "bfloat16" and manifest["num_shards"] == 2
+    assert Dataset.from_file(str(path / shard_name(0))).features["hidden"].feature.feature.dtype == "uint16"
+    cache, live = open_teacher_cache(path), LocalTeacher(scaled)
+    assert isinstance(cache, HiddenCacheTeacher)
+    batch = ChatMLCollator(tokenizer, max_length=MAX_LENGTH)(rows[3:29])
+    positions = supervised_positions(batch["labels"])
+    (got, _), (want, _) = cache.hidden_states(batch, positions), live.hidden_states(batch, positions)
+    assert float(want.abs().max()) > 65504
+    assert torch.equal(got, want.bfloat16().float())
+
+
+def test_a_stopped_hidden_build_resumes_to_the_same_bytes(tmp_path, hidden_built, tokenizer, rows):
+    """What a killed build leaves (a "building" manifest, some shards, maybe no head yet), rerun: only the missing
+    shards are written and every file equals the one-shot build's, head.safetensors included."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    for path in hidden_built.iterdir():
+        if path.name not in ("head.safetensors", shard_name(2), shard_name(5)):
+            (folder / path.name).write_bytes(path.read_bytes())
+    stats = ("shards", "total_tokens", "total_bytes", "max_token_id", "head", "bytes_per_million_tokens")
+    building = {key: value for key, value in read_manifest(folder).items() if key not in stats}
+    (folder / "manifest.json").write_text(json.dumps({**building, "status": "building"}))
+    with pytest.raises(RuntimeError, match=r"incomplete.*cache.signal=hidden cache.hidden_dtype=float16` with"):
+        HiddenCacheTeacher(folder)
+    report = build_teacher_cache_report(
+        TEACHER, tokenizer, rows, folder, trainer=TRAINER, signal="hidden", **settings()
+    )
+    assert report.built_shards == 2
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in hidden_built.iterdir())
+    for path in hidden_built.iterdir():
+        assert (folder / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_hidden_cache_refusals(tmp_path, hidden_built, built, tokenizer, rows, teacher, monkeypatch):
+    from lightning_gkd.teachers.spec import build_remote_teacher, teacher_plan
+
+    # the reader by the manifest; top_k has no meaning for full distributions
+    assert isinstance(open_teacher_cache(hidden_built), HiddenCacheTeacher)
+    assert isinstance(open_teacher_cache(built), CacheTeacher) and open_teacher_cache(built, top_k=5).top_k == 5
+    with pytest.raises(ValueError, match="a hidden-state cache gives full distributions; set teacher.top_k=null"):
+        open_teacher_cache(hidden_built, top_k=20)
+    spec = {"kind": "cache", "path": str(hidden_built), "top_k": None}
+    assert isinstance(build_remote_teacher(teacher_plan(spec).entries[""]), HiddenCacheTeacher)
+    with pytest.raises(ValueError, match="set teacher.top_k=null"):
+        build_remote_teacher(teacher_plan({**spec, "top_k": 20}).entries[""])
+    with pytest.raises(ValueError, match="holds signal=hidden, not topk: read it with HiddenCacheTeacher"):
+        CacheTeacher(hidden_built)
+    with pytest.raises(ValueError, match="holds signal=topk, not hidden: read it with CacheTeacher"):
+        HiddenCacheTeacher(built)
+
+    # the student: the tokenizer (shared with CacheTeacher), the head's vocabulary; the data (shared)
+    cache = HiddenCacheTeacher(hidden_built)
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = tokenizer.chat_template + " "
+    with pytest.raises(ValueError, match=rf"{hidden_built} was built with a tokenizer of fingerprint"):
+        cache.check(other, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="head over 259 tokens, but the student's vocabulary has 260"):
+        cache.check(tokenizer, vocab_size=260)
+    cache.check_datamodule(ChatDataModule(tokenizer, rows, max_length=MAX_LENGTH))
+    with pytest.raises(ValueError, match=r"max_length=64, the data has max_length=48.*cache.signal=hidden"):
+        cache.check_datamodule(ChatDataModule(tokenizer, rows, max_length=48))
+    with pytest.raises(ValueError, match="the data has 95 rows"):
+        cache.check_datamodule(ChatDataModule(tokenizer, rows[1:], max_length=MAX_LENGTH))
+    edited = {"messages": [*rows[-1]["messages"][:-1], {"role": "assistant", "content": "0"}]}
+    batch = ChatMLCollator(tokenizer, max_length=MAX_LENGTH)([rows[3], edited])
+    with pytest.raises(CacheMiss, match=rf"row 1 is not in the teacher cache at {hidden_built}"):
+        cache.hidden_states(batch, supervised_positions(batch["labels"]))
+
+    # a rerun with another signal or dtype, before any model loads
+    def no_model(*args, **kwargs):
+        raise AssertionError("the teacher was loaded")
+
+    monkeypatch.setattr(cache_build, "load_frozen_causal_lm", no_model)
+    hidden = {**settings(), "signal": "hidden"}
+    assert build_teacher_cache(TEACHER, tokenizer, rows, hidden_built, trainer=TRAINER, **hidden) == read_manifest(
+        hidden_built
+    )  # complete: nothing to do
+    for path, change, message in (
+        (hidden_built, {"signal": "topk"}, "signal: 'hidden' there, 'topk' now"),
+        (hidden_built, {"hidden_dtype": "bfloat16"}, "hidden_dtype: 'float16' there, 'bfloat16' now"),
+        (built, {"signal": "hidden"}, "signal: 'topk' there, 'hidden' now"),
+    ):
+        with pytest.raises(ValueError, match=rf"{path} was started with other settings \(.*{message}"):
+            build_teacher_cache(TEACHER, tokenizer, rows, path, trainer=TRAINER, **{**hidden, **change})
+    with pytest.raises(ValueError, match="cache.signal must be one of topk, hidden, got 'logits'"):
+        build_teacher_cache(TEACHER, tokenizer, rows, tmp_path / "x", trainer=TRAINER, signal="logits")
+    with pytest.raises(ValueError, match="cache.hidden_dtype must be one of float16, bfloat16, got 'float32'"):
+        build_teacher_cache(TEACHER, tokenizer, rows, tmp_path / "x", signal="hidden", hidden_dtype="float32")
+    monkeypatch.undo()
+
+    # a top-k cache from before signal= (no signal, hidden_dtype or head in its manifest) still opens and resumes
+    old = tmp_path / "old"
+    old.mkdir()
+    for path in built.iterdir():
+        (old / path.name).write_bytes(path.read_bytes())
+    manifest = {k: v for k, v in read_manifest(built).items() if k not in ("signal", "hidden_dtype", "head")}
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert isinstance(open_teacher_cache(old), CacheTeacher)
+    assert build_teacher_cache(TEACHER, tokenizer, rows, old, trainer=TRAINER, **settings()) == manifest
+
+    # a teacher whose logits are not its head applied to its final hidden states: refused, nothing written
+    doubled = copy.deepcopy(teacher)
+    doubled.lm_head.register_forward_hook(lambda module, args, output: output * 2)
+    folder = tmp_path / "doubled"
+    with pytest.raises(
+        ValueError, match=r"Qwen2ForCausalLM's head cannot be described so \(.*\)\. .*: cache\.signal=topk\."
+    ):
+        build_teacher_cache(doubled, tokenizer, rows, folder, trainer=TRAINER, **hidden)
+    assert not any(folder.iterdir())
+
+
+def test_the_hydra_entry_point_caches_hidden_states(tmp_path, capsys):
+    from lightning_gkd.cli.cache_teacher import run
+
+    overrides = [
+        f"cache.path={tmp_path / 'hidden_cache'}",
+        "cache.signal=hidden",
+        "+data.train_data.num_rows=40",
+        "+data.val_data.num_rows=8",
+        "cache.shard_size=16",
+        f"cache.batch_size={BATCH_SIZE}",
+        "+trainer.enable_progress_bar=false",
+    ]
+    cfg = compose_cache(tmp_path, overrides)
+    assert cfg.cache.hidden_dtype == "float16" and compose_cache(tmp_path, []).cache.signal == "topk"
+    report = run(cfg)
+    out = capsys.readouterr().out
+    manifest = report.manifest
+    assert manifest["signal"] == "hidden" and manifest["num_rows"] == 48 and manifest["num_shards"] == 3
+    assert f"shards: 3  hidden states: float16 x {HIDDEN_SIZE}  head: V={VOCAB}" in out
+    assert "built this run: 3 shards" in out
+    assert HiddenCacheTeacher(tmp_path / "hidden_cache").manifest == manifest
+    run(cfg)  # again: complete, nothing to do
+    assert "built this run: nothing (the cache was complete)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="signal: 'hidden' there, 'topk' now"):
+        run(compose_cache(tmp_path, [o for o in overrides if o != "cache.signal=hidden"]))
+    with pytest.raises(ValueError, match="cache.hidden_dtype must be one of float16, bfloat16, got 'float32'"):
+        run(compose_cache(tmp_path, [*overrides, "cache.hidden_dtype=float32"]))

@@ -1,7 +1,9 @@
-"""Hydra entry point: cache the teacher's top-k signal over the training split of ``data=`` (the format:
-``lightning_gkd.teachers.cache``), so distillation can read it instead of running the teacher.
+"""Hydra entry point: cache the teacher's signal (top-k log-probs, or with ``cache.signal=hidden`` its final hidden
+states and head) over the training split of ``data=`` (the format: ``lightning_gkd.teachers.cache``), so
+distillation can read it instead of running the teacher.
 
 lightning-gkd-cache cache.path=outputs/teacher_cache cache.top_k=20     # or: python -m lightning_gkd.cli.cache_teacher
+lightning-gkd-cache cache.path=outputs/hidden_cache cache.signal=hidden  # exact dense teacher, 2H bytes per token
 lightning-gkd-cache model=hub data=hub data.train_data=trl-lib/tldr trainer=gpu cache.path=outputs/tldr_cache
 
 Rerunning a stopped build with the same settings writes only the missing shards.
@@ -23,7 +25,13 @@ from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import load_frozen_causal_lm
-from lightning_gkd.teachers.cache import data_fingerprint, refuse_every_assistant_turn, teacher_identity
+from lightning_gkd.teachers.cache import (
+    check_signal,
+    data_fingerprint,
+    manifest_signal,
+    refuse_every_assistant_turn,
+    teacher_identity,
+)
 from lightning_gkd.teachers.cache_build import CacheBuildReport, build_teacher_cache_report
 from lightning_gkd.teachers.teacher_completions import cached_teacher_completions, teacher_completion_rows
 
@@ -34,6 +42,7 @@ def check_cache_config(cache: DictConfig) -> None:
         raise ValueError("cache.path is required: the folder the teacher cache goes to (or is resumed in).")
     if cache.get("completions", "dataset") not in ("dataset", "teacher"):
         raise ValueError(f"cache.completions must be dataset or teacher, got {cache.get('completions')!r}.")
+    check_signal(cache.get("signal", "topk"), cache.get("hidden_dtype", "float16"))
     for key in ("top_k", "shard_size", "batch_size"):
         value = cache.get(key)
         if not isinstance(value, int) or value < 1:
@@ -62,6 +71,8 @@ def run(cfg: DictConfig) -> CacheBuildReport:
         rows,
         cfg.cache.path,
         top_k=cfg.cache.top_k,
+        signal=cfg.cache.get("signal", "topk"),
+        hidden_dtype=cfg.cache.get("hidden_dtype", "float16"),
         max_length=datamodule.max_length,
         batch_size=cfg.cache.batch_size,
         shard_size=cfg.cache.shard_size,
@@ -107,10 +118,15 @@ def print_report(report: CacheBuildReport) -> None:
     """Where the cache is, its rows, tokens and size, and this run's throughput."""
     manifest = report.manifest
     per_million = manifest["bytes_per_million_tokens"]
+    if manifest_signal(manifest) == "hidden":
+        head = manifest["head"]
+        signal = f"hidden states: {manifest['hidden_dtype']} x {head['hidden_size']}  head: V={head['vocab_size']}"
+    else:
+        signal = f"k: {manifest['k']}"
     lines = [
         f"teacher cache: {report.path.resolve()}",
         f"rows: {manifest['num_rows']}  supervised tokens: {manifest['total_tokens']}  shards: "
-        f"{manifest['num_shards']}  k: {manifest['k']}",
+        f"{manifest['num_shards']}  {signal}",
         f"size: {manifest['total_bytes'] / 1e6:.2f} MB  "
         f"({'n/a' if per_million is None else f'{per_million / 1e6:.1f}'} MB per million tokens)",
     ]

@@ -8,7 +8,12 @@ shard once all its rows are predicted: to ``<name>.tmp``, then an atomic rename.
 manifest with every setting before the first shard and the complete one at the end; a rerun with the same settings
 writes only the missing shards, a rerun with others is refused before any model loads.
 
+``signal=hidden`` caches the teacher's final hidden states instead of its top-k: the teacher's head is proven to
+describe its logits (``ops.hf.check_output_head``, on one short row before anything is written; a head it cannot
+describe is refused) and written once to ``head.safetensors`` by rank 0 when the predict loop starts.
+
     lightning-gkd-cache cache.path=outputs/teacher_cache cache.top_k=20     # lightning_gkd/cli/cache_teacher.py
+    lightning-gkd-cache cache.path=outputs/hidden_cache cache.signal=hidden
 """
 
 from __future__ import annotations
@@ -33,20 +38,28 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.chat import ChatMLCollator, prepare_tokenizer
 from lightning_gkd.data.rows import ROW_INDEX, RowDataset
 from lightning_gkd.models.loading import ModelSource, load_frozen_causal_lm, vocab_size
+from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, output_head, unwrap
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.cache import (
     FORMAT,
     FORMAT_VERSION,
+    HEAD_NAME,
     MANIFEST_NAME,
+    HiddenRecord,
     Record,
+    check_signal,
     data_fingerprint,
+    encode_hidden,
+    manifest_signal,
     missing_shards,
+    read_head_description,
     read_manifest,
     row_keys,
     shard_name,
     shard_rows,
     teacher_identity,
     tokenizer_fingerprint,
+    write_head,
     write_manifest,
     write_shard,
 )
@@ -54,6 +67,8 @@ from lightning_gkd.teachers.local import LocalTeacher
 from lightning_gkd.teachers.teacher_completions import COMPLETIONS_FILE, SETTINGS_FILE
 
 COMPLETION_FILES = (COMPLETIONS_FILE, SETTINGS_FILE, COMPLETIONS_FILE + ".tmp")
+#: tokens of the first row that prove a teacher's head before a hidden-state build (``TeacherCacheModule``)
+PROBE_TOKENS = 8
 
 
 def _manifest(settings: Mapping[str, Any], status: str, **stats: Any) -> dict[str, Any]:
@@ -80,10 +95,9 @@ def check_cache_folder(path: str | Path, settings: Mapping[str, Any]) -> dict[st
     if existing is None:
         return None
     wanted = {"format_version": FORMAT_VERSION, **settings}
+    there = {**existing, "signal": manifest_signal(existing)}  # caches from before signal= hold top-k
     differences = [
-        f"{key}: {existing.get(key)!r} there, {value!r} now"
-        for key, value in wanted.items()
-        if existing.get(key) != value
+        f"{key}: {there.get(key)!r} there, {value!r} now" for key, value in wanted.items() if there.get(key) != value
     ]
     if differences:
         raise ValueError(
@@ -171,40 +185,105 @@ class CacheBuildData(L.LightningDataModule):
 
 class TeacherCacheModule(L.LightningModule):
     """The frozen teacher; ``predict_step`` gives a batch's records: ``keys`` (B,) str, ``row_index`` and
-    ``counts`` (B,) int64 (supervised positions per row), ``ids`` (N, k) int32, ``logprobs`` (N, k) and
-    ``next_logprobs`` (N,) float16, the N positions row-major."""
+    ``counts`` (B,) int64 (supervised positions per row), then for ``signal=topk`` ``ids`` (N, k) int32,
+    ``logprobs`` (N, k) and ``next_logprobs`` (N,) float16, for ``signal=hidden`` ``hidden`` (N, H) float16 or
+    uint16 (bfloat16 bits, ``hidden_dtype``), the N positions row-major.
+
+    ``signal=hidden`` needs ``probe`` (a batch's ``input_ids`` and ``attention_mask``; a few tokens suffice): the
+    teacher's head is proven on it here (``check_output_head``), so a teacher whose logits are not
+    ``softcap(scale · (h Wᵀ + b))`` of its final hidden states is refused before anything is written."""
 
     def __init__(
-        self, teacher: ModelSource, *, top_k: int, trust_remote_code: bool = False, chunk_size: int = 256
+        self,
+        teacher: ModelSource,
+        *,
+        top_k: int = 20,
+        signal: str = "topk",
+        hidden_dtype: str = "float16",
+        probe: Mapping[str, torch.Tensor] | None = None,
+        trust_remote_code: bool = False,
+        chunk_size: int = 256,
     ) -> None:
         super().__init__()
+        check_signal(signal, hidden_dtype)
+        self.signal, self.hidden_dtype = signal, hidden_dtype
         self.teacher = load_frozen_causal_lm(teacher, role="teacher", trust_remote_code=trust_remote_code)
-        size = vocab_size(self.teacher)
-        if size is not None and top_k > size:
-            raise ValueError(f"cache.top_k={top_k} exceeds the teacher's vocabulary of {size} tokens.")
+        if signal == "topk":
+            size = vocab_size(self.teacher)
+            if size is not None and top_k > size:
+                raise ValueError(f"cache.top_k={top_k} exceeds the teacher's vocabulary of {size} tokens.")
+        else:
+            if probe is None:
+                raise ValueError("TeacherCacheModule(signal='hidden') needs a probe batch to prove the teacher's head.")
+            prove_head(self.teacher, probe)
         self.source = LocalTeacher(self.teacher, top_k=top_k, chunk_size=chunk_size)
+
+    @property
+    def width(self) -> int:
+        """The inner length of a record: ``k`` (top-k), or the teacher's hidden size ``H``."""
+        if self.signal == "hidden":
+            return int(output_head(self.teacher).weight.shape[1])
+        assert self.source.top_k is not None  # set from top_k
+        return self.source.top_k
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
         positions = supervised_positions(batch["labels"])
-        signal = self.source.topk(batch, positions)
-        assert signal.next_logprobs is not None  # LocalTeacher always gives them
-        return {
+        records = {
             "keys": row_keys(batch["input_ids"], batch["attention_mask"]),
             "row_index": batch["row_index"].cpu().numpy(),
             "counts": positions.sum(dim=1).cpu().numpy(),
+        }
+        if self.signal == "hidden":
+            hidden, _ = self.source.hidden_states(batch, positions)
+            rows = batch["row_index"].tolist()
+            where = f" (in the batch of rows {rows[0]}..{rows[-1]})" if rows else ""
+            return {**records, "hidden": encode_hidden(hidden, self.hidden_dtype, where=where)}
+        signal = self.source.topk(batch, positions)
+        assert signal.next_logprobs is not None  # LocalTeacher always gives them
+        return {
+            **records,
             "ids": signal.ids.to(torch.int32).cpu().numpy(),
             "logprobs": signal.logprobs.to(torch.float16).cpu().numpy(),
             "next_logprobs": signal.next_logprobs.to(torch.float16).cpu().numpy(),
         }
 
 
-class ShardWriter(BasePredictionWriter):
-    """Collects ``TeacherCacheModule.predict_step`` records per shard and writes each shard when it is whole."""
+def prove_head(teacher: torch.nn.Module, probe: Mapping[str, torch.Tensor]) -> None:
+    """Refuse (``ValueError``, naming the class) a teacher whose logits its ``LogitHead`` description does not
+    reproduce on ``probe``: a hidden-state cache would then not give its distributions."""
+    try:
+        check_output_head(teacher, probe["input_ids"], probe["attention_mask"])
+    except LeanForwardUnsupported as reason:
+        raise ValueError(
+            "cache.signal=hidden stores the teacher's final hidden states and its head, so its logits must be that "
+            f"head applied to those states, and {type(unwrap(teacher)).__name__}'s head cannot be described so "
+            f"({reason}). Cache its top-k log-probs instead: cache.signal=topk."
+        ) from None
 
-    def __init__(self, folder: Path, *, num_rows: int, shard_size: int, k: int) -> None:
+
+class ShardWriter(BasePredictionWriter):
+    """Collects ``TeacherCacheModule.predict_step`` records per shard and writes each shard when it is whole.
+    ``width``: ``k``, or the hidden size for ``signal=hidden`` (whose head rank 0 writes when the loop starts)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        num_rows: int,
+        shard_size: int,
+        width: int,
+        signal: str = "topk",
+        hidden_dtype: str = "float16",
+    ) -> None:
         super().__init__(write_interval="batch")
-        self.folder, self.num_rows, self.shard_size, self.k = folder, num_rows, shard_size, k
-        self.buffers: dict[int, list[Record]] = {}
+        self.folder, self.num_rows, self.shard_size, self.width = folder, num_rows, shard_size, width
+        self.signal, self.hidden_dtype = signal, hidden_dtype
+        self.buffers: dict[int, list[Record | HiddenRecord]] = {}
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.signal == "hidden" and trainer.is_global_zero:  # the same bytes on a resume: a function of the teacher
+            assert isinstance(pl_module, TeacherCacheModule)
+            write_head(self.folder, output_head(pl_module.teacher))
 
     def write_on_batch_end(
         self,
@@ -219,18 +298,23 @@ class ShardWriter(BasePredictionWriter):
         ends = np.cumsum(prediction["counts"])
         for row, (key, index) in enumerate(zip(prediction["keys"], prediction["row_index"], strict=True)):
             lo, hi = (int(ends[row - 1]) if row else 0), int(ends[row])
-            record = Record(
-                int(index),
-                key,
-                prediction["ids"][lo:hi],
-                prediction["logprobs"][lo:hi],
-                prediction["next_logprobs"][lo:hi],
-            )
+            record: Record | HiddenRecord
+            if self.signal == "hidden":
+                record = HiddenRecord(int(index), key, prediction["hidden"][lo:hi])
+            else:
+                record = Record(
+                    int(index),
+                    key,
+                    prediction["ids"][lo:hi],
+                    prediction["logprobs"][lo:hi],
+                    prediction["next_logprobs"][lo:hi],
+                )
             shard = record.row_index // self.shard_size
             buffer = self.buffers.setdefault(shard, [])
             buffer.append(record)
             if len(buffer) == len(shard_rows(shard, self.num_rows, self.shard_size)):
-                write_shard(self.folder, shard, sorted(buffer), self.k)
+                buffer.sort(key=lambda each: each.row_index)
+                write_shard(self.folder, shard, buffer, self.width, signal=self.signal, hidden_dtype=self.hidden_dtype)
                 del self.buffers[shard]
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -242,6 +326,10 @@ def finalize_cache(folder: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
     """Check every shard and write the complete manifest (per-shard rows, tokens, bytes; totals)."""
     from datasets import Dataset
 
+    hidden = settings["signal"] == "hidden"
+    if hidden and not (folder / HEAD_NAME).is_file():
+        raise RuntimeError(f"The hidden-state cache at {folder} has no {HEAD_NAME}: rerun the build to write it.")
+    head = read_head_description(folder) if hidden else None  # written when the loop started
     shards, max_token_id = [], -1
     for shard in range(settings["num_shards"]):
         path = folder / shard_name(shard)
@@ -249,10 +337,11 @@ def finalize_cache(folder: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
         expected = len(shard_rows(shard, settings["num_rows"], settings["shard_size"]))
         if table.num_rows != expected:
             raise RuntimeError(f"{path} holds {table.num_rows} rows, expected {expected}: delete it and resume.")
-        for chunk in table.column("topk_ids").chunks:
+        for chunk in [] if hidden else table.column("topk_ids").chunks:
             largest = pc.max(chunk.flatten().flatten()).as_py()
             max_token_id = max(max_token_id, -1 if largest is None else int(largest))
-        tokens = pc.sum(pc.list_value_length(table.column("next_logprobs"))).as_py() or 0
+        counted = table.column("hidden" if hidden else "next_logprobs")
+        tokens = pc.sum(pc.list_value_length(counted)).as_py() or 0
         shards.append({"name": path.name, "rows": table.num_rows, "tokens": int(tokens), "bytes": path.stat().st_size})
     total_tokens = sum(shard["tokens"] for shard in shards)
     total_bytes = sum(shard["bytes"] for shard in shards)
@@ -262,7 +351,8 @@ def finalize_cache(folder: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
         shards=shards,
         total_tokens=total_tokens,
         total_bytes=total_bytes,
-        max_token_id=max_token_id,
+        max_token_id=None if hidden else max_token_id,  # a hidden cache's check: the head's vocab_size
+        head=head,
         bytes_per_million_tokens=round(total_bytes * 1e6 / total_tokens, 1) if total_tokens else None,
     )
     write_manifest(folder, manifest)
@@ -301,21 +391,27 @@ def build_teacher_cache_report(
     path: str | Path,
     *,
     top_k: int = 20,
+    signal: str = "topk",
+    hidden_dtype: str = "float16",
     max_length: int = 1024,
     batch_size: int = 32,
     shard_size: int = 1024,
     trainer: L.Trainer | Mapping[str, Any] | None = None,
     trust_remote_code: bool = False,
 ) -> CacheBuildReport:
-    """Cache ``teacher``'s top-``top_k`` signal over ``rows`` (chat rows, collated as ``ChatMLCollator`` does at
-    ``max_length``) into the folder ``path``, or resume a stopped build with the same settings (others are refused
-    before the teacher loads); returns the manifest and this run's figures.
+    """Cache ``teacher``'s signal over ``rows`` (chat rows, collated as ``ChatMLCollator`` does at ``max_length``)
+    into the folder ``path``, or resume a stopped build with the same settings (others are refused before the teacher
+    loads); returns the manifest and this run's figures.
 
-    ``teacher``: a model source (``lightning_gkd.models.loading.load_causal_lm``). ``tokenizer``: the training
-    run's (or its folder). ``batch_size``: rows per teacher forward (per rank); ``shard_size``: rows per shard file.
-    ``trainer``: a ``lightning.Trainer`` (its devices, strategy and precision run the teacher) or its keyword
-    arguments (default: one process, 32-true).
+    ``signal``: ``topk`` (its top-``top_k`` log-probs) or ``hidden`` (its final hidden states, stored as
+    ``hidden_dtype`` (``float16``, or ``bfloat16`` for states beyond float16's range), and its head in
+    ``head.safetensors``; ``top_k`` is not read). ``teacher``: a model source
+    (``lightning_gkd.models.loading.load_causal_lm``). ``tokenizer``: the training run's (or its folder).
+    ``batch_size``: rows per teacher forward (per rank); ``shard_size``: rows per shard file. ``trainer``: a
+    ``lightning.Trainer`` (its devices, strategy and precision run the teacher) or its keyword arguments (default:
+    one process, 32-true).
     """
+    check_signal(signal, hidden_dtype)
     for name, value in (("top_k", top_k), ("batch_size", batch_size), ("shard_size", shard_size)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}.")
@@ -326,8 +422,11 @@ def build_teacher_cache_report(
     tokenizer = prepare_tokenizer(tokenizer)
     folder = Path(path).expanduser()
     trainer = _trainer(trainer)
+    hidden = signal == "hidden"
     settings = {  # what the cache is a function of: a resume must give the same
-        "k": top_k,
+        "signal": signal,
+        "k": None if hidden else top_k,
+        "hidden_dtype": hidden_dtype if hidden else None,
         "teacher": teacher_identity(teacher),
         "precision": str(trainer.precision),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
@@ -340,9 +439,27 @@ def build_teacher_cache_report(
     existing = check_cache_folder(folder, settings)
     if existing is not None and existing["status"] == "complete" and not missing_shards(folder, existing):
         return CacheBuildReport(folder, existing, 0, 0, 0.0)
-    module = TeacherCacheModule(teacher, top_k=top_k, trust_remote_code=trust_remote_code)
     data = CacheBuildData(rows, tokenizer, folder, settings, batch_size=batch_size)
-    writer = ShardWriter(folder, num_rows=len(rows), shard_size=shard_size, k=top_k)
+    probe = None
+    if hidden:  # the first row's first tokens: enough to prove the head, cheap for any teacher on the CPU
+        first = data.collator([RowDataset(rows)[0]])
+        probe = {key: first[key][:, :PROBE_TOKENS] for key in ("input_ids", "attention_mask")}
+    module = TeacherCacheModule(
+        teacher,
+        top_k=top_k,
+        signal=signal,
+        hidden_dtype=hidden_dtype,
+        probe=probe,
+        trust_remote_code=trust_remote_code,
+    )
+    writer = ShardWriter(
+        folder,
+        num_rows=len(rows),
+        shard_size=shard_size,
+        width=module.width,
+        signal=signal,
+        hidden_dtype=hidden_dtype,
+    )
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
     callbacks.insert(0, writer)  # first: a callback after it sees this batch's shard on disk
     try:
@@ -370,6 +487,8 @@ def build_teacher_cache(
     path: str | Path,
     *,
     top_k: int = 20,
+    signal: str = "topk",
+    hidden_dtype: str = "float16",
     max_length: int = 1024,
     batch_size: int = 32,
     shard_size: int = 1024,
@@ -383,6 +502,8 @@ def build_teacher_cache(
         rows,
         path,
         top_k=top_k,
+        signal=signal,
+        hidden_dtype=hidden_dtype,
         max_length=max_length,
         batch_size=batch_size,
         shard_size=shard_size,

@@ -177,9 +177,9 @@ def build_remote_teacher(entry: TeacherEntry) -> Any:
         return entry.built
     settings = {key: value for key, value in entry.settings.items() if value is not None}
     if entry.kind == "cache":
-        from lightning_gkd.teachers.cache import CacheTeacher
+        from lightning_gkd.teachers.cache import open_teacher_cache
 
-        return CacheTeacher(settings.pop("path"), **settings)
+        return open_teacher_cache(settings.pop("path"), **settings)
     if entry.kind == "server":
         if settings.pop("signal", "topk") == "hidden":
             from lightning_gkd.teachers.hidden_server import HiddenServerTeacher
