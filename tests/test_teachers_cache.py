@@ -41,6 +41,7 @@ from lightning_gkd.teachers.cache import (
     shard_name,
 )
 from lightning_gkd.teachers.cache_build import build_teacher_cache, build_teacher_cache_report
+from lightning_gkd.teachers.spec import teacher_plan
 
 TESTS = Path(__file__).parent
 TEACHER = asset_path("toy/teacher")
@@ -277,9 +278,11 @@ def test_the_hydra_entry_point_caches_the_toy_teacher(tmp_path, capsys):
         run(compose_cache(tmp_path, [*overrides, "cache.top_k=0"]))
 
 
-def test_training_from_the_cache_at_full_vocabulary_equals_training_with_the_live_teacher(tmp_path, tokenizer, rows):
-    """GKD supervised KD (lmbda=0) from a k=V cache and from the in-process teacher's full distributions: the same
-    losses step by step (up to the cache's float16 log-probs), training and validation rows both found."""
+@pytest.mark.parametrize("signal", ["topk", "hidden"])
+def test_training_from_the_cache_equals_training_with_the_live_teacher(tmp_path, tokenizer, rows, signal):
+    """GKD supervised KD (lmbda=0, beta=0.5) from a k=V cache or a hidden-state cache (the dense loss, no teacher
+    model) and from the in-process teacher's full distributions: the same losses step by step (up to the cache's
+    float16 numbers), training and validation rows both found."""
     import csv
     from functools import partial
 
@@ -290,8 +293,9 @@ def test_training_from_the_cache_at_full_vocabulary_equals_training_with_the_liv
     from lightning_gkd.models.loading import load_causal_lm
 
     train, val = rows[:48], addition_rows("val", 8)
-    path = tmp_path / "cache_kV"
-    build_teacher_cache(TEACHER, tokenizer, [*train, *val], path, top_k=259, max_length=MAX_LENGTH, trainer=TRAINER)
+    path = tmp_path / "cache"
+    width = {"top_k": 259} if signal == "topk" else {"signal": "hidden"}
+    build_teacher_cache(TEACHER, tokenizer, [*train, *val], path, max_length=MAX_LENGTH, trainer=TRAINER, **width)
 
     def losses(teacher, root):
         module = GKDModule(
@@ -326,6 +330,7 @@ def test_training_from_the_cache_at_full_vocabulary_equals_training_with_the_liv
 
     dense_train, dense_val = losses(str(TEACHER), tmp_path / "dense")
     cached_train, cached_val = losses({"kind": "cache", "path": str(path)}, tmp_path / "cached")
+    assert teacher_plan({"kind": "cache", "path": str(path)}).all_dense == (signal == "hidden")
     assert len(cached_train) == 4 and len(cached_val) == 1
     assert cached_train == pytest.approx(dense_train, rel=2e-3)
     assert cached_val == pytest.approx(dense_val, rel=2e-3)
