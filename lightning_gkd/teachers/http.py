@@ -108,6 +108,8 @@ class JsonClient:
 
     def __init__(self, url: str, *, timeout: float, retries: int, backoff: float, hint: str = "") -> None:
         self.url, self.timeout, self.retries, self.backoff, self.hint = url, timeout, retries, backoff, hint
+        #: bytes of answer bodies received so far (what the teacher signal costs on the wire)
+        self.received_bytes = 0
 
     def get(self, path: str, *, abort: threading.Event | None = None) -> Any:
         return self.request("GET", path, None, abort=abort)
@@ -132,6 +134,7 @@ class JsonClient:
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
+                self.received_bytes += len(raw)  # one int add per answer: not worth a lock under the GIL
                 return json.loads(raw) if raw.strip() else None
             except urllib.error.HTTPError as error:
                 if not _transient(error):
