@@ -44,15 +44,15 @@ class ServerDownAfter(L.Callback):
             SERVERS[0].fail_next(10_000, status=503)
 
 
-def compose(tmp_path: Path, url: str, name: str, extra: list[str]):
+def compose(tmp_path: Path, url: str, name: str, extra: list[str], teacher: list[str] | None = None):
+    if teacher is None:
+        teacher = ["teacher=server", f"teacher.url={url}", "teacher.top_k=20"]
+    remote = [] if teacher == ["teacher=local"] else ["teacher.retries=2", "teacher.backoff=0.01"]
     cfg = compose_train(
         tmp_path,
         [
-            "teacher=server",
-            f"teacher.url={url}",
-            "teacher.top_k=20",
-            "teacher.retries=2",
-            "teacher.backoff=0.01",
+            *teacher,
+            *remote,
             "method.lmbda=1.0",
             "method.max_new_tokens=6",
             "trainer.max_steps=4",
@@ -101,3 +101,16 @@ def test_a_server_outage_stops_the_job_and_ckpt_path_last_finishes_it(server, tm
     assert result["resumed_from"] == str(saved) and result["global_step"] == 4 and result["student_dir"]
     assert result["run_dir"] == str(runs / "b_stopped")  # resumed into its own run folder
     assert losses(runs / "b_stopped") == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_teacher_server_hidden_trains_as_the_teacher_in_process(server, tmp_path, monkeypatch):
+    """`teacher=server_hidden`: the same server (its /pooling route), the head read from the teacher's folder,
+    float32 on the wire: on-policy GKD (λ=1, β=0.5) logs the losses of `teacher=local`, step for step."""
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "outputs" / "runs"
+    run(compose(tmp_path, server.url, "local", ["method.frozen_dtype=float32"], teacher=["teacher=local"]))  # as served
+    hidden = ["teacher=server_hidden", f"teacher.url={server.url}", f"teacher.head={asset_path('toy/teacher')}"]
+    result = run(compose(tmp_path, server.url, "hidden", [], teacher=[*hidden, "teacher.dtype=float32"]))
+    assert result["global_step"] == 4
+    assert losses(runs / "hidden") == pytest.approx(losses(runs / "local"), rel=1e-4)
