@@ -160,7 +160,7 @@ def test_a_sharded_folder_gives_the_same_head_reading_only_its_tensors(family, t
     expected_bytes = V * H * 4 + (V * 4 if family == "phi" else 0)
     assert sum(nbytes for _, nbytes, _ in recorder.reads) == expected_bytes == info.nbytes
     assert [file for _, _, file in recorder.reads] == [weight_map[name] for name in names]
-    assert [Path(file).name for file in info.files] == [weight_map[name] for name in names]
+    assert [Path(file).name for file in info.files] == list(dict.fromkeys(weight_map[name] for name in names))
     assert info.summary().startswith(f"read {len(names)} tensor")
 
 
