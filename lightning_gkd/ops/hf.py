@@ -22,6 +22,7 @@ __all__ = [
     "EosTokenId",
     "LeanForwardUnsupported",
     "LogitHead",
+    "check_head_parameters",
     "check_output_head",
     "accepts_logits_to_keep",
     "cache_keyword",
@@ -267,18 +268,12 @@ def output_weight(model: nn.Module) -> torch.Tensor:
     return output_head(model).weight
 
 
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-    """Prove, once per model, that :func:`output_head` reproduces the model's own logits: the first row of the batch
-    runs through ``model`` (eval mode, no grad) and the head's description must give its last positions' logits.
-    Raises ``LeanForwardUnsupported`` naming the model class when it does not (a head transform the description does
-    not know: a custom head, remote code, a new config field), so the caller falls back to full logits. Read the
-    head itself with ``output_head`` after the model's forward (FSDP2 gathers the root unit's weights there)."""
-    if _CHECKED.get(model):
-        return
-    head = output_head(model)
+def check_head_parameters(model: nn.Module) -> None:
+    """The static part of :func:`check_output_head`, which needs no forward (a model on the meta device will do):
+    raises ``LeanForwardUnsupported`` naming the model class when its output projection is not a plain ``nn.Linear``
+    (:func:`output_head`) or when it has parameters outside its decoder and that projection (a head MLP, a learned
+    scale: the head does more than the description says)."""
+    output_head(model)
     core = _causal_lm(model)
     projection = core.get_output_embeddings()
     assert projection is not None  # output_head checked it is an nn.Linear
@@ -290,6 +285,21 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask:
             f"{type(core).__name__} has parameters outside its decoder and lm_head ({', '.join(outside[:3])}), so its "
             "head does more than a projection"
         )
+
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Prove, once per model, that :func:`output_head` reproduces the model's own logits: the first row of the batch
+    runs through ``model`` (eval mode, no grad) and the head's description must give its last positions' logits.
+    Raises ``LeanForwardUnsupported`` naming the model class when it does not (a head transform the description does
+    not know: a custom head, remote code, a new config field), so the caller falls back to full logits. Read the
+    head itself with ``output_head`` after the model's forward (FSDP2 gathers the root unit's weights there)."""
+    if _CHECKED.get(model):
+        return
+    check_head_parameters(model)
+    head = output_head(model)
     ids, mask = input_ids[:1], attention_mask[:1]
     keep = min(4, ids.shape[1])
     positions = torch.zeros_like(ids, dtype=torch.bool)
