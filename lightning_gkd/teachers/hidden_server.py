@@ -16,6 +16,7 @@ H = 1536) against 4V bytes of float32 logits (608 KB at V = 152k).
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import urllib.parse
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from lightning_gkd.teachers.http import TeacherRequestError
 from lightning_gkd.teachers.served_model import ServedModel, scored_rows
 
 __all__ = ["HiddenServerTeacher", "WIRE_DTYPES", "pooling_start_command"]
+
+log = logging.getLogger(__name__)
 
 #: the dtypes the states travel in (vLLM's ``embed_dtype``) and their bytes per number
 WIRE_DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -105,7 +108,7 @@ class HiddenServerTeacher(HiddenStateTeacher):
 
     # -- the head ---------------------------------------------------------------------------------------------------
     def load_head(self) -> LogitHead:
-        from lightning_gkd.models.head import load_output_head
+        from lightning_gkd.models.head import read_output_head
 
         source = self.head_source
         if source is None:
@@ -117,7 +120,9 @@ class HiddenServerTeacher(HiddenStateTeacher):
                     "read)."
                 )
             source = name
-        return load_output_head(source)
+        head, read = read_output_head(source)
+        log.info("Teacher head for %s: %s.", self.url, read.summary())
+        return head
 
     # -- probe ------------------------------------------------------------------------------------------------------
     def check(self, tokenizer: Any, vocab_size: int) -> None:
