@@ -90,3 +90,19 @@ def test_the_loss_from_served_states_equals_the_in_process_lean_loss(served, bat
     finally:
         teacher.close()
     assert float((served_loss - local_loss).abs()) <= 1e-4 * float(local_loss)
+
+
+def test_the_accuracy_script_runs_against_a_real_pooling_server(tmp_path):
+    """scripts/hidden_teacher_accuracy.py --fast: its three teachers train and the page renders."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "hidden_teacher_accuracy.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--fast", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (tmp_path / "hidden_teacher.md").read_text()
+    for name in ("in process (dense)", "server, hidden states (bf16)", "top-20 + tail"):
+        assert f"| {name} |" in page
