@@ -390,7 +390,7 @@ def test_a_real_sampler_rolls_out_with_tools_and_counts_what_a_random_student_ge
 
 
 def test_a_cache_teacher_and_another_tokenizer_are_refused_with_tools(tool_tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="cache holds the teacher's log-probs for the dataset completions only"):
+    with pytest.raises(ValueError, match="cache holds the teacher's signal for the dataset completions only"):
         GKDModule(
             str(tmp_path / "s"),
             {"kind": "cache", "path": str(tmp_path / "cache")},

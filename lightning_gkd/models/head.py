@@ -52,10 +52,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: The shrunk config of the numeric check: these fields (names differ across families) get these values when the
-#: text config has them; head-transform fields (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``)
-#: and ``tie_word_embeddings`` are left as they are.
-_SMALL: dict[str, int] = {
+#: The shrunk config of the numeric check (and of the tests' tiny model of every family): these fields (names differ
+#: across families) get these values when the text config has them; head-transform fields
+#: (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``) and ``tie_word_embeddings`` are left as they are.
+SHRUNK_FIELDS: dict[str, int] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -380,13 +380,13 @@ def _check_tensor(tensor: torch.Tensor, shape: tuple[int, ...], name: str, layou
 
 
 def _shrunk_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of ``config`` with small sizes (``_SMALL``) and per-layer lists cut to the new layer count; the
+    """A copy of ``config`` with small sizes (``SHRUNK_FIELDS``) and per-layer lists cut to the new layer count; the
     head-transform fields and ``tie_word_embeddings`` are kept."""
     small = copy.deepcopy(config)
     get_text_config = getattr(small, "get_text_config", None)
     text = get_text_config() if callable(get_text_config) else small
     layers = getattr(text, "num_hidden_layers", None)
-    for name, value in _SMALL.items():
+    for name, value in SHRUNK_FIELDS.items():
         if hasattr(text, name):
             try:
                 setattr(text, name, value)

@@ -7,34 +7,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-#: config fields shrunk when a config has them (names differ across families)
+from lightning_gkd.models.head import SHRUNK_FIELDS
+
+#: config fields shrunk when a config has them (names differ across families): the head check's, and more
 SMALL = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "max_position_embeddings": 128,
-    "n_embd": 64,
-    "n_layer": 2,
-    "n_head": 2,
-    "n_inner": 128,
-    "d_model": 64,
-    "ffn_dim": 128,
-    "num_layers": 2,
-    "num_heads": 2,
-    "moe_intermediate_size": 64,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "shared_expert_intermediate_size": 64,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 16,
-    "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 32,
-    "sliding_window": 16,
+    **SHRUNK_FIELDS,
     # linear-attention and state-space mixers (Kimi, Bailing, Falcon-H1): their reference PyTorch kernels at the
     # default head counts and 256-token chunks took ~15 s per model on CPU
     "linear_num_heads": 2,
