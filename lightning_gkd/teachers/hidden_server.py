@@ -8,8 +8,9 @@ Start the server with per-token pooling and no activation (no L2 normalisation o
     python -m vllm.entrypoints.openai.api_server --model <teacher> --runner pooling --convert embed \\
         --pooler-config '{"task": "token_embed", "tok_pooling_type": "ALL", "use_activation": false}'
 
-Each row's token ids (without padding) go to ``POST /pooling`` (``encoding_format: base64``, ``embed_dtype``:
-``dtype``, little-endian); the answer holds ``len(ids) × H`` numbers. 2H bytes per token in bf16 (3 KB at
+A batch's rows (token ids without padding, each through its last supervised position) go to ``POST /pooling`` in
+``concurrency`` requests of several rows (``encoding_format: base64``, ``embed_dtype``: ``dtype``, little-endian);
+the answer holds ``len(ids) × H`` numbers per row. 2H bytes per token in bf16 (3 KB at
 H = 1536) against 4V bytes of float32 logits (608 KB at V = 152k).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import threading
 import urllib.parse
 from collections.abc import Mapping
@@ -139,7 +141,7 @@ class HiddenServerTeacher(HiddenStateTeacher):
             )
         probe = [int(i) for i in tokenizer("Hello, world! 12 + 34 = 46", add_special_tokens=False)["input_ids"]]
         probe = probe[: self.server.max_model_len or len(probe)] or [0]
-        states = self._post(model, probe, None)
+        states = self._post(model, [probe], None)[0]
         if states.shape[1] != self.hidden_size:
             raise ValueError(
                 f"The teacher server at {self.url} (model {model!r}) answers states of {states.shape[1]} features, but "
@@ -157,7 +159,8 @@ class HiddenServerTeacher(HiddenStateTeacher):
 
     # -- scoring ----------------------------------------------------------------------------------------------------
     def read_states(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
-        """``(N, H)`` float32 states at the True ``positions`` (row-major), one request per row with any."""
+        """``(N, H)`` float32 states at the True ``positions`` (row-major). The rows with any position are split into
+        ``concurrency`` requests sent at once, each a batch of rows (one HTTP request per row cost ~4x more here)."""
         rows = scored_rows(batch["input_ids"], batch["attention_mask"], positions, owner="HiddenServerTeacher")
         if not rows:
             return torch.zeros(0, self.hidden_size)
@@ -165,13 +168,20 @@ class HiddenServerTeacher(HiddenStateTeacher):
         jobs = [(tokens[: indices[-1] + 1], indices) for _, tokens, indices in rows]
         model = self.server.name()
         self.server.check_length(max(len(tokens) for tokens, _ in jobs), 0)
-        answers = self.server.map(lambda job, abort: self._post(model, job[0], abort)[job[1]], jobs)
-        return torch.cat(answers)
+        size = math.ceil(len(jobs) / self.server.concurrency)
+        groups = [jobs[start : start + size] for start in range(0, len(jobs), size)]
 
-    def _post(self, model: str, tokens: list[int], abort: threading.Event | None) -> torch.Tensor:
+        def send(group: list[tuple[list[int], list[int]]], abort: threading.Event) -> list[torch.Tensor]:
+            states = self._post(model, [tokens for tokens, _ in group], abort)
+            return [row[indices] for row, (_, indices) in zip(states, group, strict=True)]
+
+        return torch.cat([states for answer in self.server.map(send, groups) for states in answer])
+
+    def _post(self, model: str, inputs: list[list[int]], abort: threading.Event | None) -> list[torch.Tensor]:
+        """Per row of ``inputs`` (token ids), its ``(len, H)`` float32 states."""
         body = {
             "model": model,
-            "input": tokens,
+            "input": inputs,
             "task": "token_embed",
             "use_activation": False,
             "encoding_format": "base64",
@@ -187,10 +197,15 @@ class HiddenServerTeacher(HiddenStateTeacher):
                     f"Start it as a pooling server: {pooling_start_command(self.url)}"
                 ) from None
             raise
-        states = decode_states(answer["data"][0]["data"], self.dtype, len(tokens))
+        items = sorted(answer["data"], key=lambda item: int(item["index"]))
+        if len(items) != len(inputs):
+            raise ValueError(f"The teacher server at {self.url} answered {len(items)} rows for {len(inputs)} sent.")
+        states = [
+            decode_states(item["data"], self.dtype, len(tokens)) for item, tokens in zip(items, inputs, strict=True)
+        ]
         with self._counter_lock:
-            self.payload_bytes += states.numel() * WIRE_DTYPES[self.dtype]
-            self.payload_tokens += len(tokens)
+            self.payload_bytes += sum(row.numel() for row in states) * WIRE_DTYPES[self.dtype]
+            self.payload_tokens += sum(len(tokens) for tokens in inputs)
         return states
 
     def close(self) -> None:

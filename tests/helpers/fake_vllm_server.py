@@ -220,28 +220,34 @@ class FakeVLLMServer:
             return _model_not_found(body.get("model"), self.served)
         if body.get("task", "token_embed") != "token_embed":
             return _bad_request("Try switching the model's pooling_task via --pooler-config.task", param="task")
-        ids = [int(i) for i in body["input"]]
-        if len(ids) > self.max_model_len:
-            return _bad_request(f"This model's maximum context length is {self.max_model_len} tokens.")
-        with self._model_lock:
-            positions = torch.ones(1, len(ids), dtype=torch.bool)
-            mask = torch.ones(1, len(ids), dtype=torch.long)
-            states = final_hidden_states(self.model, torch.tensor([ids]), mask, positions).float()
-        if self.normalize:
-            states = torch.nn.functional.normalize(states, dim=-1)
+        inputs = body["input"]
+        rows = inputs if inputs and isinstance(inputs[0], list) else [inputs]  # one prompt of ids, or a batch
         dtype = body.get("embed_dtype", "float32")
-        if dtype == "bfloat16":
-            raw = states.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
-        else:
-            raw = states.numpy().astype("<f4" if dtype == "float32" else "<f2").tobytes()
-        data: Any = base64.b64encode(raw).decode() if body.get("encoding_format") == "base64" else states.tolist()
+        items = []
+        for index, row in enumerate(rows):
+            ids = [int(i) for i in row]
+            if len(ids) > self.max_model_len:
+                return _bad_request(f"This model's maximum context length is {self.max_model_len} tokens.")
+            with self._model_lock:
+                positions = torch.ones(1, len(ids), dtype=torch.bool)
+                mask = torch.ones(1, len(ids), dtype=torch.long)
+                states = final_hidden_states(self.model, torch.tensor([ids]), mask, positions).float()
+            if self.normalize:
+                states = torch.nn.functional.normalize(states, dim=-1)
+            if dtype == "bfloat16":
+                raw = states.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+            else:
+                raw = states.numpy().astype("<f4" if dtype == "float32" else "<f2").tobytes()
+            data = base64.b64encode(raw).decode() if body.get("encoding_format") == "base64" else states.tolist()
+            items.append({"index": index, "object": "pooling", "data": data})
+        tokens = sum(len(row) for row in rows)
         return 200, {
             "id": f"pooling-fake{len(self.requests)}",
             "object": "list",
             "created": int(time.time()),
             "model": body["model"],
-            "data": [{"index": 0, "object": "pooling", "data": data}],
-            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids), "completion_tokens": 0},
+            "data": items[::-1],  # the client must order by index
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
         }
 
     @torch.no_grad()
