@@ -177,7 +177,9 @@ def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: M
     trainer.fit(module, datamodule=data)
     timed = [b - a for a, b in itertools.pairwise(ends[warmup - 1 :])]
     return {
-        "seconds_per_step": sum(timed) / len(timed),
+        "seconds_per_step": statistics.median(timed),  # a step slowed by other work on the machine weighs less
+        "step_seconds": timed,
+        "load_average": os.getloadavg()[0],  # the machine's, over the last minute: other work slows every figure
         "peak_rss_mb": peak_rss_mb(),
         "baseline_rss_mb": baseline,
         "built_peak_rss_mb": built_peak,
@@ -292,26 +294,30 @@ def start_servers(work: Path, kinds: Sequence[str]) -> tuple[dict[str, subproces
         urls[kind] = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     waiting = dict(urls)
-    while waiting:
-        for kind, url in list(waiting.items()):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    del waiting[kind]
-            except OSError:
-                if processes[kind].poll() is not None or time.monotonic() > deadline:
-                    for process in processes.values():
-                        stop_server(process)
-                    tail = (work / f"{kind}.log").read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"the vLLM server of {kind} did not start:\n{tail}") from None
-        time.sleep(1)
+    try:
+        while waiting:
+            for kind, url in list(waiting.items()):
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2):
+                        del waiting[kind]
+                except OSError:
+                    if processes[kind].poll() is not None or time.monotonic() > deadline:
+                        tail = (work / f"{kind}.log").read_text(errors="replace")[-3000:]
+                        raise RuntimeError(f"the vLLM server of {kind} did not start:\n{tail}") from None
+            time.sleep(1)
+    except BaseException:  # a failed start, or an interrupt: no server outlives the run
+        for process in processes.values():
+            stop_server(process, wait=10)
+        raise
     return processes, urls
 
 
-def stop_server(process: subprocess.Popen[bytes]) -> None:
+def stop_server(process: subprocess.Popen[bytes], wait: float = 60) -> None:
+    """SIGTERM, then SIGKILL after ``wait`` seconds (a server stopped while starting may not finish its shutdown)."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=60)
@@ -478,14 +484,14 @@ def run_pass(vocab: int, reps: int, steps: int, warmup: int, kinds: Sequence[str
     }
 
 
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
-
-
 def figure(result: Mapping[str, Any], key: str, field: str) -> float | None:
-    """The median of ``field`` over the runs of ``key`` (``kind@lmbda``) at one vocabulary; None when not run."""
+    """``field`` of the runs of ``key`` (``kind@lmbda``) at one vocabulary, None when not run: seconds per step, the
+    fastest repetition's (other work on the machine only slows a run down); memory, the median."""
     runs = result["runs"].get(key)
-    return median([r[field] for r in runs]) if runs else None
+    if not runs:
+        return None
+    values = [float(r[field]) for r in runs]
+    return min(values) if field == "seconds_per_step" else float(statistics.median(values))
 
 
 def payload_rows(result: Mapping[str, Any]) -> list[tuple[str, float, str]]:
@@ -513,6 +519,11 @@ def payload_rows(result: Mapping[str, Any]) -> list[tuple[str, float, str]]:
     return out
 
 
+def load_range(result: Mapping[str, Any]) -> str:
+    loads = [r["load_average"] for runs in result["runs"].values() for r in runs]
+    return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "no runs"
+
+
 def render_pass(result: Mapping[str, Any]) -> list[str]:
     vocab, teacher = result["vocab"], result["teacher"]
     lines = [
@@ -521,9 +532,10 @@ def render_pass(result: Mapping[str, Any]) -> list[str]:
         f"{result['reps']} repetition(s) of {result['steps']} timed step(s) after {result['warmup']} warm-up "
         f"step(s); this pass took {result['seconds'] / 60:.1f} min. The teacher's float32 weights: "
         f"{teacher['weights_mb']:.0f} MB, of which its head (V x H = {vocab} x {teacher['hidden_size']}, tied to "
-        f"the input embedding) {teacher['head_mb']:.0f} MB.",
+        f"the input embedding) {teacher['head_mb']:.0f} MB. The machine's load average (1 min) as the workers "
+        f"ended: {load_range(result)}.",
         "",
-        "| teacher | lmbda | s / optimizer step (median) | RSS before the module (MB) | peak RSS through the "
+        "| teacher | lmbda | s / optimizer step | RSS before the module (MB) | peak RSS through the "
         "module's construction (MB) | peak RSS through the fit (MB) | peak over before (MB) | the teacher's tensors "
         "in the process (MB) |",
         "|---|---|---|---|---|---|---|---|",
@@ -608,7 +620,9 @@ def render(results: Mapping[str, Any]) -> str:
         f"{meta['batch']}, {meta['new_tokens']}-token answers (lmbda 0, beta 0) or {meta['new_tokens']} sampled "
         "tokens (lmbda 1, beta 0.5). Top-20 kinds: the tail bucket (`sparse_loss=topk`); "
         "local and hidden kinds: the full distributions.",
-        "- Every measurement in a fresh process, kinds alternating per repetition. RSS is the student process's "
+        "- Every measurement in a fresh process, kinds alternating per repetition. Seconds per optimizer step: the "
+        "median of a run's timed steps, the fastest repetition (other work on the machine only slows runs down; "
+        "every run's steps and the load average are in the .json). RSS is the student process's "
         "(VmHWM), counted from just before the module is built (after imports and the student's build): the "
         "teacher's load (local) or its head's (hidden kinds, V x H float32), the servers' probes, the fit. "
         f"The hidden-state server's head was read by `{meta['head_loader']}`.",
