@@ -143,8 +143,12 @@ def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: M
     baseline = current_rss_mb()
     reset_peak_rss()  # from here: the teacher's load (local) or its head's (hidden), the engines, the fit
     ends: list[float] = []
+    setup_peak: list[float] = []
 
     class StepEnds(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            setup_peak.append(peak_rss_mb())  # the teacher loaded (local) or its head read, servers probed, engines
+
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             ends.append(time.perf_counter())
 
@@ -161,7 +165,6 @@ def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: M
         metrics={},
         frozen_dtype="float32",  # the same arithmetic in every kind: the caches and servers hold float32-made signals
     )
-    built_peak = peak_rss_mb()  # the teacher loaded (local) or its head read and the server probed (hidden)
     data = ChatDataModule(tokenizer, data_rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH, shuffle=False)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -182,7 +185,7 @@ def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: M
         "load_average": os.getloadavg()[0],  # the machine's, over the last minute: other work slows every figure
         "peak_rss_mb": peak_rss_mb(),
         "baseline_rss_mb": baseline,
-        "built_peak_rss_mb": built_peak,
+        "setup_peak_rss_mb": setup_peak[0],
         "teacher_mb": teacher_mb(module.teacher_source),
     }
 
@@ -535,19 +538,19 @@ def render_pass(result: Mapping[str, Any]) -> list[str]:
         f"the input embedding) {teacher['head_mb']:.0f} MB. The machine's load average (1 min) as the workers "
         f"ended: {load_range(result)}.",
         "",
-        "| teacher | lmbda | s / optimizer step | RSS before the module (MB) | peak RSS through the "
-        "module's construction (MB) | peak RSS through the fit (MB) | peak over before (MB) | the teacher's tensors "
+        "| teacher | lmbda | s / optimizer step | RSS before the module (MB) | peak RSS before the first "
+        "step (MB) | peak RSS through the fit (MB) | peak over before (MB) | the teacher's tensors "
         "in the process (MB) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for key, runs in result["runs"].items():
         kind, lmbda = key.split("@")
         seconds, before = figure(result, key, "seconds_per_step"), figure(result, key, "baseline_rss_mb")
-        built, peak = figure(result, key, "built_peak_rss_mb"), figure(result, key, "peak_rss_mb")
-        assert seconds is not None and before is not None and built is not None and peak is not None
+        setup, peak = figure(result, key, "setup_peak_rss_mb"), figure(result, key, "peak_rss_mb")
+        assert seconds is not None and before is not None and setup is not None and peak is not None
         held = runs[0]["teacher_mb"]
         lines.append(
-            f"| {LABELS[kind]} | {lmbda} | {seconds:.3f} | {before:.0f} | {built:.0f} | {peak:.0f} | "
+            f"| {LABELS[kind]} | {lmbda} | {seconds:.3f} | {before:.0f} | {setup:.0f} | {peak:.0f} | "
             f"{peak - before:+.0f} | {held:.0f} |"
         )
     for key, error in result["failures"].items():
@@ -623,8 +626,9 @@ def render(results: Mapping[str, Any]) -> str:
         "- Every measurement in a fresh process, kinds alternating per repetition. Seconds per optimizer step: the "
         "median of a run's timed steps, the fastest repetition (other work on the machine only slows runs down; "
         "every run's steps and the load average are in the .json). RSS is the student process's "
-        "(VmHWM), counted from just before the module is built (after imports and the student's build): the "
-        "teacher's load (local) or its head's (hidden kinds, V x H float32), the servers' probes, the fit. "
+        "(VmHWM), counted from just before the module is built (after imports and the student's build): before "
+        "the first step, the teacher's load (local) or its head's (hidden kinds, V x H float32), the servers' "
+        "probes and Lightning's setup; then the fit. "
         f"The hidden-state server's head was read by `{meta['head_loader']}`.",
         "- The servers (vLLM, float32) run on the same 2 cores as the trainer: their forward time is in the server "
         "rows' step time. On another machine it would not be; the student process's memory is the point of "
@@ -681,6 +685,28 @@ def notes(results: Mapping[str, Any]) -> list[str]:
                 f"{teacher['head_mb']:.0f} MB head and the dense loss's buffers); local {m_local - m_topk:+.0f} MB "
                 f"more (the teacher's {teacher['weights_mb']:.0f} MB of weights and its forward)."
             )
+    for result in results["passes"]:
+        wire = result["losses"]["wire"]
+        if "server top-20" in wire and "server hidden (bfloat16)" in wire:
+            topk_bytes = wire["server top-20"]["bytes_per_token"]
+            hidden_bytes = wire["server hidden (bfloat16)"]["bytes_per_token"]
+            lines.append(
+                f"- {result['vocab']}, bytes: the hidden-state server's bfloat16 answer ({hidden_bytes:,.0f} B a "
+                f"token, base64) is {hidden_bytes / topk_bytes:.2f}x the top-20 server's JSON ({topk_bytes:,.0f} B a "
+                f"supervised token) and {hidden_bytes / (4 * result['vocab']):.2%} of the full logits; it grows with "
+                "H, not V."
+            )
+    scored = [r for r in results["passes"] if {"server", "server_hidden"} <= set(r["scoring"])]
+    if len(scored) > 1:
+        first, last = scored[0], scored[-1]
+        lines.append(
+            f"- Scoring throughput from {first['vocab']} to {last['vocab']}: the top-20 server "
+            f"{first['scoring']['server']['tokens_per_s']:.0f} -> {last['scoring']['server']['tokens_per_s']:.0f} "
+            "tokens/s (it projects every token onto the vocabulary and sorts it), the hidden-state server "
+            f"{first['scoring']['server_hidden']['tokens_per_s']:.0f} -> "
+            f"{last['scoring']['server_hidden']['tokens_per_s']:.0f} (no head: the vocabulary's cost moves to the "
+            "student process, at the supervised positions only)."
+        )
     if any(r["losses"]["relative_difference"].get("server top-20") for r in results["passes"]):
         lines.append(
             "- The losses: the hidden kinds give the dense loss up to their wire or storage rounding. The top-20 "
