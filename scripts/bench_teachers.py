@@ -147,7 +147,7 @@ def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: M
 
     class StepEnds(L.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            setup_peak.append(peak_rss_mb())  # the teacher loaded (local) or its head read, servers probed, engines
+            setup_peak.append(peak_rss_mb())  # built, servers probed (memory-mapped weights count when first touched)
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             ends.append(time.perf_counter())
@@ -626,9 +626,11 @@ def render(results: Mapping[str, Any]) -> str:
         "- Every measurement in a fresh process, kinds alternating per repetition. Seconds per optimizer step: the "
         "median of a run's timed steps, the fastest repetition (other work on the machine only slows runs down; "
         "every run's steps and the load average are in the .json). RSS is the student process's "
-        "(VmHWM), counted from just before the module is built (after imports and the student's build): before "
-        "the first step, the teacher's load (local) or its head's (hidden kinds, V x H float32), the servers' "
-        "probes and Lightning's setup; then the fit. "
+        "(VmHWM), counted from just before the module is built (after imports and the student's build). The "
+        "teacher's weights (local) and a hidden-state teacher's head (V x H float32) are memory-mapped from "
+        "safetensors: their pages count when first touched, in the first step, so the peak before the first step "
+        "is the module's construction, the servers' probes and Lightning's setup, and the fit's peak holds the "
+        "teacher's tensors (the last column). "
         f"The hidden-state server's head was read by `{meta['head_loader']}`.",
         "- The servers (vLLM, float32) run on the same 2 cores as the trainer: their forward time is in the server "
         "rows' step time. On another machine it would not be; the student process's memory is the point of "
