@@ -128,7 +128,7 @@ def test_a_custom_sampler_drives_every_on_policy_step(student, teacher, tokenize
 def test_kv_cache_samples_carry_the_log_probs_of_the_distribution_they_were_drawn_from(student, tokenizer):
     """``sampled_logprobs``: each completion token's log-prob under softmax(logits / T) restricted to top-k and
     top-p and renormalised (the behaviour policy's, for importance weights), 0 on prompt and padding columns."""
-    from lightning_gkd.ops.sampling import _sampling_logits
+    from lightning_gkd.ops.sampling import sampling_logits
 
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 4, 3]])
     mask = (ids != 0).long()
@@ -137,7 +137,7 @@ def test_kv_cache_samples_carry_the_log_probs_of_the_distribution_they_were_draw
     )
     with torch.no_grad():
         logits = student(input_ids=got["input_ids"], attention_mask=got["attention_mask"]).logits[:, :-1]
-    flat = _sampling_logits(logits.reshape(-1, logits.shape[-1]), temperature=0.7, top_k=9, top_p=0.9)
+    flat = sampling_logits(logits.reshape(-1, logits.shape[-1]), temperature=0.7, top_k=9, top_p=0.9)
     want = flat.log_softmax(-1).gather(-1, got["input_ids"][:, 1:].reshape(-1, 1)).view_as(logits[..., 0])
     keep = got["labels"][:, 1:] != -100
     assert keep.sum() > 6

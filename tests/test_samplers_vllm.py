@@ -18,7 +18,7 @@ from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.sampling import _sampling_logits, generate_completions
+from lightning_gkd.ops.sampling import sampling_logits, generate_completions
 from lightning_gkd.samplers import KVCacheSampler, VLLMSampler
 
 if os.environ.get("LIGHTNING_GKD_REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing vLLM is a failure
@@ -100,7 +100,7 @@ def test_the_toy_student_greedy_matches_and_samples_follow_the_sampling_distribu
     assert torch.equal(first["attention_mask"][:, : prompts.shape[1]], mask.long())
     with torch.no_grad():
         logits = student(input_ids=first["input_ids"], attention_mask=first["attention_mask"]).logits[:, :-1]
-    flat = _sampling_logits(logits.reshape(-1, logits.shape[-1]), temperature=0.9, top_k=20, top_p=0.95)
+    flat = sampling_logits(logits.reshape(-1, logits.shape[-1]), temperature=0.9, top_k=20, top_p=0.95)
     expected = flat.log_softmax(-1).gather(-1, first["input_ids"][:, 1:].reshape(-1, 1)).view_as(logits[..., 0])
     keep = first["labels"][:, 1:] != -100
     torch.testing.assert_close(first["sampled_logprobs"][:, 1:][keep], expected[keep], atol=2e-4, rtol=0)

@@ -25,7 +25,7 @@ from lightning_gkd.ops.losses import IGNORE_INDEX
 from lightning_gkd.ops.sampling import eos_ids, validate_sampling_args
 from lightning_gkd.rollouts import MultiTurnRollout, ToolCallParser, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, greedy_engine_turn, greedy_turn
-from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler_available
+from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler
 from lightning_gkd.teachers import LocalTeacher
 from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
 from lightning_gkd.training.sampler_shutdown import SamplerShutdown
@@ -114,7 +114,7 @@ class OnPolicyModule(CausalLMModule):
         tool_parser: ToolCallParser | None = None,
         **common: Any,
     ) -> None:
-        check_sampler_available(sampler)  # before any model loads
+        check_sampler(sampler, teachers)  # before any model loads
         check_range("lmbda", lmbda, 0.0, 1.0)
         if loss_chunk_size < 1:
             raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
@@ -170,6 +170,9 @@ class OnPolicyModule(CausalLMModule):
             )
         #: How completions are sampled (``lightning_gkd.samplers``).
         self.sampler: Sampler = build_sampler(sampler or KVCacheSampler, self.tokenizer, **sampling)
+        bind_teachers = getattr(self.sampler, "bind_teachers", None)
+        if callable(bind_teachers):  # a sampler that consults the teacher (speculative KD)
+            bind_teachers(self.teacher_sources)
         self.lmbda, self.seq_kd = lmbda, seq_kd
         self.temperature, self.max_new_tokens, self.top_k, self.top_p = temperature, max_new_tokens, top_k, top_p
         self._batches = self._on_policy_batches = 0
@@ -298,15 +301,25 @@ class OnPolicyModule(CausalLMModule):
             sampled = sampler.sample(
                 cast(torch.nn.Module, model), batch["prompts"], batch["prompt_attention_mask"], seed=seed
             )
+            self.log_sampler_stats(sampler, len(batch["prompts"]))
             return {**batch, **sampled}
 
         def sample_turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
             return sampler.sample(cast(torch.nn.Module, model), ids, mask, seed=turn_seed)
 
         transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        self.log_sampler_stats(sampler, len(batch["prompts"]))  # the last turn's
         for name, value in stats.metrics().items():
             self.log(f"train/tools/{name}", value, batch_size=len(stats.turns))
         return transcripts
+
+    def log_sampler_stats(self, sampler: Sampler, size: int) -> None:
+        """The sampler's figures of its last call (``last_stats``, e.g. speculative KD's replacement rate) as
+        ``train/sampler/<name>``."""
+        last_stats = getattr(sampler, "last_stats", None)
+        if callable(last_stats):
+            for name, value in last_stats().items():
+                self.log(f"train/sampler/{name}", value, batch_size=size)
 
     def collect_generations(self, batch: Mapping[str, torch.Tensor], dataloader_idx: int = 0) -> None:
         """With rollouts, validation's generation metrics score the final answers of greedy rollouts (through the

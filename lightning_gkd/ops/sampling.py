@@ -60,7 +60,7 @@ def eos_ids(eos_token_id: EosTokenId) -> list[int]:
     return [int(i) for i in eos_token_id]
 
 
-def _eos_tensor(eos_token_id: EosTokenId, device: torch.device) -> torch.Tensor | None:
+def eos_tensor(eos_token_id: EosTokenId, device: torch.device) -> torch.Tensor | None:
     """EOS id(s) as a 1-D long tensor on ``device``; ``None`` when there is no EOS."""
     ids = eos_ids(eos_token_id)
     return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
@@ -79,7 +79,7 @@ def validate_sampling_args(max_new_tokens: int, temperature: float, top_k: int, 
         raise ValueError(f"top_k must be >= 0 (an integer; 0 disables it), got {top_k!r}")
 
 
-def _returned_cache(outputs: Any) -> Any:
+def returned_cache(outputs: Any) -> Any:
     """The KV cache of a forward output, read from ``.cache`` or ``.past_key_values``.
 
     ``.cache`` is checked first: on transformers 5.x reading ``.past_key_values`` works
@@ -120,12 +120,12 @@ def _pick_tokens(
     if not do_sample:
         tokens = logits.argmax(dim=-1)
         return tokens, logits.float().log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    logits = _sampling_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = sampling_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
     tokens = _inverse_cdf_sample(logits.softmax(dim=-1), generator)
     return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _sampling_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def sampling_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """``(B, V)`` float logits of the sampling distribution: divided by ``temperature``, ``-inf`` outside the top-k
     tokens and then outside the smallest nucleus reaching ``top_p``."""
     logits = logits.float()
@@ -152,10 +152,20 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) 
     draw. Exact like ``torch.multinomial``, but draws B random numbers instead of B x V (multinomial's
     exponential draw over the whole vocabulary was a third of the decode time at V = 32000). The cumulative sum
     runs in float64 so that tiny probabilities keep their share."""
+    return inverse_cdf_pick(probs, uniform_draws(probs.shape[0], generator, probs.device))
+
+
+def uniform_draws(batch: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``(B, 1)`` float64 uniforms in [0, 1): the draw ``_inverse_cdf_sample`` takes per decoding step."""
+    return torch.rand((batch, 1), generator=generator, device=device, dtype=torch.float64)
+
+
+def inverse_cdf_pick(probs: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` tokens: per row of ``probs`` ``(B, V)``, the first index whose float64 cumulative probability
+    exceeds ``draw`` ``(B, 1)`` (uniforms in [0, 1)) times the row's total."""
     cdf = probs.double().cumsum(dim=-1)
-    draw = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
     # zero-probability tokens (cut by top-k / top-p) add no width to the cdf, so they are never picked
-    tokens = torch.searchsorted(cdf, draw * cdf[:, -1:], right=True)
+    tokens = torch.searchsorted(cdf, draw.to(cdf.device) * cdf[:, -1:], right=True)
     return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
@@ -214,7 +224,7 @@ def sample_tokens(
     batch, prompt_len = prompt_ids.shape
     device = prompt_ids.device
     cache_kw, keep_logits = cache_keyword(model), accepts_logits_to_keep(model)
-    eos = _eos_tensor(eos_token_id, device)
+    eos = eos_tensor(eos_token_id, device)
     synced = is_sharded(model) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     pick = partial(
         _pick_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
@@ -257,7 +267,7 @@ def sample_tokens(
             attention_mask=full_mask[:, : prompt_len + step + 1],
             position_ids=next_position + step,
             use_cache=True,
-            **{cache_kw: _returned_cache(outputs)},
+            **{cache_kw: returned_cache(outputs)},
         )
     if logprobs_out is not None:
         logprobs_out.append(logprobs[:, :num_tokens])
@@ -300,7 +310,7 @@ def completion_batch(
     completion_ids = completion_ids.to(device=prompt_ids.device, dtype=torch.long)
     input_ids = torch.cat([prompt_ids.long(), completion_ids], dim=1)
 
-    eos = _eos_tensor(eos_token_id, completion_ids.device)
+    eos = eos_tensor(eos_token_id, completion_ids.device)
     if eos is None:
         completion_mask = torch.ones_like(completion_ids)
     else:

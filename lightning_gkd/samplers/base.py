@@ -16,7 +16,9 @@ class Sampler(Protocol):
     A sampler backed by an engine with its own copy of the weights may also have (the method calls each one when
     present): ``start(models, *, max_model_len)`` when fitting starts (role → model), ``weights_updated()`` before
     every optimizer step, ``close()`` at teardown, and ``greedy(model, prompts, prompt_attention_mask, *,
-    max_new_tokens)`` for validation generations (same output contract as ``sample``).
+    max_new_tokens)`` for validation generations (same output contract as ``sample``). A sampler that reads the
+    teacher has ``bind_teachers(sources)`` (the method's teachers by name, once they are built); one that reports
+    figures has ``last_stats()`` (name → float of its last call, logged as ``train/sampler/<name>``).
     """
 
     def sample(
@@ -54,9 +56,17 @@ def build_sampler(
     return sampler(tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def check_sampler_available(sampler: Any) -> None:
-    """Raise the sampler's own 'not installed' error (``check_available``) before any model loads."""
+def check_sampler(sampler: Any, teachers: Any = None) -> None:
+    """A sampler's own checks before any model loads, where its class has them: ``check_available()`` (its 'not
+    installed' error), ``check_settings(**options)`` (a factory's options) and ``check_teachers(plan)`` (a sampler
+    that reads the teacher: ``teachers``, the method's ``TeacherPlan``)."""
     target = getattr(sampler, "func", sampler)  # a functools.partial's class
     check = getattr(target, "check_available", None)
     if callable(check):
         check()
+    check_settings = getattr(target, "check_settings", None)
+    if callable(check_settings):
+        check_settings(**dict(getattr(sampler, "keywords", {})))
+    check_teachers = getattr(target, "check_teachers", None)
+    if callable(check_teachers) and teachers is not None:
+        check_teachers(teachers)

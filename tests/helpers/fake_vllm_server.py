@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_gkd.ops.hf import final_hidden_states
-from lightning_gkd.ops.sampling import _sampling_logits
+from lightning_gkd.ops.sampling import sampling_logits
 
 
 class FakeVLLMServer:
@@ -291,7 +291,7 @@ class FakeVLLMServer:
             if temperature < 1e-5:
                 token = int(raw.argmax())
             else:
-                logits = _sampling_logits(raw[None], temperature=temperature, top_k=max(top_k, 0), top_p=top_p)
+                logits = sampling_logits(raw[None], temperature=temperature, top_k=max(top_k, 0), top_p=top_p)
                 token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
             tokens.append(token)
             logprobs.append(float(raw[token]))
