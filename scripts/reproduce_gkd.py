@@ -27,8 +27,9 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cache, partial
 from multiprocessing import get_context
@@ -49,6 +50,7 @@ from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.samplers import SpeculativeKDSampler
 
 REPO = Path(__file__).resolve().parents[1]
 ADDITION = TOY_TASKS["addition"]
@@ -64,11 +66,46 @@ class Method:
     seq_kd: bool = False
     gamma: float = 0.0  # OPD's discount
     lrs: tuple[float, ...] | None = None  # this method's learning-rate sweep (None: --lrs)
+    skd: dict[str, int] | None = None  # SpeculativeKDSampler options (sampler=skd); None: the default sampler
+    opd: dict[str, Any] | None = None  # more OPDModule options (advantage normalisation, baseline, clipping)
+    served_top_k: int | None = None  # the teacher behind a vLLM-API server answering this many log-probs per token
 
     @property
     def on_policy(self) -> bool:
         return self.kind == "opd" or self.lmbda > 0
 
+
+# speculative KD (sampler=skd): the student drafts 4 tokens, the teacher keeps those in its top-K, else draws
+SKD_METHODS = [
+    Method(
+        "SKD K=5",
+        "speculative KD (draft 4, the teacher keeps its top-5, else draws), λ=1, reverse KL",
+        lmbda=1.0,
+        beta=1.0,
+        skd={"accept_top_k": 5, "draft_tokens": 4},
+    ),
+    Method(
+        "SKD K=25",
+        "speculative KD as above with the teacher's top-25, λ=1, reverse KL",
+        lmbda=1.0,
+        beta=1.0,
+        skd={"accept_top_k": 25, "draft_tokens": 4},
+    ),
+    Method(
+        "SKD K=5 λ=0.5",
+        "speculative KD (top-5) on half the steps, dataset answers on the rest, reverse KL",
+        lmbda=0.5,
+        beta=1.0,
+        skd={"accept_top_k": 5, "draft_tokens": 4},
+    ),
+    Method(
+        "SKD K=5 β=0",
+        "speculative KD (top-5), λ=1, forward KL",
+        lmbda=1.0,
+        beta=0.0,
+        skd={"accept_top_k": 5, "draft_tokens": 4},
+    ),
+]
 
 METHODS = [
     Method("SFT", "cross-entropy on ground-truth answers", kind="sft"),
@@ -79,6 +116,7 @@ METHODS = [
     Method("GKD β=0.9", "λ=1: on-policy, JSD(0.9)", lmbda=1.0, beta=0.9),
     Method("GKD β=1", "λ=1: on-policy, reverse KL", lmbda=1.0, beta=1.0),
     Method("Mixed λ=0.5", "λ=0.5, β=0.5: half on-policy", lmbda=0.5, beta=0.5),
+    *SKD_METHODS,
 ]
 
 # The off-policy methods' best rate reached the top of the shared grid in a pilot: theirs reaches one step higher.
@@ -104,6 +142,29 @@ CHAIN_METHODS = [
         kind="opd",
         gamma=1.0,
         lrs=(1e-4, 3e-4, 1e-3),
+    ),
+    *SKD_METHODS,
+    Method(
+        "OPD γ=1 normalised",
+        "OPD γ=1 with length-normalised returns and a per-row baseline",
+        kind="opd",
+        gamma=1.0,
+        opd={"length_normalize": True, "baseline": "row"},
+        lrs=(1e-4, 3e-4, 1e-3),
+    ),
+    Method(
+        "OPD top-1 server",
+        "OPD (γ=0) against a server that returns one log-prob per token (--max-logprobs 1)",
+        kind="opd",
+        served_top_k=1,
+        lrs=(1e-4, 3e-4, 1e-3),
+    ),
+    Method(
+        "GKD top-1 server",
+        "GKD λ=1 on the same server's top-1 + tail bucket, reverse KL",
+        lmbda=1.0,
+        beta=1.0,
+        served_top_k=1,
     ),
 ]
 
@@ -157,10 +218,11 @@ class ComputeMeter(L.Callback):
         self.points: list[tuple[int, float, float]] = []
         self._started = 0.0
 
-    def attach(self, module: L.LightningModule) -> None:
+    def attach(self, module: L.LightningModule, served_teacher: torch.nn.Module | None = None) -> None:
         student = parameter_count(module.model)
         teacher_model = getattr(module, "teacher", None)
-        teacher = parameter_count(teacher_model) if teacher_model is not None else 0
+        scorer = teacher_model if teacher_model is not None else served_teacher
+        teacher = parameter_count(scorer) if scorer is not None else 0
         # what a training step calls: the on-policy methods' training_loss, SFT's completion_loss
         loss_name = "training_loss" if hasattr(module, "training_loss") else "completion_loss"
         loss_fn, sample_fn = getattr(module, loss_name), getattr(module, "sample_batch", None)
@@ -179,9 +241,15 @@ class ComputeMeter(L.Callback):
             out = sample_fn(model, batch, seed)
             new = int((out["labels"] != -100).sum())
             self.tokens["generated"] += new
-            self.flops += (
-                2 * (teacher if model is teacher_model else student) * (new + int(batch["prompt_attention_mask"].sum()))
-            )
+            read = new + int(batch["prompt_attention_mask"].sum())
+            stats = module.sampler.last_stats() if hasattr(module.sampler, "last_stats") else {}
+            if model is not teacher_model and "teacher_tokens_per_token" in stats:
+                # speculative KD: the student's drafts (rejected ones included) and the teacher's verification
+                verified = round(stats["teacher_tokens_per_token"] * new)
+                self.tokens["teacher_verified"] = self.tokens.get("teacher_verified", 0) + verified
+                self.flops += 2 * student * round(stats["student_tokens_per_token"] * new) + 2 * teacher * verified
+            else:
+                self.flops += 2 * (teacher if model is teacher_model else student) * read
             return out
 
         setattr(module, loss_name, counted_loss)
@@ -223,6 +291,72 @@ def train_one(
     L.seed_everything(seed, workers=True)
     student = load_causal_lm(asset_path(f"{task.assets}/student_init"))
     teacher = asset_path(f"{task.assets}/teacher") if teacher is None else teacher
+    with served_teacher(method, teacher, tokenizer, task) as (teacher, served_model):
+        return _train_one(
+            method,
+            student,
+            teacher,
+            served_model,
+            seed=seed,
+            lr=lr,
+            steps=steps,
+            batch_size=batch_size,
+            eval_every=eval_every,
+            tokenizer=tokenizer,
+            rows=rows,
+            work_dir=work_dir,
+            task=task,
+            arm=arm,
+            gkd_options=gkd_options,
+        )
+
+
+@contextmanager
+def served_teacher(method: Method, teacher: Any, tokenizer: Any, task: ToyTask) -> Iterator[tuple[Any, Any]]:
+    """``(teacher argument, served model)``: with ``method.served_top_k``, the teacher folder served by the test
+    suite's stand-in for vLLM's OpenAI server (the same JSON API, answered by the Hugging Face model in float32, so
+    the study leaves both cores to training) with ``--max-logprobs`` = ``served_top_k``, as a ``teacher=server``
+    spec; else ``(teacher, None)``."""
+    if method.served_top_k is None:
+        yield teacher, None
+        return
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers.fake_vllm_server import FakeVLLMServer
+
+    model = load_causal_lm(teacher)
+    eos = resolve_eos_token_id(model, tokenizer)
+    server = FakeVLLMServer(
+        model,
+        tokenizer,
+        max_logprobs=method.served_top_k,
+        max_model_len=task.max_length + task.max_new_tokens + 8,
+        eos_token_id=eos if isinstance(eos, int) else None,
+    ).start()
+    try:
+        spec = {"kind": "server", "url": server.url, "model": server.name, "top_k": method.served_top_k}
+        yield spec, model
+    finally:
+        server.stop()
+
+
+def _train_one(
+    method: Method,
+    student: torch.nn.Module,
+    teacher: Any,
+    served_model: torch.nn.Module | None,
+    *,
+    seed: int,
+    lr: float,
+    steps: int,
+    batch_size: int,
+    eval_every: int,
+    tokenizer: Any,
+    rows: dict[str, list[dict]],
+    work_dir: Path,
+    task: ToyTask,
+    arm: str,
+    gkd_options: Mapping[str, Any] | None,
+) -> Run:
     common = dict(
         optimizer=partial(torch.optim.AdamW, lr=lr),
         scheduler=partial(
@@ -232,11 +366,15 @@ def train_one(
         eval_max_new_tokens=task.max_new_tokens,
         seed=seed,
     )
-    sampling = dict(temperature=1.0, max_new_tokens=task.max_new_tokens)
+    sampling: dict[str, Any] = dict(temperature=1.0, max_new_tokens=task.max_new_tokens)
+    if method.skd is not None:
+        sampling["sampler"] = partial(SpeculativeKDSampler, **method.skd)
     if method.kind == "sft":
         module: L.LightningModule = SFTModule(student, tokenizer, **common)
     elif method.kind == "opd":
-        module = OPDModule(student, teacher, tokenizer, gamma=method.gamma, **sampling, **common)
+        module = OPDModule(
+            student, teacher, tokenizer, gamma=method.gamma, **dict(method.opd or {}), **sampling, **common
+        )
     else:
         module = GKDModule(
             student,
@@ -259,7 +397,7 @@ def train_one(
         seed=seed,
     )
     curve, meter = AccuracyCurve(), ComputeMeter()
-    meter.attach(module)
+    meter.attach(module, served_model)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -703,10 +841,31 @@ def chain_main(args: argparse.Namespace) -> int:
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.add:
+        saved = merged_study(json.loads((args.out / "results_chain.json").read_text()), saved)
     (args.out / "results_chain.json").write_text(json.dumps(saved))  # compact: every run keeps its completions
     render_chain(args.out, saved)
     print((args.out / "results.md").read_text())
     return 0
+
+
+def merged_study(before: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``--add``: the earlier study's runs, sweeps and methods, with the methods of ``new`` added (or replaced); the
+    commands and times of both are kept."""
+    names = {method["name"] for method in new["methods"]}
+
+    def kept(items: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+        return [item for item in items if item[key] not in names]
+
+    return {
+        **new,
+        "runs": kept(before["runs"], "method") + new["runs"],
+        "sweep": kept(before["sweep"], "method") + new["sweep"],
+        "methods": kept(before["methods"], "name") + new["methods"],
+        "seconds": before["seconds"] + new["seconds"],
+        "command": f"{before['command']} && {new['command']}",
+        "args": {**before["args"], "low_data_methods": before["args"]["low_data_methods"]},
+    }
 
 
 def low_data_methods(methods: list[Method], runs: list[Run], choice: list[str]) -> list[str]:
@@ -1068,6 +1227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     parser.add_argument("--fast", action="store_true", help="1 seed, 1 lr, 6 steps: a smoke test")
     parser.add_argument(
+        "--add",
+        action="store_true",
+        help="keep <out>/results[_chain].json's runs of the other methods and add (or replace) these methods' runs",
+    )
+    parser.add_argument(
         "--rerender",
         action="store_true",
         help="rewrite results.md and the plots from <out>/results[_chain].json without training",
@@ -1137,6 +1301,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+    seconds = time.perf_counter() - started
+    if args.add:  # the earlier study's runs of the other methods, in METHODS' order
+        before = json.loads((args.out / "results.json").read_text())
+        names = {m.name for m in methods}
+        runs = [
+            Run(**{**r, "curve": [tuple(p) for p in r["curve"]]}) for r in before["runs"] if r["method"] not in names
+        ] + runs
+        methods = [m for m in METHODS if any(r.method == m.name for r in runs)]
+        seconds += before["seconds"]
+        args.command = f"{before['command']} && python scripts/reproduce_gkd.py {' '.join(args.argv)}"
     table = summarize(runs, methods, teacher_acc, start_acc)
     write_report(
         args.out,
@@ -1145,7 +1319,7 @@ def main(argv: list[str] | None = None) -> int:
         teacher_acc=teacher_acc,
         start_acc=start_acc,
         args=args,
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
     )
     print((args.out / "results.md").read_text())
     return 0

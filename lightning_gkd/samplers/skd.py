@@ -18,7 +18,6 @@ from lightning_gkd.ops.hf import (
 )
 from lightning_gkd.ops.sampling import generate_completions, validate_sampling_args
 from lightning_gkd.ops.speculative import check_speculative_settings, speculative_completions
-from lightning_gkd.teachers.spec import TeacherPlan
 
 _TEACHER_NEEDED = (
     "sampler=skd verifies the student's drafts with one in-process teacher model, got {kinds}. Use teacher=local, "
@@ -63,8 +62,9 @@ class SpeculativeKDSampler:
         check_speculative_settings(accept_top_k, draft_tokens)
 
     @staticmethod
-    def check_teachers(plan: TeacherPlan) -> None:
-        """One in-process teacher (a model, ``teacher=local``), before any model loads."""
+    def check_teachers(plan: Any) -> None:
+        """One in-process teacher (a model, ``teacher=local``) in the method's ``TeacherPlan``, before any model
+        loads."""
         entries = plan.entries
         if len(entries) != 1 or next(iter(entries.values())).kind != "local":
             kinds = ", ".join(f"{name or 'teacher'}: {entry.kind}" for name, entry in entries.items())
