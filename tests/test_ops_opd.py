@@ -265,10 +265,8 @@ def test_clipped_surrogate_and_its_gradient_against_autograd_of_the_explicit_min
     assert stats.mean_advantage.item() == pytest.approx(advantage.mean().item(), abs=1e-6)
     assert stats.mean_abs_advantage.item() == pytest.approx(advantage.abs().mean().item(), rel=1e-5)
     # the clipped tokens are the ones whose gradient went: unclipped, every token would push
-    unclipped, _ = policy_gradient_distillation_loss(
-        hidden, head, tokens, teacher_at, rows=rows, sampler_logprobs=sampler, gamma=gamma, max_weight=w_max,
-        length_normalize=True, baseline=baseline,
-    )  # fmt: skip
+    options = dict(rows=rows, sampler_logprobs=sampler, gamma=gamma, max_weight=w_max, length_normalize=True)
+    unclipped, _ = policy_gradient_distillation_loss(hidden, head, tokens, teacher_at, baseline=baseline, **options)
     assert not torch.allclose(grads(unclipped, (hidden,))[0], ours[0])
 
 
