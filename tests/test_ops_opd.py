@@ -143,6 +143,7 @@ def test_discounted_returns_and_their_gradient_against_a_direct_computation():
         ({"baseline": "row"}, r"baseline='row' .*pass rows"),
         ({"clip_ratio": 0.0}, r"clip_ratio .* must be in \(0, 1\).*got 0\.0"),
         ({"clip_ratio": 1.0}, r"clip_ratio .* must be in \(0, 1\).*got 1\.0"),
+        ({"clip_ratio": "0.2"}, r"clip_ratio .* must be in \(0, 1\).*got '0\.2'"),
         ({"length_normalize": "yes"}, r"length_normalize must be true or false, got 'yes'"),
     ],
 )

@@ -13,11 +13,11 @@ in expectation over ``x ~ S``, exactly ``∇ KL(S‖T)`` (the score-function for
 expectation (exactly while no weight reaches ``w_max``). The value returned is ``mean_t(−w_t · A_t)``: the importance-
 weighted estimate of the reverse KL (k1) when ``γ = 0`` (and no option below is set).
 
-Three options keep ``γ > 0`` stable (defaults: off; ``token_advantages`` and the loss's docstring give the formulas).
-The rewards are mostly negative, so the raw return ``A_t`` is the more negative the more tokens follow ``t``: with
-``γ = 1`` it favours short samples, and OPD collapses to short answers. ``length_normalize`` divides ``A_t`` by its
-number of (discounted) terms (MiniLLM), ``baseline="row"`` subtracts each row's mean advantage, and ``clip_ratio``
-replaces ``w_t · A_t`` with PPO's clipped surrogate for stale samples.
+Three options counter what goes wrong with ``γ > 0`` (defaults: off; ``token_advantages`` and the loss's docstring
+give the formulas). The rewards are mostly negative, so the raw return ``A_t`` is the more negative the more tokens
+follow ``t``: with ``γ = 1`` it favours short samples, and OPD collapses to short answers. ``length_normalize``
+divides ``A_t`` by its number of (discounted) terms (MiniLLM), ``baseline="row"`` subtracts each row's mean
+advantage, and ``clip_ratio`` replaces ``w_t · A_t`` with PPO's clipped surrogate for stale samples.
 
 Only the sampled token's log-probs are needed from the teacher and the sampler, and the student's come from its
 hidden states ``chunk_size`` positions at a time (``ops.chunked_head``), so no B × T × V logits exist.
@@ -108,7 +108,9 @@ def check_advantage_options(*, length_normalize: bool, baseline: str, clip_ratio
             f"baseline must be 'none' (the advantage as it is) or 'row' (minus its row's mean advantage), got "
             f"{baseline!r}."
         )
-    if clip_ratio is not None and (isinstance(clip_ratio, bool) or not 0 < clip_ratio < 1):
+    if clip_ratio is not None and (
+        not isinstance(clip_ratio, (int, float)) or isinstance(clip_ratio, bool) or not 0 < clip_ratio < 1
+    ):
         raise ValueError(
             f"clip_ratio (PPO's ε: the ratio p_S / p_sampler is clipped to [1 − ε, 1 + ε]) must be in (0, 1), e.g. "
             f"0.2, or null for no clipping; got {clip_ratio!r}."
