@@ -1,5 +1,6 @@
 """`lightning-gkd method=opd`: the OPD config composes with the default toy setup and trains offline, writing the
-OPD metrics; a teacher cache is refused before any model loads."""
+OPD metrics; the stabilisers for γ > 0 (length_normalize, baseline, clip_ratio) are command-line overrides that
+reach the loss, and invalid values of them, like a teacher cache, are refused before any model loads."""
 
 import csv
 import math
@@ -39,6 +40,8 @@ def test_method_opd_composes_and_trains_with_grouped_generation(tmp_path):
     cfg = compose_train(tmp_path, [*FAST, "data.steps_per_generation=3", "method.gamma=0.5", "method.kl_coef=0.1"])
     assert cfg.method._target_ == "lightning_gkd.OPDModule" and cfg.method.teacher.kind == "local"
     assert cfg.method.temperature == 1.0 and cfg.method.beta == 1.0 and "lmbda" not in cfg.method
+    # the stabilisers are off by default: today's surrogate
+    assert cfg.method.length_normalize is False and cfg.method.baseline == "none" and cfg.method.clip_ratio is None
     result = run(cfg)
     assert result["global_step"] == 3
     assert math.isfinite(result["metrics"]["val/loss"]) and result["metrics"]["train/on_policy"] == 1.0
@@ -53,6 +56,40 @@ def test_method_opd_composes_and_trains_with_grouped_generation(tmp_path):
     assert weights[0] == pytest.approx(1.0, abs=0.02)
     student = AutoModelForCausalLM.from_pretrained(result["student_dir"])
     assert student.config.hidden_size == 64
+
+
+def test_method_opd_stabilisers_are_overrides_that_reach_the_loss_and_train(tmp_path):
+    stabilisers = ["method.length_normalize=true", "method.baseline=row", "method.clip_ratio=0.2"]
+    cfg = compose_train(tmp_path, [*FAST, "data.steps_per_generation=2", "method.gamma=1.0", *stabilisers])
+    built = build(cfg)
+    loss = built.module.loss
+    assert (loss.gamma, loss.length_normalize, loss.baseline, loss.clip_ratio) == (1.0, True, "row", 0.2)
+    assert built.module.hparams.baseline == "row" and built.module.hparams.clip_ratio == 0.2  # in the checkpoint
+    result = run(cfg)
+    assert result["global_step"] == 3
+    with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    clipped = [float(r["train/opd/clipped_fraction"]) for r in rows if r.get("train/opd/clipped_fraction")]
+    centred = [float(r["train/opd/advantage_mean"]) for r in rows if r.get("train/opd/advantage_mean")]
+    assert len(clipped) == 3 and all(0.0 <= value <= 1.0 for value in clipped)
+    # a group's first micro-batch was sampled by the weights it trains: ratio 1 up to the sampler's rounding
+    assert clipped[0] == 0.0 and clipped[2] == 0.0
+    assert len(centred) == 3 and all(abs(value) < 1e-5 for value in centred)  # baseline=row centres every row
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("method.baseline=mean", r"baseline must be 'none' .* or 'row'"),
+        ("method.clip_ratio=1.5", r"clip_ratio .* must be in \(0, 1\)"),
+        ("method.length_normalize=maybe", r"length_normalize must be true or false, got 'maybe'"),
+    ],
+)
+def test_method_opd_refuses_invalid_stabilisers_before_any_model_loads(tmp_path, override, match):
+    cfg = compose_train(tmp_path, [*FAST, override])
+    with pytest.raises(Exception, match=match):
+        build(cfg)
+    assert not (tmp_path / "run" / "logs").exists()
 
 
 def test_method_opd_refuses_a_teacher_cache_before_any_model_loads(tmp_path):

@@ -1,7 +1,8 @@
 """OPDModule (lightning_gkd/methods/opd.py): the module hands ops.opd the right tensors. On fresh samples with γ = 0
 one training step's gradient is the k1 sampled reverse-KL gradient, across model families and uneven completion
 lengths; a student equal to its teacher gets no reward and no update; importance weights read from the batch's
-sampler log-probs; γ > 0 as the ops function computes it; a real fit with grouped generation (stale second
+sampler log-probs; γ > 0 as the ops function computes it, and so the stabilisers (length_normalize, baseline,
+clip_ratio) and their logs; a real fit with grouped generation (stale second
 micro-batches); a served teacher gives the local teacher's rewards; several teachers; the settings refused before any
 model loads. Plain Lightning Trainer, real collation, tiny models."""
 
@@ -131,6 +132,8 @@ def test_gamma_zero_on_fresh_samples_is_the_k1_gradient(family, tokenizer):
     assert logs["train/opd/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert logs["train/opd/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert logs["train/opd/is_truncated_fraction"] == 0.0
+    assert logs["train/opd/advantage_mean"] == pytest.approx(logs["train/opd/reward"], rel=1e-6)  # γ = 0: A = r
+    assert "train/opd/clipped_fraction" not in logs
     last = [int(row[row != -100][-1]) for row in sampled["labels"]]
     assert logs["train/opd/eos_rate"] == pytest.approx(sum(token in STOPS for token in last) / len(last))
     assert 0 < logs["train/opd/eos_rate"] < 1
@@ -198,14 +201,9 @@ def test_sampler_logprobs_line_up_in_the_micro_batches_grouped_generation_cuts(s
         assert logs["train/opd/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_gamma_discounts_as_the_ops_function_does_per_row(student, teacher, tokenizer):
-    for model in (student, teacher):
-        model.generation_config.eos_token_id = STOPS
-    module = make_module(student, teacher, tokenizer, gamma=0.7)
-    batch = sampled_batch(module, tokenizer)
-    assert (batch["labels"] != -100).sum(1).unique().numel() > 1
-    loss, grads, logs = loss_and_grads(module, batch)
-    # the ops function on tensors built here: rows from the labels, teacher log-probs from full logits
+def ops_reference(student, teacher, batch, **options):
+    """The ops function's loss, gradients and statistics on ``batch``, its inputs built here: rows from the labels,
+    teacher log-probs from full logits, the sampler's log-probs read at each token's column."""
     positions = supervised_positions(batch["labels"])
     labels = batch["labels"][:, 1:]
     tokens = labels[labels != -100]
@@ -214,18 +212,24 @@ def test_gamma_discounts_as_the_ops_function_does_per_row(student, teacher, toke
         teacher_lp = torch.log_softmax(teacher(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits, -1)
     teacher_at = teacher_lp[positions].gather(1, tokens[:, None]).squeeze(1)
     sampler_at = batch["sampled_logprobs"][:, 1:][labels != -100]
+    student.zero_grad()
+    hidden = final_hidden_states(student, batch["input_ids"], batch["attention_mask"], positions)
+    value, stats = policy_gradient_distillation_loss(
+        hidden, output_head(student), tokens, teacher_at, rows=rows, sampler_logprobs=sampler_at, **options
+    )
+    value.backward()
+    return value.detach(), grads_of(student), stats
 
-    def ops(gamma):
-        student.zero_grad()
-        hidden = final_hidden_states(student, batch["input_ids"], batch["attention_mask"], positions)
-        value, _ = policy_gradient_distillation_loss(
-            hidden, output_head(student), tokens, teacher_at, rows=rows, sampler_logprobs=sampler_at, gamma=gamma
-        )
-        value.backward()
-        return value.detach(), grads_of(student)
 
-    expected, expected_grads = ops(0.7)
-    undiscounted, _ = ops(0.0)
+def test_gamma_discounts_as_the_ops_function_does_per_row(student, teacher, tokenizer):
+    for model in (student, teacher):
+        model.generation_config.eos_token_id = STOPS
+    module = make_module(student, teacher, tokenizer, gamma=0.7)
+    batch = sampled_batch(module, tokenizer)
+    assert (batch["labels"] != -100).sum(1).unique().numel() > 1
+    loss, grads, logs = loss_and_grads(module, batch)
+    expected, expected_grads, _ = ops_reference(student, teacher, batch, gamma=0.7)
+    undiscounted, _, _ = ops_reference(student, teacher, batch, gamma=0.0)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -234,6 +238,38 @@ def test_gamma_discounts_as_the_ops_function_does_per_row(student, teacher, toke
     assert at_zero.item() == pytest.approx(undiscounted.item(), rel=1e-5)
     assert abs(loss.item() - at_zero.item()) > 1e-3  # γ changes the loss, as the ops function says
     assert logs["train/opd/reward"] == pytest.approx(-at_zero.item(), rel=1e-4)  # the reward does not depend on γ
+    assert "train/opd/clipped_fraction" not in logs  # clip_ratio is off by default
+
+
+def test_the_stabilisers_reach_the_ops_function_with_their_logs(student, teacher, tokenizer):
+    """γ = 1 with length_normalize, baseline=row and clip_ratio on a stale batch (sampler log-probs moved ±0.4 per
+    token, so ratios fall on both sides of 1 ± 0.2): the module's loss, gradients and logs are the ops function's."""
+    for model in (student, teacher):
+        model.generation_config.eos_token_id = STOPS
+    options = {"gamma": 1.0, "length_normalize": True, "baseline": "row", "clip_ratio": 0.2}
+    module = make_module(student, teacher, tokenizer, **options)
+    batch = sampled_batch(module, tokenizer)
+    supervised = batch["labels"] != -100
+    shift = 0.4 * torch.where(torch.rand(supervised.shape, generator=torch.Generator().manual_seed(5)) < 0.5, 1, -1)
+    stale = {**batch, "sampled_logprobs": batch["sampled_logprobs"] + shift * supervised}
+    loss, grads, logs = loss_and_grads(module, stale)
+    expected, expected_grads, stats = ops_reference(student, teacher, stale, **options)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert 0 < stats.clipped_fraction.item() < 1
+    assert logs["train/opd/clipped_fraction"] == pytest.approx(stats.clipped_fraction.item())
+    assert abs(logs["train/opd/advantage_mean"]) < 1e-5  # the row baseline centres every row
+    assert logs["train/opd/advantage_abs_mean"] == pytest.approx(stats.mean_abs_advantage.item(), rel=1e-5)
+    assert logs["train/opd/advantage_abs_mean"] > 1e-3
+    # each option changes the gradient: turning it off on the loss object gives the ops function without it
+    for name, off in (("length_normalize", False), ("baseline", "none"), ("clip_ratio", None)):
+        setattr(module.loss, name, off)
+        changed, _, _ = loss_and_grads(module, stale)
+        reference, _, _ = ops_reference(student, teacher, stale, **{**options, name: off})
+        assert changed.item() == pytest.approx(reference.item(), rel=1e-5), name
+        assert changed.item() != pytest.approx(loss.item(), rel=1e-3), name
+        setattr(module.loss, name, options[name])
 
 
 def read_metrics(root) -> list[dict[str, str]]:
@@ -311,6 +347,10 @@ def test_a_fit_with_grouped_generation_weights_the_stale_micro_batch(student, te
         ({"teacher": {"kind": "cache", "path": "x"}}, r"teacher\.kind=cache.*teacher=server"),
         ({"temperature": 0.0}, r"temperature must be > 0, got 0\.0"),
         ({"teacher": CacheTeacher.__new__(CacheTeacher)}, r"teacher\.kind=cache"),  # a built cache, unread
+        ({"baseline": "mean"}, r"baseline must be 'none' .* or 'row' .*got 'mean'"),
+        ({"clip_ratio": 1.5}, r"clip_ratio .* must be in \(0, 1\), e\.g\. 0\.2.*got 1\.5"),
+        ({"length_normalize": "true"}, r"length_normalize must be true or false, got 'true'"),
+        ({"clip_ratio": 0.2, "importance_weights": False}, r"clip_ratio=0\.2 .*importance_weights=False.*"),
     ],
 )
 def test_settings_refused_before_models_load(tokenizer, kwargs, match):

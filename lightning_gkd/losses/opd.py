@@ -1,8 +1,9 @@
 r"""On-policy distillation as a policy gradient (OPD's training loss): on the student's own samples ``x_t`` the
 reward of each token is ``r_t = log p_T(x_t) − log p_S(x_t)``, its advantage the ``gamma``-discounted sum of the
-rewards from ``t`` to the row's end, and the loss the surrogate ``−mean_t(w_t · A_t · log p_S(x_t))`` with truncated
-importance weights ``w_t = min(p_S(x_t) / p_sampler(x_t), max_is_weight)`` (``ops.opd``). ``kl_coef > 0`` adds that
-many times the full-distribution generalized JSD (``beta``) on the same positions.
+rewards from ``t`` to the row's end (optionally length-normalised, ``length_normalize``, and minus its row's mean,
+``baseline="row"``), and the loss the surrogate ``−mean_t(w_t · A_t · log p_S(x_t))`` with truncated importance
+weights ``w_t = min(p_S(x_t) / p_sampler(x_t), max_is_weight)``, PPO-clipped with ``clip_ratio`` (``ops.opd``).
+``kl_coef > 0`` adds that many times the full-distribution generalized JSD (``beta``) on the same positions.
 
 Two teacher signals, chosen once when the loss is built: an in-process teacher's final hidden states and head
 (``DensePolicyGradient``: the sampled token's log-prob and, for ``kl_coef``, the whole distribution) or a sparse
@@ -22,7 +23,7 @@ from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.hf import EosTokenId, LogitHead, hidden_states_and_head
 from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.opd import OPDStats, policy_gradient_distillation_loss
+from lightning_gkd.ops.opd import Baseline, OPDStats, policy_gradient_distillation_loss
 from lightning_gkd.ops.sparse_kd import topk_distillation_loss
 from lightning_gkd.ops.topk import topk_log_probs
 from lightning_gkd.teachers.base import SparseTeacher, Teacher, next_tokens, supervised_positions
@@ -46,8 +47,13 @@ def eos_rate(labels: torch.Tensor, eos_token_id: EosTokenId) -> torch.Tensor | N
 class PolicyGradientDistillation:
     """The OPD loss (module docstring) on a batch of the student's samples, logging ``opd/reward``, ``opd/kl``
     (``−reward``, the sampled estimate of KL(S‖T)), ``opd/is_weight_mean``, ``opd/is_weight_max``,
-    ``opd/is_truncated_fraction``, ``opd/eos_rate`` and, with ``kl_coef > 0``, ``opd/divergence``. A subclass reads
-    its teacher signal (``teacher_terms``).
+    ``opd/is_truncated_fraction``, ``opd/advantage_mean``, ``opd/advantage_abs_mean``, ``opd/eos_rate``, with
+    ``kl_coef > 0`` ``opd/divergence`` and with ``clip_ratio`` ``opd/clipped_fraction``. A subclass reads its
+    teacher signal (``teacher_terms``).
+
+    ``gamma``, ``max_is_weight``, ``length_normalize``, ``baseline`` and ``clip_ratio`` are
+    ``policy_gradient_distillation_loss``'s ``gamma``, ``max_weight``, ``length_normalize``, ``baseline`` and
+    ``clip_ratio``.
 
     ``importance_weights``: weight by ``p_S / p_sampler`` from the batch's ``sampled_logprobs`` (every shipped
     sampler writes them); False, or a batch without them, uses ``w = 1``. ``eos_token_id``: the student's EOS
@@ -58,6 +64,9 @@ class PolicyGradientDistillation:
         *,
         gamma: float = 0.0,
         max_is_weight: float = 2.0,
+        length_normalize: bool = False,
+        baseline: Baseline = "none",
+        clip_ratio: float | None = None,
         kl_coef: float = 0.0,
         importance_weights: bool = True,
         beta: float = 1.0,
@@ -66,6 +75,7 @@ class PolicyGradientDistillation:
         eos_token_id: EosTokenId = None,
     ) -> None:
         self.gamma, self.max_is_weight, self.kl_coef = gamma, max_is_weight, kl_coef
+        self.length_normalize, self.baseline, self.clip_ratio = length_normalize, baseline, clip_ratio
         self.importance_weights = importance_weights
         self.beta, self.temperature, self.chunk_size = beta, temperature, chunk_size
         self.eos_token_id = eos_token_id
@@ -101,6 +111,9 @@ class PolicyGradientDistillation:
                 sampler_logprobs=self.sampler_logprobs(batch, positions),
                 gamma=self.gamma,
                 max_weight=self.max_is_weight,
+                length_normalize=self.length_normalize,
+                baseline=self.baseline,
+                clip_ratio=self.clip_ratio,
                 chunk_size=self.chunk_size,
             )
             if divergence is not None:
@@ -134,7 +147,11 @@ class PolicyGradientDistillation:
             "opd/is_weight_mean": Logged(stats.mean_weight, tokens),
             "opd/is_weight_max": Logged(stats.max_weight, tokens, "max"),
             "opd/is_truncated_fraction": Logged(stats.truncated_fraction, tokens),
+            "opd/advantage_mean": Logged(stats.mean_advantage, tokens),
+            "opd/advantage_abs_mean": Logged(stats.mean_abs_advantage, tokens),
         }
+        if stats.clipped_fraction is not None:
+            logs["opd/clipped_fraction"] = Logged(stats.clipped_fraction, tokens)
         if divergence is not None:
             logs["opd/divergence"] = Logged(divergence.detach(), tokens)
         rate = eos_rate(labels, self.eos_token_id)

@@ -23,6 +23,7 @@ from lightning_gkd.methods.base import NonFinitePolicy, OptimizerFactory, Schedu
 from lightning_gkd.methods.on_policy import OnPolicyModule, check_range
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf import resolve_eos_token_id
+from lightning_gkd.ops.opd import Baseline, check_advantage_options
 from lightning_gkd.rollouts import ToolCallParser
 from lightning_gkd.samplers import Sampler, SamplerFactory
 from lightning_gkd.teachers import CacheTeacher
@@ -38,9 +39,12 @@ class OPDModule(OnPolicyModule):
     ``t`` to the row's end, and the loss the surrogate ``−mean_t(w_t · A_t · log p_S(x_t))`` with truncated
     importance weights ``w_t = min(p_S(x_t) / p_sampler(x_t), max_is_weight)`` (``losses.opd``, ``ops.opd``). With
     ``gamma = 0`` and fresh samples its gradient is the sampled reverse-KL (k1) gradient, in expectation exactly
-    ``∇ KL(S‖T)``. ``kl_coef > 0`` adds ``kl_coef`` times the full-distribution generalized JSD (``beta``; default
-    1 = reverse KL) on the same positions: the teacher's whole distribution for an in-process teacher, its top-k
-    with a tail bucket (``sparse_loss``: ``topk`` or ``topk_renorm``) for a served one.
+    ``∇ KL(S‖T)``. The rewards are mostly negative, so with ``gamma > 0`` the raw return favours short samples;
+    ``length_normalize`` and ``baseline="row"`` counter that, ``clip_ratio`` the drift of stale samples (all off by
+    default; ``ops.opd.token_advantages``, ``policy_gradient_distillation_loss``). ``kl_coef > 0`` adds ``kl_coef``
+    times the full-distribution generalized JSD (``beta``; default 1 = reverse KL) on the same positions: the
+    teacher's whole distribution for an in-process teacher, its top-k with a tail bucket (``sparse_loss``: ``topk``
+    or ``topk_renorm``) for a served one.
 
     A sibling of ``GKDModule`` on the same on-policy base (``OnPolicyModule``: samplers ``hf``/``vllm``, teachers
     ``local``/``server``/``multi``, grouped generation with ``steps_per_generation``, checkpointed groups, DDP),
@@ -63,13 +67,21 @@ class OPDModule(OnPolicyModule):
     GKD's loss there, the generalized JSD (``beta``, ``loss_temperature``; ``sparse_loss`` for a sparse teacher), and
     ``val/loss`` stays comparable with GKD runs. Logged per training step: ``train/opd/reward`` (mean ``r``),
     ``train/opd/kl`` (``−reward``, the sampled estimate of KL(S‖T)), ``train/opd/is_weight_mean``,
-    ``train/opd/is_weight_max``, ``train/opd/is_truncated_fraction``, ``train/opd/eos_rate`` (rows whose sample ended
-    with an EOS within ``max_new_tokens``), ``train/opd/divergence`` (the full-distribution term, with
-    ``kl_coef > 0``), and ``train/loss``, ``train/completion_length``.
+    ``train/opd/is_weight_max``, ``train/opd/is_truncated_fraction``, ``train/opd/advantage_mean`` and
+    ``train/opd/advantage_abs_mean`` (the advantage ``A`` the gradient uses, after ``length_normalize`` and
+    ``baseline``), ``train/opd/eos_rate`` (rows whose sample ended with an EOS within ``max_new_tokens``),
+    ``train/opd/divergence`` (the full-distribution term, with ``kl_coef > 0``), ``train/opd/clipped_fraction``
+    (tokens whose gradient ``clip_ratio`` removed, when set), and ``train/loss``, ``train/completion_length``.
 
     Args (the others are ``GKDModule``'s, e.g. ``sampler``, ``max_new_tokens``, ``optimizer``):
         gamma: discount of later rewards in [0, 1]: 0 = per-token reward, 1 = the whole remaining return.
         max_is_weight: truncation (> 0) of the importance weights.
+        length_normalize: divide each return by its discounted number of terms (MiniLLM): with ``gamma = 1`` the
+            mean of the remaining rewards, so a long sample is not penalised for its length.
+        baseline: ``"row"``: subtract from each advantage its row's mean advantage (a variance reducer from the
+            row's own tokens, slightly biased); ``"none"``.
+        clip_ratio: PPO's ``ε`` in (0, 1) for stale samples: no gradient for a token whose ratio ``p_S / p_sampler``
+            is already past ``1 ± ε`` in its advantage's direction; None: no clipping. Needs ``importance_weights``.
         kl_coef: weight (>= 0) of the added full-distribution term.
         importance_weights: weight by ``p_S / p_sampler`` from the batch's ``sampled_logprobs``.
         beta: the generalized JSD of the ``kl_coef`` term and of the validation loss (1 = reverse KL).
@@ -87,6 +99,9 @@ class OPDModule(OnPolicyModule):
         *,
         gamma: float = 0.0,
         max_is_weight: float = 2.0,
+        length_normalize: bool = False,
+        baseline: Baseline = "none",
+        clip_ratio: float | None = None,
         kl_coef: float = 0.0,
         importance_weights: bool = True,
         beta: float = 1.0,
@@ -121,6 +136,12 @@ class OPDModule(OnPolicyModule):
         check_range("gamma (the discount of later rewards)", gamma, 0.0, 1.0)
         if not max_is_weight > 0:
             raise ValueError(f"max_is_weight (the importance weights' truncation) must be > 0, got {max_is_weight}.")
+        check_advantage_options(length_normalize=length_normalize, baseline=baseline, clip_ratio=clip_ratio)
+        if clip_ratio is not None and not importance_weights:
+            raise ValueError(
+                f"clip_ratio={clip_ratio} clips the ratio p_S / p_sampler, which importance_weights=False fixes at 1 "
+                "(nothing would be clipped): set importance_weights=true, or clip_ratio=null."
+            )
         if not kl_coef >= 0:
             raise ValueError(f"kl_coef (the full-distribution term's weight) must be >= 0, got {kl_coef}.")
         check_range("beta", beta, 0.0, 1.0)
@@ -187,6 +208,9 @@ class OPDModule(OnPolicyModule):
             sparse_loss=sparse_loss,
             gamma=gamma,
             max_is_weight=max_is_weight,
+            length_normalize=length_normalize,
+            baseline=baseline,
+            clip_ratio=clip_ratio,
             kl_coef=kl_coef,
             importance_weights=importance_weights,
             beta=beta,

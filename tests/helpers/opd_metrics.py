@@ -6,5 +6,7 @@ OPD_METRICS = [
     "train/opd/is_weight_mean",
     "train/opd/is_weight_max",
     "train/opd/is_truncated_fraction",
+    "train/opd/advantage_mean",
+    "train/opd/advantage_abs_mean",
     "train/opd/eos_rate",
 ]
