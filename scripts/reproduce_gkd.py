@@ -146,7 +146,15 @@ CHAIN_METHODS = [
     *SKD_METHODS,
     Method(
         "OPD γ=1 normalised",
-        "OPD γ=1 with length-normalised returns and a per-row baseline",
+        "OPD γ=1 with length-normalised returns (the mean of the rewards that follow, MiniLLM)",
+        kind="opd",
+        gamma=1.0,
+        opd={"length_normalize": True},
+        lrs=(1e-4, 3e-4, 1e-3),
+    ),
+    Method(
+        "OPD γ=1 normalised + baseline",
+        "as above, minus each row's mean advantage (a per-row baseline)",
         kind="opd",
         gamma=1.0,
         opd={"length_normalize": True, "baseline": "row"},
