@@ -8,39 +8,31 @@ import copy
 import csv
 import json
 import logging
+import subprocess
+import sys
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
+from helpers.eos_boost import boost_eos
 from helpers.hydra_compose import compose_train
 from lightning.pytorch.loggers import CSVLogger
+from test_training_ddp import TESTS, TIMEOUT, clean_env
 
 import lightning_gkd.callbacks.length_guard as length_guard
 import lightning_gkd.methods.base as base
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule, SFTModule
 from lightning_gkd.callbacks import LengthGuard
 from lightning_gkd.cli.train import run
+from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.evaluation.metrics import CompletionLengths
-from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.ops.sampling import generate_completions
 from lightning_gkd.training.checkpoint_io import SafeCheckpointIO
 
 FIGURES = ("val/length/student", "val/length/teacher", "val/eos_rate/student", "val/eos_rate/teacher")
 BUDGET = 8  # eval_max_new_tokens
-
-
-def boost_eos(model: torch.nn.Module, tokenizer, amount: float = 100.0) -> torch.nn.Module:
-    """``model`` with a bias on its output head that raises the EOS logit by ``amount`` everywhere (large: its greedy
-    answer is EOS at once). A head the lean loss path still describes (``hidden @ W.T + bias``)."""
-    head = model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[tokenizer.convert_tokens_to_ids("<|im_end|>")] = amount
-    model.lm_head = biased
-    return model
 
 
 def make_module(student, teacher, tokenizer, method=GKDModule, **kwargs):
@@ -169,6 +161,53 @@ def test_without_a_guard_or_metric_validation_generates_nothing(student, teacher
         fit(make_module(student, teacher, tokenizer, metrics={}), tokenizer, toy_rows, tmp_path / "guarded",
             [LengthGuard()], max_steps=2)  # fmt: skip
         assert len(calls) == 2  # the one validation's two batches; not the sanity check
+
+
+@pytest.mark.multiprocess
+def test_ddp_figures_are_sums_over_both_ranks(tokenizer, tmp_path):
+    """Two CPU ranks (tests/helpers/length_guard_ddp_worker.py), each validating its own 4 of 8 rows: every rank
+    logs the figures of the counts summed over both, which are one process's figures on all 8 rows."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "helpers" / "length_guard_ddp_worker.py"), str(out)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    rank0, rank1 = result["ranks"]
+    prompts = [tuple(p) for rank in (rank0, rank1) for p in rank["prompts"]]
+    assert len(prompts) == len(set(prompts)) == 8  # distinct rows per rank
+    totals = {  # tokens, rows, rows with EOS
+        who: [a + b for a, b in zip(rank0["counts"][who], rank1["counts"][who], strict=True)]
+        for who in ("student", "teacher")
+    }
+    assert rank0["counts"]["teacher"] != rank1["counts"]["teacher"]  # the ranks' own figures differ
+    expected = {
+        "val/length/student": totals["student"][0] / totals["student"][1],
+        "val/eos_rate/student": totals["student"][2] / totals["student"][1],
+        "val/length/teacher": totals["teacher"][0] / totals["teacher"][1],
+        "val/eos_rate/teacher": totals["teacher"][2] / totals["teacher"][1],
+    }
+    expected["val/length_ratio"] = expected["val/length/student"] / expected["val/length/teacher"]
+    assert rank0["figures"] == rank1["figures"] == pytest.approx(expected)
+    # one process on the same 8 rows and models, counted by hand
+    student = boost_eos(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), tokenizer, 0.9)
+    teacher = boost_eos(tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1), tokenizer, 1.0)
+    datamodule = ChatDataModule(tokenizer, addition_rows("train", 16), addition_rows("val", 8), batch_size=8)
+    datamodule.setup("fit")
+    batches = list(datamodule.val_dataloader())
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert (expected["val/length/student"], expected["val/eos_rate/student"]) == by_hand(
+        student, tokenizer, batches, eos
+    )
+    assert (expected["val/length/teacher"], expected["val/eos_rate/teacher"]) == by_hand(
+        teacher, tokenizer, batches, eos
+    )
 
 
 # -- the guard ------------------------------------------------------------------------------------------------------

@@ -153,8 +153,8 @@ class LengthGuard(L.Callback):
                     "val/length_ratio": student.mean_length / teacher.mean_length,
                 }
             )
-        for name, value in self.figures.items():
-            pl_module.log(name, value, add_dataloader_idx=False)
+        for name, value in self.figures.items():  # the same value on every rank: their mean is that value
+            pl_module.log(name, value, add_dataloader_idx=False, sync_dist=True)
         if "val/length_ratio" in self.figures:
             self._check(trainer.global_step, module.eval_max_new_tokens)
 
