@@ -12,6 +12,7 @@ from torch import nn
 from lightning_gkd.ops.sampling import (
     _pick_tokens,
     completion_batch,
+    completion_lengths,
     generate_completions,
     position_ids_from_mask,
     resolve_eos_token_id,
@@ -111,6 +112,24 @@ def test_position_ids_from_mask():
     expected = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]])
     assert torch.equal(position_ids_from_mask(mask), expected)
     assert position_ids_from_mask(mask.bool()).dtype == torch.long
+
+
+# --------------------------------------------------------------------------- completion_lengths
+
+
+def test_completion_lengths_count_up_to_the_first_eos_with_pad_equal_to_eos():
+    eos = pad = 2
+    completion = torch.tensor([[3, eos, pad, pad], [3, 4, 5, eos], [eos, pad, pad, pad], [3, 4, 5, 6]])
+    lengths, stopped = completion_lengths(completion, eos)
+    assert lengths.tolist() == [2, 4, 1, 4]  # EOS included; a row without EOS runs to N
+    assert stopped.tolist() == [True, True, True, False]
+    # several EOS ids: the first of either ends the row
+    lengths, stopped = completion_lengths(torch.tensor([[3, 9, 7, 4], [7, 3, 9, 4], [3, 4, 5, 6]]), [7, 9])
+    assert lengths.tolist() == [2, 1, 4] and stopped.tolist() == [True, True, False]
+    # no EOS id: every token counts, nothing stopped
+    lengths, stopped = completion_lengths(completion, None)
+    assert lengths.tolist() == [4, 4, 4, 4] and stopped.tolist() == [False] * 4
+    assert lengths.dtype == torch.long and stopped.dtype == torch.bool
 
 
 # --------------------------------------------------------------------------- completion_batch

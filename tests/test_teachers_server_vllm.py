@@ -180,6 +180,34 @@ def test_on_policy_gkd_trains_against_the_server_as_against_the_local_teacher(se
             assert with_server.distillation_loss(sampled).loss.item() == pytest.approx(expected.item(), rel=2e-3)
 
 
+def test_opd_against_the_servers_sampled_token_log_prob_alone_equals_opd_against_the_local_teacher(served, toy):
+    """OPD's reward needs only log p_T of each sampled token: a top-1 request (what a server started with
+    --max-logprobs 1 allows) gives the same loss and gradient as the in-process teacher."""
+    from lightning_gkd import OPDModule
+    from lightning_gkd.models.loading import load_causal_lm
+
+    url, _ = served
+    _, tokenizer = toy
+    student = str(asset_path("toy/student_init"))
+    modules = {
+        name: OPDModule(load_causal_lm(student), spec, tokenizer, gamma=1.0, length_normalize=True, max_new_tokens=8)
+        for name, spec in (
+            ("local", TEACHER),
+            ("server", {"kind": "server", "url": url, "top_k": 1, "retries": 1, "backoff": 0.1}),
+        )
+    }
+    prompts = ChatMLCollator(tokenizer, max_length=40)(addition_rows("val", 8))
+    sampled = modules["local"].sample_batch(modules["local"].student, prompts, seed=0)
+    losses, grads = {}, {}
+    for name, module in modules.items():
+        output = module.training_loss(sampled)
+        output.loss.backward()
+        losses[name] = output.loss.item()
+        grads[name] = module.student.lm_head.weight.grad.clone()
+    assert losses["server"] == pytest.approx(losses["local"], rel=1e-3)
+    torch.testing.assert_close(grads["server"], grads["local"], atol=1e-4, rtol=1e-3)
+
+
 def test_a_student_with_another_vocabulary_is_refused_before_training(served, toy):
     from lightning_gkd import GKDModule
     from lightning_gkd.models.loading import load_causal_lm

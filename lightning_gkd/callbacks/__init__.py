@@ -8,12 +8,15 @@
   (a second Ctrl-C aborts at once).
 - ``HeldOutEvaluation`` (in ``default``): greedy held-out scores of the teacher and the student before/after.
 - ``SampleTable`` (in ``default``): greedy samples and teacher agreement every few steps.
+- ``LengthGuard`` (in ``default``): the student's greedy completion lengths and EOS rate against the teacher's at
+  each validation (on-policy methods); warns, or stops, when they collapse.
 - ``HFExportCallback`` (hf_export): a Hugging Face export beside each checkpoint.
 """
 
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
 from lightning_gkd.callbacks.hf_export import HFExportCallback
 from lightning_gkd.callbacks.learning_rate import LearningRateLogger
+from lightning_gkd.callbacks.length_guard import LengthGuard
 from lightning_gkd.callbacks.print_metrics import PrintMetricsCallback
 from lightning_gkd.callbacks.sample_table import SampleTable
 from lightning_gkd.callbacks.signal_checkpoint import SignalCheckpoint
@@ -23,6 +26,7 @@ __all__ = [
     "HFExportCallback",
     "HeldOutEvaluation",
     "LearningRateLogger",
+    "LengthGuard",
     "PrintMetricsCallback",
     "SampleTable",
     "SignalCheckpoint",

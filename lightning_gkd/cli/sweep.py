@@ -91,6 +91,8 @@ def job_status(result: Mapping[str, Any]) -> str:
         return "interrupted (Ctrl-C)"
     if result.get("teacher_unavailable"):
         return "stopped (teacher unavailable)"
+    if result.get("length_guard_stop"):
+        return "stopped (length guard)"
     if result.get("stopped_by_signal"):
         return f"stopped ({result.get('stop_signal') or 'signal'})"
     return "finished"

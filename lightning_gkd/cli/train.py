@@ -130,6 +130,8 @@ def fit(run: Run) -> dict[str, Any]:
     try:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path, weights_only=True)
         stopped_by_signal, teacher_unavailable, status = False, None, "finished"
+        if any(getattr(callback, "stop_reason", None) for callback in run.trainer.callbacks):  # type: ignore[attr-defined]
+            status = "stopped"  # a LengthGuard with stop=true: resumable
     except SIGTERMException:
         stopped_by_signal, teacher_unavailable, status = True, None, "stopped"
     except TeacherUnavailable as error:  # TeacherOutage saved checkpoints/last.ckpt at the last finished step
@@ -154,19 +156,20 @@ def fit(run: Run) -> dict[str, Any]:
         "resumed_from": run.ckpt_path,
         "resume_from": None,
         "stop_signal": None,
+        "length_guard_stop": None,
         "run_dir": str(run.record.run_dir) if run.record is not None else None,
         "held_out": {},
     }
     for callback in run.trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         summary = getattr(callback, "run_summary", None)
-        if callable(summary):
-            result.update(summary())
+        if callable(summary):  # a value one callback has is not unset by another's None
+            result.update({key: value for key, value in summary().items() if value is not None or key not in result})
     return result
 
 
 def finish(cfg: DictConfig, run: Run, result: dict[str, Any]) -> dict[str, Any]:
     """Export (and push) the trained model unless the run was stopped early, then print the summary."""
-    stopped = result["stopped_by_signal"] or result.get("teacher_unavailable")
+    stopped = result["stopped_by_signal"] or result.get("teacher_unavailable") or result.get("length_guard_stop")
     if cfg.get("export") and run.trainer.is_global_zero and not stopped:
         # A LoRA student exports its adapter to student/ and, with export_merged, the merged model to
         # student_merged/; any other model exports itself to student/.
@@ -254,7 +257,12 @@ def print_summary(result: dict[str, Any]) -> None:
         signal_name = result.get("stop_signal") or "a signal"
         how = "Ctrl-C (SIGINT)" if signal_name == "SIGINT" else signal_name
         lines.append(f"stopped by {how} after step {result['global_step']}, before the end: not exported")
-    if result["stopped_by_signal"] or result.get("teacher_unavailable"):
+    if result.get("length_guard_stop"):
+        lines.append(
+            f"stopped by the length guard after step {result['global_step']} ({result['length_guard_stop']}); "
+            "not exported"
+        )
+    if result["stopped_by_signal"] or result.get("teacher_unavailable") or result.get("length_guard_stop"):
         if result["resume_from"]:
             lines.append(f"resume with: ckpt_path={result['resume_from']}  (or ckpt_path=last)")
     if result.get("resumed_from"):
@@ -271,8 +279,9 @@ def print_summary(result: dict[str, Any]) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="train")
 def main(cfg: DictConfig) -> dict[str, Any]:
     """The ``lightning-gkd`` command. Exit status: 0 when trained (or stopped by SIGTERM/SIGUSR1 with a checkpoint
-    saved), 130 after a Ctrl-C (a checkpoint saved on the first one), 1 when the teacher server stayed down or the
-    run failed. Returns ``run``'s result (a multirun's SweepSummary reads it)."""
+    saved), 130 after a Ctrl-C (a checkpoint saved on the first one), 1 when the teacher server stayed down, the
+    length guard stopped the run (``callbacks.length_guard.stop=true``) or the run failed. Returns ``run``'s result
+    (a multirun's SweepSummary reads it)."""
     put_launch_folder_on_path()  # before anything is instantiated from the config
     launched_in = Path(cfg.paths.output_dir)  # the folder Hydra made; a resume moves the run to its own folder
     try:
@@ -283,10 +292,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise SystemExit(SIGINT_EXIT_STATUS) from None
     if not in_multirun():
         fold_launch_folder(launched_in, Path(cfg.paths.output_dir))  # Hydra's files of a resume join the run
-    if result.get("stop_signal") == "SIGINT" or result.get("teacher_unavailable"):
+    if result.get("stop_signal") == "SIGINT" or result.get("teacher_unavailable") or result.get("length_guard_stop"):
         record_job(result)  # a multirun job: Hydra does not see this end as a job's end
-        # Ctrl-C: 130, as shells report it, so `lightning-gkd ... && next-step` stops; a teacher outage is a failed
-        # run for schedulers and shells. The summary says how to resume either.
+        # Ctrl-C: 130, as shells report it, so `lightning-gkd ... && next-step` stops; a teacher outage or a
+        # collapse the length guard stopped is a failed run for schedulers and shells. The summary says how to
+        # resume.
         raise SystemExit(SIGINT_EXIT_STATUS if result.get("stop_signal") == "SIGINT" else 1)
     return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.ops.hf import EosTokenId, resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.sampling import completion_lengths, generate_completions
 
 # A metric scores a whole evaluation set: predictions and references are decoded completion texts.
 GenerationMetric = Callable[[Sequence[str], Sequence[str]], float]
@@ -50,6 +51,26 @@ def reference_texts(
 
 
 @torch.no_grad()
+def greedy_completions(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    eos_token_id: EosTokenId | None = None,
+    sampler: Any = None,
+) -> torch.Tensor:
+    """The greedy completion tokens ``(B, N)`` of the batch prompts, ``N <= max_new_tokens`` (after a row's first
+    EOS: padding); through ``sampler.greedy`` when the sampler has one (a serving engine), else our KV-cache
+    decoder."""
+    prompts = batch["prompts"]
+    greedy = getattr(sampler, "greedy", None)
+    if not callable(greedy):
+        return decoder_completions(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    out = greedy(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens)
+    return out["input_ids"][:, prompts.shape[1] :]
+
+
 def greedy_texts(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -59,18 +80,15 @@ def greedy_texts(
     eos_token_id: EosTokenId | None = None,
     sampler: Any = None,
 ) -> list[str]:
-    """Greedy completions of the batch prompts, decoded up to EOS; through ``sampler.greedy`` when the sampler has
-    one (a serving engine), else our KV-cache decoder."""
+    """``greedy_completions`` decoded up to EOS."""
     eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
-    greedy = getattr(sampler, "greedy", None)
-    if not callable(greedy):
-        return completion_texts(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos)
-    prompts = batch["prompts"]
-    out = greedy(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens)
-    return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
+    completions = greedy_completions(
+        model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, sampler=sampler
+    )
+    return decode_until_eos(tokenizer, completions.tolist(), eos)
 
 
-def completion_texts(
+def decoder_completions(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     batch: Mapping[str, torch.Tensor],
@@ -78,8 +96,8 @@ def completion_texts(
     max_new_tokens: int,
     eos_token_id: EosTokenId | None = None,
     **sampling: Any,
-) -> list[str]:
-    """Completions of the batch prompts by our KV-cache decoder (``generate_completions``), decoded up to EOS:
+) -> torch.Tensor:
+    """The completion tokens ``(B, N)`` of the batch prompts by our KV-cache decoder (``generate_completions``):
     greedy, or sampled with ``sampling`` (``do_sample=True``, ``temperature``, ``top_k``, ``top_p``, ``seed``)."""
     eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
     prompts = batch["prompts"]
@@ -92,7 +110,24 @@ def completion_texts(
         eos_token_id=eos,
         **{"do_sample": False, **sampling},
     )
-    return decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
+    return out["input_ids"][:, prompts.shape[1] :]
+
+
+def completion_texts(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    eos_token_id: EosTokenId | None = None,
+    **sampling: Any,
+) -> list[str]:
+    """``decoder_completions`` decoded up to EOS."""
+    eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
+    completions = decoder_completions(
+        model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, **sampling
+    )
+    return decode_until_eos(tokenizer, completions.tolist(), eos)
 
 
 def evaluate_generations(
@@ -165,3 +200,38 @@ class GenerationScores:
                     key = f"val/{name}"
                 values[key] = float(metric(predictions, references))
         return values
+
+
+@dataclass
+class CompletionLengths:
+    """Running sums over completions (``add``): their tokens up to and including the first EOS
+    (``ops.sampling.completion_lengths``), rows, and rows that emitted an EOS. Sums, so that ranks reduce exactly
+    (``reduced``): the mean length is ``tokens / rows`` over every rank's rows, not a mean of per-rank means."""
+
+    tokens: int = 0
+    rows: int = 0
+    stopped: int = 0
+
+    def add(self, completion_ids: torch.Tensor, eos_token_id: EosTokenId) -> None:
+        """Count generated tokens ``(B, N)`` (padding after a row's first EOS is not counted)."""
+        lengths, stopped = completion_lengths(completion_ids, eos_token_id)
+        self.tokens += int(lengths.sum())
+        self.rows += int(lengths.numel())
+        self.stopped += int(stopped.sum())
+
+    def reduced(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> CompletionLengths:
+        """The sums over every process: ``reduce_sum`` adds a tensor over them (e.g. ``trainer.strategy.reduce(t,
+        reduce_op="sum")``; a collective, every process must call it)."""
+        totals = reduce_sum(torch.tensor([self.tokens, self.rows, self.stopped], dtype=torch.long, device=device))
+        tokens, rows, stopped = (int(value) for value in totals.tolist())
+        return CompletionLengths(tokens, rows, stopped)
+
+    @property
+    def mean_length(self) -> float:
+        """Mean completion tokens per row, EOS included (0 without rows)."""
+        return self.tokens / self.rows if self.rows else 0.0
+
+    @property
+    def eos_rate(self) -> float:
+        """The share of rows that emitted an EOS within the token budget (0 without rows)."""
+        return self.stopped / self.rows if self.rows else 0.0

@@ -15,7 +15,14 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.evaluation.metrics import GenerationMetric, GenerationScores, greedy_texts, reference_texts
+from lightning_gkd.evaluation.metrics import (
+    CompletionLengths,
+    GenerationMetric,
+    GenerationScores,
+    decode_until_eos,
+    greedy_completions,
+    reference_texts,
+)
 from lightning_gkd.evaluation.model_card import describe_source
 from lightning_gkd.losses.base import LossOutput
 from lightning_gkd.models.loading import (
@@ -154,6 +161,9 @@ class CausalLMModule(L.LightningModule):
         self.metrics = dict(metrics or {})
         self.eval_max_new_tokens = eval_max_new_tokens
         self.generation_scores = GenerationScores()  # greedy validation texts, scored at the epoch's end
+        #: Set by a ``LengthGuard`` for a validation it measures: the greedy completions' lengths are counted there
+        #: (made for it when no metric needs them). None: nothing counted.
+        self.completion_lengths: CompletionLengths | None = None
         #: What each model was loaded from (hub id, folder, config type), for the model card.
         self.model_sources: dict[str, str | None] = {self.model_role: describe_source(model)}
         self.throughput = TokenThroughput()
@@ -351,11 +361,11 @@ class CausalLMModule(L.LightningModule):
 
     def collect_generations(self, batch: Mapping[str, torch.Tensor], dataloader_idx: int = 0) -> None:
         """With ``metrics``: greedy completions of the batch prompts and the batch's dataset completions
-        (``labels``), scored at the end of the validation epoch."""
-        if not self.metrics:
+        (``labels``), scored at the end of the validation epoch. With ``completion_lengths``: their lengths counted."""
+        if not self.metrics and self.completion_lengths is None:
             return
         eos = resolve_eos_token_id(self.model, self.tokenizer)
-        predictions = greedy_texts(
+        completions = greedy_completions(
             self.model,
             self.tokenizer,
             batch,
@@ -363,7 +373,11 @@ class CausalLMModule(L.LightningModule):
             max_new_tokens=self.eval_max_new_tokens,
             sampler=getattr(self, "sampler", None),
         )
-        self.generation_scores.add(dataloader_idx, predictions, reference_texts(self.tokenizer, batch, eos))
+        if self.completion_lengths is not None:
+            self.completion_lengths.add(completions, eos)
+        if self.metrics:
+            predictions = decode_until_eos(self.tokenizer, completions.tolist(), eos)
+            self.generation_scores.add(dataloader_idx, predictions, reference_texts(self.tokenizer, batch, eos))
 
     def on_validation_epoch_end(self) -> None:
         if self.metrics:

@@ -148,6 +148,7 @@ class OnPolicyModule(CausalLMModule):
         #: The only teacher's source (None under ``multi``: see ``teacher_sources``).
         self.teacher_source: Any = None if teachers.routed else self.teacher_sources[""]
         self.teacher_column = teachers.column  # the rows' routing column under ``multi``
+        self._same_vocab = same_vocab  # False: a teacher with another tokenizer (cross-tokenizer losses)
         #: Hidden states or full logits for the in-process teachers' losses (``LeanPath``: the fallback policy).
         self.lean_path = LeanPath(lean_loss)
         self.loss_chunk_size = loss_chunk_size
@@ -189,6 +190,11 @@ class OnPolicyModule(CausalLMModule):
     def student(self) -> torch.nn.Module:
         """The trainable model (``self.model``)."""
         return self.model
+
+    def completing_teacher(self) -> torch.nn.Module | None:
+        """The teacher model that can complete the student's prompts in this process (one local teacher with the
+        student's tokenizer), else None: a served, cached or routed teacher, or one with another tokenizer."""
+        return self.teacher if self._same_vocab and isinstance(self.teacher_source, LocalTeacher) else None
 
     # -- the method's losses ----------------------------------------------------------------------------------------
     def divergence_loss(self, *, beta: float, temperature: float, sparse_loss: str) -> DistillationLoss:

@@ -31,6 +31,8 @@ from lightning_gkd.ops.losses import IGNORE_INDEX
 
 __all__ = [
     "completion_batch",
+    "completion_lengths",
+    "completion_mask",
     "derive_seed",
     "eos_ids",
     "generate_completions",
@@ -274,6 +276,31 @@ def sample_tokens(
     return out[:, :num_tokens]
 
 
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: EosTokenId) -> torch.Tensor:
+    """``(B, N)`` long mask of generated tokens ``(B, N)``: 1 up to and including each row's first EOS, 0 after it;
+    all 1 for a row without EOS, or when ``eos_token_id`` is ``None`` (or empty). Padding is never found by the pad
+    id (it often equals EOS)."""
+    eos = eos_tensor(eos_token_id, completion_ids.device)
+    if eos is None:
+        return torch.ones_like(completion_ids, dtype=torch.long)
+    is_eos = torch.isin(completion_ids, eos).long()
+    # EOS tokens strictly before each column; > 0 means the column is past the first EOS.
+    return (is_eos.cumsum(dim=1) - is_eos == 0).long()
+
+
+def completion_lengths(completion_ids: torch.Tensor, eos_token_id: EosTokenId) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of generated tokens ``(B, N)``: its completion length ``(B,)`` long, ``L_b = sum_n m_bn`` with
+    ``m = completion_mask`` (the tokens up to and including the first EOS; ``N`` for a row without one), and whether
+    it emitted an EOS within the ``N`` tokens ``(B,)`` bool (all False when ``eos_token_id`` is ``None``)."""
+    eos = eos_tensor(eos_token_id, completion_ids.device)
+    stopped = (
+        torch.isin(completion_ids, eos).any(dim=1)
+        if eos is not None
+        else torch.zeros(completion_ids.shape[0], dtype=torch.bool, device=completion_ids.device)
+    )
+    return completion_mask(completion_ids, eos_token_id).sum(dim=1), stopped
+
+
 def completion_batch(
     prompt_ids: torch.Tensor,
     prompt_attention_mask: torch.Tensor,
@@ -310,15 +337,7 @@ def completion_batch(
     completion_ids = completion_ids.to(device=prompt_ids.device, dtype=torch.long)
     input_ids = torch.cat([prompt_ids.long(), completion_ids], dim=1)
 
-    eos = eos_tensor(eos_token_id, completion_ids.device)
-    if eos is None:
-        completion_mask = torch.ones_like(completion_ids)
-    else:
-        is_eos = torch.isin(completion_ids, eos).long()
-        # EOS tokens strictly before each column; > 0 means the column is past the first EOS.
-        eos_before = is_eos.cumsum(dim=1) - is_eos
-        completion_mask = (eos_before == 0).long()
-    attention_mask = torch.cat([prompt_attention_mask.long(), completion_mask], dim=1)
+    attention_mask = torch.cat([prompt_attention_mask.long(), completion_mask(completion_ids, eos_token_id)], dim=1)
 
     labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
     labels[:, :prompt_len] = IGNORE_INDEX

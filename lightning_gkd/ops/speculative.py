@@ -41,6 +41,7 @@ from lightning_gkd.ops.hf import (
 )
 from lightning_gkd.ops.sampling import (
     completion_batch,
+    completion_mask,
     eos_tensor,
     inverse_cdf_pick,
     returned_cache,
@@ -225,7 +226,11 @@ def speculative_tokens(
         else:
             in_top = torch.ones_like(verify, dtype=torch.bool)
         # rows past their EOS (before the block or at an earlier draft) accept whatever follows
-        kept = in_top.gather(-1, drafted[..., None]).squeeze(-1) | finished[:, None] | _after_eos(drafted, eos)
+        kept = (
+            in_top.gather(-1, drafted[..., None]).squeeze(-1)
+            | finished[:, None]
+            | (completion_mask(drafted, eos_token_id) == 0)
+        )
         rejected = ~kept
         no_rejection = torch.full_like(drafted[:, 0], n)
         first_rejection = torch.where(rejected.any(dim=1), rejected.long().argmax(dim=1), no_rejection)
@@ -238,7 +243,7 @@ def speculative_tokens(
             teacher_probs = sampling_logits(verify[:, stop], **options).softmax(dim=-1)
             teacher_token = inverse_cdf_pick(teacher_probs, teacher_draws[done + stop])
             tokens[:, stop] = torch.where(swap[:, stop], teacher_token, tokens[:, stop])
-        dead = finished[:, None] | _after_eos(tokens, eos)  # padding: not part of a completion
+        dead = finished[:, None] | (completion_mask(tokens, eos_token_id) == 0)  # padding: not part of a completion
         for i in range(length):
             token_logprobs = _proposal_logprobs(tokens[:, i], draft_logits[i], verify[:, i], in_top[:, i], **options)
             logprobs[:, done + i] = token_logprobs.masked_fill(dead[:, i], 0.0)
@@ -272,14 +277,6 @@ def check_speculative_settings(accept_top_k: Any, draft_tokens: Any) -> None:
         raise ValueError(
             f"draft_tokens must be an integer >= 1 (tokens drafted per verification), got {draft_tokens!r}."
         )
-
-
-def _after_eos(tokens: torch.Tensor, eos: torch.Tensor | None) -> torch.Tensor:
-    """``(B, T)`` True at the columns strictly after each row's first EOS in ``tokens``."""
-    if eos is None:
-        return torch.zeros_like(tokens, dtype=torch.bool)
-    is_eos = torch.isin(tokens, eos).long()
-    return (is_eos.cumsum(dim=1) - is_eos) > 0
 
 
 def speculative_completions(

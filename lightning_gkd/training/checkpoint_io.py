@@ -110,6 +110,13 @@ def use_safe_checkpoint_io(trainer: L.Trainer) -> bool:
     return True
 
 
+def resume_checkpoint_path(trainer: L.Trainer) -> Path:
+    """Where a callback that stops a fit saves the checkpoint to resume from (``ckpt_path=last`` finds it):
+    ``last.ckpt`` in the ``ModelCheckpoint``'s folder, else in ``<default_root_dir>/checkpoints``."""
+    folder = getattr(trainer.checkpoint_callback, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
+    return Path(folder) / "last.ckpt"
+
+
 def current_umask() -> int:
     """The process's file-mode creation mask (reading it means setting it: set straight back)."""
     mask = os.umask(0o022)

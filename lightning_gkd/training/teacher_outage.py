@@ -17,6 +17,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gkd.teachers.base import TeacherUnavailable
+from lightning_gkd.training.checkpoint_io import resume_checkpoint_path
 
 
 class TeacherOutage(L.Callback):
@@ -30,18 +31,16 @@ class TeacherOutage(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, TeacherUnavailable):
             return
-        checkpoint = trainer.checkpoint_callback
-        folder = getattr(checkpoint, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
+        path = resume_checkpoint_path(trainer)
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         if processed % trainer.accumulate_grad_batches:
             rank_zero_warn(
                 f"The teacher server is unavailable ({exception}). It failed inside a gradient-accumulation window "
                 f"(batch {processed} of the epoch, accumulate_grad_batches={trainer.accumulate_grad_batches}): no "
-                f"checkpoint saved now. Resume from the last regular checkpoint in {folder} (ckpt_path=last) once "
+                f"checkpoint saved now. Resume from the last regular checkpoint in {path.parent} (ckpt_path=last) once "
                 "the server is up."
             )
             return
-        path = Path(folder) / "last.ckpt"
         self._saving = True
         try:
             trainer.save_checkpoint(path)
