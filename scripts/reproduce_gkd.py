@@ -41,6 +41,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule, SFTModule
+from lightning_gkd.callbacks import LengthGuard
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy.chain import first_error_position, operand_order, prompt_operands, valid_completions
@@ -404,7 +405,7 @@ def _train_one(
         max_length=task.max_length,
         seed=seed,
     )
-    curve, meter = AccuracyCurve(), ComputeMeter()
+    curve, meter, guard = AccuracyCurve(), ComputeMeter(), LengthGuard()
     meter.attach(module, served_model)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -417,7 +418,7 @@ def _train_one(
         enable_progress_bar=False,
         enable_model_summary=False,
         gradient_clip_val=1.0,
-        callbacks=[curve, meter],
+        callbacks=[curve, meter, guard],
         default_root_dir=work_dir,
     )
     started = time.perf_counter()
@@ -441,6 +442,10 @@ def _train_one(
         **{f"tokens_{k}": float(v) for k, v in meter.tokens.items()},
         "train_flops": meter.flops,
         "train_seconds": meter.seconds,
+        # the length guard (warn only): validations where it fired, the first, the last length ratio measured
+        "guard_alerts": float(len(guard.alerts)),
+        "guard_first_step": float(guard.alerts[0]["step"]) if guard.alerts else -1.0,
+        **{k.replace("/", "_"): float(v) for k, v in guard.figures.items()},
         **{
             k.replace("/", "_"): float(v)
             for k, v in trainer.callback_metrics.items()
