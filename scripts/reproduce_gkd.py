@@ -99,13 +99,6 @@ SKD_METHODS = [
         beta=1.0,
         skd={"accept_top_k": 5, "draft_tokens": 4},
     ),
-    Method(
-        "SKD K=5 β=0",
-        "speculative KD (top-5), λ=1, forward KL",
-        lmbda=1.0,
-        beta=0.0,
-        skd={"accept_top_k": 5, "draft_tokens": 4},
-    ),
 ]
 
 METHODS = [
