@@ -46,7 +46,7 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy.chain import first_error_position, operand_order, prompt_operands, valid_completions
 from lightning_gkd.data.toy.tasks import TOY_TASKS, ToyTask, toy_task
-from lightning_gkd.evaluation import decode_until_eos, evaluate_generations
+from lightning_gkd.evaluation import decode_until_eos, evaluate_generations, gap_closed
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
@@ -529,7 +529,6 @@ def summarize(runs: list[Run], methods: list[Method], teacher_acc: float, start_
             continue
         mean = statistics.fmean(accs)
         std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        gap = (mean - start_acc) / (teacher_acc - start_acc) if teacher_acc > start_acc else float("nan")
         lr = next(r.lr for r in runs if r.method == method.name)
         table.append(
             {
@@ -539,10 +538,27 @@ def summarize(runs: list[Run], methods: list[Method], teacher_acc: float, start_
                 "seeds": len(accs),
                 "mean": mean,
                 "std": std,
-                "gap_closed": gap,
+                **gap_fields(accs, teacher_acc, start_acc),
             }
         )
     return table
+
+
+def gap_fields(accuracies: list[float], teacher_acc: float, start_acc: float) -> dict[str, Any]:
+    """The recovered fraction of the teacher–student gap (``lightning_gkd.evaluation.gap_closed``) of each seed's
+    test accuracy (``gap_closed_seeds``), and its mean and std over the seeds (``gap_closed``, ``gap_closed_std``);
+    None when the teacher does not score above the student's start."""
+    seeds = [gap_closed(acc, start_acc, teacher_acc) for acc in accuracies]
+    values = [gap for gap in seeds if gap is not None]
+    if not values:
+        return {"gap_closed": None, "gap_closed_std": None, "gap_closed_seeds": seeds}
+    mean, std = mean_std(values)
+    return {"gap_closed": mean, "gap_closed_std": std, "gap_closed_seeds": seeds}
+
+
+def fmt_gap(mean: float | None, std: float | None) -> str:
+    """A gap-closed mean ± std over seeds in percent; "n/a" when there is no gap to close."""
+    return "n/a" if mean is None or std is None else f"{mean:.1%} ± {std:.1%}"
 
 
 def write_report(
@@ -599,17 +615,19 @@ def write_report(
         "endpoints', so one shared rate would be unfair). Sampling temperature 1.0, loss temperature 1.0, max 8 new "
         "tokens.",
         "",
-        "| method | what | lr | test accuracy (mean ± std) | gap closed |",
+        "| method | what | lr | test accuracy (mean ± std) | gap closed (mean ± std) |",
         "|---|---|---|---|---|",
     ]
     for row in table:
         lines.append(
             f"| {row['method']} | {row['description']} | {row['lr']:g} | "
-            f"{row['mean']:.3f} ± {row['std']:.3f} (n={row['seeds']}) | {row['gap_closed']:.1%} |"
+            f"{row['mean']:.3f} ± {row['std']:.3f} (n={row['seeds']}) | "
+            f"{fmt_gap(row['gap_closed'], row.get('gap_closed_std'))} |"
         )
     lines += [
         "",
-        "Gap closed = (method − student start) / (teacher − student start).",
+        "Gap closed = (method − student start) / (teacher − student start), per seed, then mean ± std "
+        "(`lightning_gkd.evaluation.gap_closed`; n/a when the teacher does not score above the start).",
         "",
         "![validation accuracy vs step](gkd_accuracy.png)",
         "",
@@ -923,6 +941,8 @@ def completion_scores(texts: list[str], rows: list[dict]) -> dict[str, float]:
 def chain_table(saved: dict[str, Any]) -> list[dict[str, Any]]:
     runs = [Run(**r) for r in saved["runs"]]
     rows = toy_task("chain").rows("test")[: len(runs[0].predictions)] if runs else []
+    teacher_greedy = saved["reference"]["teacher"]["greedy"]["accuracy"]
+    start_greedy = saved["reference"]["student_init"]["greedy"]["accuracy"]
     table = []
     for method in saved["methods"]:
         full = [r for r in runs if r.method == method["name"] and r.arm == "full"]
@@ -944,6 +964,7 @@ def chain_table(saved: dict[str, Any]) -> list[dict[str, Any]]:
                 "lr": full[0].lr,
                 "seeds": len(full),
                 "greedy": mean_std([r.test_accuracy for r in full]),
+                **gap_fields([r.test_accuracy for r in full], teacher_greedy, start_greedy),
                 "sampled": mean_std([r.test_sampled_accuracy or 0.0 for r in full]),
                 "low_data": mean_std([r.test_accuracy for r in low]) if low else None,
                 "tflops": mean_of("train_flops") / 1e12,
@@ -1079,20 +1100,24 @@ def chain_lines(saved: dict[str, Any], table: list[dict[str, Any]]) -> list[str]
         f"at most {toy_task('chain').max_new_tokens} new tokens. Low-data arm: {args['low_data']:.0%} of the training "
         f"rows, at each method's chosen rate, every seed, for {', '.join(args.get('low_data_methods', [])) or '–'}.",
         "",
-        "| method | what | lr | test greedy | test T=1 | low-data greedy | correct chain greedy | correct chain T=1 | "
-        "train TFLOPs (est.) | train s | order fwd / bwd / other / blend / invalid | EOS T=1 | entropy T=1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | what | lr | test greedy | gap closed greedy | test T=1 | low-data greedy | correct chain greedy | "
+        "correct chain T=1 | train TFLOPs (est.) | train s | order fwd / bwd / other / blend / invalid | EOS T=1 | "
+        "entropy T=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in table:
         lines.append(
             f"| {row['method']} | {row['description']} | {row['lr']:g} | {fmt(row['greedy'])} (n={row['seeds']}) | "
-            f"{fmt(row['sampled'])} | {fmt(row['low_data'])} | {fmt(row['valid_chain'])} | "
+            f"{fmt_gap(row['gap_closed'], row['gap_closed_std'])} | {fmt(row['sampled'])} | {fmt(row['low_data'])} | "
+            f"{fmt(row['valid_chain'])} | "
             f"{fmt(row['valid_chain_sampled'])} | {row['tflops']:.2f} | {row['train_seconds']:.0f} | "
             f"{orders_text(row['orders'])} | {row['eos_rate']:.0%} | {row['entropy']:.3f} |"
         )
     lines += [
         "",
-        "Test accuracy (the final sum): mean ± std over seeds. Correct chain: the whole answer right, every step, in "
+        "Test accuracy (the final sum): mean ± std over seeds. Gap closed: (method − student start) / (teacher − "
+        "student start) of the greedy test accuracy, per seed, then mean ± std (n/a when the teacher does not score "
+        "above the start). Correct chain: the whole answer right, every step, in "
         "any order of the operands. TFLOPs: 2·params per token sampled or teacher-scored, 6·params per trained token. "
         "Order: share of greedy test answers that add the operands in the order given (fwd), the reverse (bwd) — the "
         "teacher's two — another order of them (other), numbers that are the operands' digits shuffled within each "
@@ -1254,9 +1279,14 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in saved["args"].items():
             setattr(args, key, value)
         args.command, args.machine = saved["command"], saved["machine"]
+        teacher_acc, start_acc = saved["teacher_accuracy"], saved["student_start_accuracy"]
+        table = [
+            {**row, **gap_fields([r.test_accuracy for r in runs if r.method == row["method"]], teacher_acc, start_acc)}
+            for row in saved["table"]
+        ]
         write_report(
             args.out,
-            saved["table"],
+            table,
             runs,
             teacher_acc=saved["teacher_accuracy"],
             start_acc=saved["student_start_accuracy"],

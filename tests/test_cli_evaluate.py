@@ -43,7 +43,19 @@ def test_the_exported_student_scores_what_the_run_printed_for_student_after(trai
     assert metrics["val/loss"] == pytest.approx(result["metrics"]["val/loss"], abs=1e-6)  # GKD's, against the teacher
     assert metrics["val/perplexity"] == pytest.approx(torch.tensor(metrics["val/cross_entropy"]).exp().item())
     assert out["num_rows"] == {"val": 8, "test": 32}
-    assert out["held_out"] == {"eval": {"accuracy": metrics["test/accuracy"]}}  # a multirun summary's column
+    # a multirun summary's columns: the score and, against the run's own held_out.json (eval.reference=auto: the
+    # folder above student/), the share of its teacher-student gap closed: what the run reported
+    assert out["held_out"] == {
+        "eval": {"accuracy": metrics["test/accuracy"]},
+        "gap_closed": {"accuracy": pytest.approx(result["held_out"]["gap_closed"]["accuracy"])},
+    }
+    held_out = result["held_out"]
+    gap = (metrics["test/accuracy"] - held_out["before"]["accuracy"]) / (
+        held_out["teacher"]["accuracy"] - held_out["before"]["accuracy"]
+    )
+    assert metrics["test/accuracy_gap_closed"] == pytest.approx(gap, abs=1e-12)
+    assert out["gap_closed"]["reference"] == str((run_dir / "held_out.json").resolve())
+    assert out["gap_closed"]["teacher"] == held_out["teacher"] and out["gap_closed"]["before"] == held_out["before"]
     written = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert written["metrics"] == metrics
     samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
@@ -60,9 +72,10 @@ def test_the_last_checkpoint_scores_as_the_exported_student(trained, tmp_path):
     out = run(compose_eval(tmp_path, [*ROWS, f"eval.model={run_dir / 'checkpoints' / 'last.ckpt'}"]))
     assert out["kind"] == "checkpoint"
     assert out["metrics"]["test/accuracy"] == result["held_out"]["after"]["accuracy"]
+    assert out["gap_closed"]["reference"] == str((run_dir / "held_out.json").resolve())  # the folder above checkpoints/
     exported = run(compose_eval(tmp_path, [*ROWS, f"eval.model={result['student_dir']}", "eval.loss=cross_entropy"]))
     untrained = run(compose_eval(tmp_path, [*ROWS, "eval.loss=cross_entropy"]))  # model.student as configured
-    assert untrained["kind"] == "config"
+    assert untrained["kind"] == "config" and untrained["gap_closed"] is None  # no run folder to look in
     assert out["metrics"]["val/cross_entropy"] == pytest.approx(exported["metrics"]["val/cross_entropy"], abs=1e-6)
     assert abs(out["metrics"]["val/cross_entropy"] - untrained["metrics"]["val/cross_entropy"]) > 1e-3
 
@@ -130,12 +143,35 @@ def test_a_checkpoint_of_another_student_is_refused_before_any_model_loads(train
         (["ckpt_path=x.ckpt"], ValueError, "to evaluate a checkpoint pass eval.model=x.ckpt"),
         (["trainer.devices=2"], ValueError, "runs in one process: got trainer.devices=2"),
         (["eval.loss=kl"], ValueError, "eval.loss must be one of auto, method, cross_entropy, none"),
+        (
+            ["eval.reference=no_such_run/held_out.json"],
+            FileNotFoundError,
+            "eval.reference='no_such_run/held_out.json': no",
+        ),
     ],
 )
 def test_settings_errors_before_any_model_loads(tmp_path, monkeypatch, overrides, error, match):
     _no_model_loads(monkeypatch)
     with pytest.raises(error, match=match):
         run(compose_eval(tmp_path, overrides))
+
+
+def test_the_gap_is_measured_against_a_named_run_and_only_on_the_same_test_rows(trained, tmp_path):
+    """model.student as configured is the run's start: against that run's held_out.json it closed none of the gap.
+    With other test rows (eval.max_rows) the two cannot be compared, and eval.json says why."""
+    result, run_dir = trained
+    start = run(compose_eval(tmp_path, [*ROWS, "eval.loss=none", f"eval.reference={run_dir}"]))
+    assert start["metrics"]["test/accuracy"] == result["held_out"]["before"]["accuracy"]
+    assert start["metrics"]["test/accuracy_gap_closed"] == 0.0
+    assert start["held_out"]["gap_closed"] == {"accuracy": 0.0}
+    fewer = [*ROWS, "eval.loss=none", f"eval.model={result['student_dir']}", "eval.max_rows=8"]
+    out = run(compose_eval(tmp_path, fewer))
+    assert out["gap_closed"]["why"] == "it scored 32 test rows, this evaluation 8"
+    assert "test/accuracy_gap_closed" not in out["metrics"] and "gap_closed" not in out["held_out"]
+    none = run(
+        compose_eval(tmp_path, [*ROWS, "eval.loss=none", f"eval.model={result['student_dir']}", "eval.reference=null"])
+    )
+    assert none["gap_closed"] is None and "test/accuracy_gap_closed" not in none["metrics"]
 
 
 def test_a_run_folder_points_at_its_exported_student(trained, tmp_path, monkeypatch):

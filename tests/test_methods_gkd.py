@@ -38,6 +38,14 @@ def fit(module, tokenizer, rows, tmp_path, max_steps=3, **trainer_kwargs):
     return trainer
 
 
+#: What a step logs on a batch of the student's own samples (lightning_gkd.losses.base.sample_figures).
+SAMPLE_FIGURES = {
+    "agreement": "train/teacher_top1_agreement",
+    "mass": "train/teacher_mass_on_student_top5",
+    "entropy": "train/student_entropy",
+}
+
+
 def logged(tmp_path, key):
     with open(tmp_path / "metrics.csv") as handle:
         return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
@@ -75,6 +83,9 @@ def test_fit_trains_student_only(
     losses = logged(tmp_path, "train/loss")
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))) and all(x > 0 for x in losses)
     assert logged(tmp_path, "train/on_policy") == [float(expected_source == "student")] * 3
+    # the sample figures only where the student sampled the completions
+    for key in SAMPLE_FIGURES.values():
+        assert len(logged(tmp_path, key)) == (3 if expected_source == "student" else 0), key
     # toy completions are 1-4 digits + "<|im_end|>\n"; samples are capped at max_new_tokens=6
     assert all(1 <= x <= 6 for x in logged(tmp_path, "train/completion_length"))
     assert len(logged(tmp_path, "val/loss")) == 1
@@ -191,3 +202,38 @@ def test_a_loss_object_of_ones_own_trains_with_its_count_and_logs(student, teach
     spec = {"kind": "multi", "teachers": {"a": {"kind": "local", "model": teacher}}}
     with pytest.raises(ValueError, match=r"A loss factory .* teacher\.kind=multi has several: pass a built loss"):
         make_module(student, spec, tokenizer, loss=MeanLogProbLoss)
+
+
+def test_on_policy_steps_log_the_figures_of_the_students_samples(tokenizer, toy_rows, tmp_path):
+    """λ = 1 with the toy teacher and its student start: each step logs the teacher's top-1 agreement with the
+    sampled tokens, its mass on the student's top-5 and the student's entropy, as a float64 reference computes them
+    from both models' full logits on the very batch the step trains on, at the weights it trains."""
+    from helpers.sample_figures import reference_figures
+
+    from lightning_gkd.losses import STUDENT_SAMPLES
+    from lightning_gkd.models.tiny import asset_path
+    from lightning_gkd.ops.hf import causal_lm_logits
+    from lightning_gkd.teachers import next_tokens, supervised_positions
+
+    student, teacher = load_causal_lm(asset_path("toy/student_init")), load_causal_lm(asset_path("toy/teacher"))
+    module = make_module(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=8, frozen_dtype="float32")
+    references = []
+    loss = module.loss
+
+    def recording(model, batch):
+        positions = supervised_positions(batch["labels"])
+        with torch.no_grad():
+            logits = [causal_lm_logits(m, batch)[positions] for m in (model, module.teacher)]
+        figures = reference_figures(*logits, next_tokens(batch["input_ids"], positions))
+        references.append((batch.get(STUDENT_SAMPLES, False), figures))
+        return loss(model, batch)
+
+    module.loss = recording
+    fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
+    # the sanity check's validation batch, three steps, the last validation (dataset completions: unflagged)
+    assert [flag for flag, _ in references] == [False, True, True, True, False]
+    steps = [figures for flag, figures in references if flag]
+    for name, key in SAMPLE_FIGURES.items():
+        assert logged(tmp_path, key) == pytest.approx([r[name] for r in steps], abs=1e-5), key
+    agreement = logged(tmp_path, SAMPLE_FIGURES["agreement"])
+    assert all(0.0 < value < 1.0 for value in agreement)  # the student's samples: the teacher disagrees at times

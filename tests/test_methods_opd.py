@@ -319,7 +319,8 @@ def test_a_fit_with_grouped_generation_weights_the_stale_micro_batch(student, te
     assert module.sampling_calls == 2  # steps 0-1 share one call, step 2 starts the next group
     group_widths = [recorder.widths[0], recorder.widths[0], recorder.widths[1]]
     assert any(a < b for a, b in zip(trained_widths, group_widths, strict=True))  # a micro-batch cut to its columns
-    for key in [*OPD_KEYS, "train/opd/divergence"]:
+    figures = ["train/teacher_top1_agreement", "train/teacher_mass_on_student_top5", "train/student_entropy"]
+    for key in [*OPD_KEYS, "train/opd/divergence", *figures]:  # every OPD batch is the student's samples
         values = by_step(rows, key)
         assert sorted(values) == [0, 1, 2] and all(math.isfinite(v) for v in values.values()), key
     assert all(0.0 <= v <= 1.0 for v in by_step(rows, "train/opd/eos_rate").values())

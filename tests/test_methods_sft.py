@@ -115,5 +115,5 @@ def test_held_out_evaluation_scores_the_teacher_once(student, teacher, tokenizer
     trainer.fit(module, datamodule=data)
     expected = evaluate_generations(teacher, tokenizer, rows, max_new_tokens=4)
     assert held_out.results["teacher"] == expected
-    assert set(held_out.results) == {"teacher", "before", "after"}
+    assert set(held_out.results) == {"teacher", "before", "after", "gap_closed"}
     assert "teacher" in held_out.table(4) and "model after" in held_out.table(4)

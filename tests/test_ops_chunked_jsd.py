@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 import torch
+from helpers.sample_figures import reference_figures
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gkd import ChatDataModule, GKDModule
@@ -134,3 +135,41 @@ def test_gkd_module_lean_loss_equals_the_full_logits_loss(student, teacher, toke
     torch.testing.assert_close(lean_loss, full_loss, atol=1e-5, rtol=1e-5)
     for name, grad in full_grads.items():
         torch.testing.assert_close(lean_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sample_figures_ride_along_without_changing_the_loss(beta, temperature):
+    """With ``figures``, each chunk's logits also give the sample figures (ops.sample_figures' float64 reference;
+    at temperature 1, from the loss's own log-softmaxes, before it reuses their storage; at another loss
+    temperature, from the logits): the loss and its gradients are those without them."""
+    from lightning_gkd.ops.sample_figures import SampleFigures
+
+    torch.manual_seed(3)
+    positions, student_dim, teacher_dim, vocab = 19, 12, 16, 40
+    student_hidden = torch.randn(positions, student_dim, requires_grad=True)
+    student_weight = torch.randn(vocab, student_dim, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(positions, teacher_dim), torch.randn(vocab, teacher_dim)
+    tokens = torch.randint(vocab, (positions,))
+
+    def run(figures):
+        value = projected_jsd_loss(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            beta=beta,
+            temperature=temperature,
+            chunk_size=6,
+            figures=figures,
+        )
+        return value.detach(), torch.autograd.grad(value, (student_hidden, student_weight))
+
+    figures = SampleFigures(tokens)
+    with_figures, without = run(figures), run(None)
+    assert torch.equal(with_figures[0], without[0])
+    for got, want in zip(with_figures[1], without[1], strict=True):
+        assert torch.equal(got, want)
+    expected = reference_figures(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, tokens)
+    got = {name: value.item() for name, (value, _) in figures.means().items()}
+    assert got == pytest.approx(expected, abs=1e-5)

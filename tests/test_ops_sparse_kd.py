@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers.sample_figures import reference_figures
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
@@ -244,6 +245,41 @@ def test_sampled_batch_equals_its_rows(estimator):
     assert_same(grads_of(batch, leaves), grads_of(surrogate, copies))
     if estimator == "k3":
         assert float(batch.detach()) >= 0
+
+
+@pytest.mark.parametrize("loss", ["topk", "k1"])
+def test_sample_figures_ride_along_without_changing_the_loss(loss):
+    """With ``figures``, each chunk's student logits give the student's entropy and, from the teacher's top-1 id,
+    the agreement (ops.sample_figures' float64 reference) before the loss overwrites them; loss and gradients are
+    those without them."""
+    from lightning_gkd.ops.sample_figures import SampleFigures
+
+    leaves, head = make_student("bias_scale_softcap")
+    teacher = teacher_log_probs()
+    tokens = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))
+    tokens[::2] = teacher[::2].argmax(-1)
+    top, ids = teacher.topk(3, dim=-1)  # the teacher's top-3, most likely first
+    top = top.float()
+
+    def run(figures):
+        if loss == "topk":
+            value = topk_distillation_loss(leaves[0], head, ids, top, beta=0.5, chunk_size=4, figures=figures)
+        else:
+            picked = teacher.gather(1, tokens.unsqueeze(1)).squeeze(1).float()
+            value = sampled_kl_loss(leaves[0], head, tokens, picked, estimator="k1", chunk_size=4, figures=figures)
+        return value.detach(), grads_of(value, leaves)
+
+    figures = SampleFigures(tokens, teacher_top1=ids[:, 0])
+    with_figures, without = run(figures), run(None)
+    assert torch.equal(with_figures[0], without[0])
+    for got, want in zip(with_figures[1], without[1], strict=True):
+        assert torch.equal(got, want)
+    z, _ = float64_logits(leaves, head)
+    expected = reference_figures(z.detach(), teacher, tokens)
+    got = {name: value.item() for name, (value, _) in figures.means().items()}
+    assert set(got) == {"agreement", "entropy"}  # no teacher mass on the student's top-k from a top-k signal
+    assert got["agreement"] == pytest.approx(expected["agreement"]) and got["agreement"] >= 7 / N
+    assert got["entropy"] == pytest.approx(expected["entropy"], abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- real models

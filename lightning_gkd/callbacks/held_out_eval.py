@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generations, exact_match
+from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generations, exact_match, gaps_closed
 from lightning_gkd.methods.base import require_lm_module
 from lightning_gkd.rollouts.evaluate import evaluate_rollouts
 
@@ -19,8 +19,12 @@ from lightning_gkd.rollouts.evaluate import evaluate_rollouts
 class HeldOutEvaluation(L.Callback):
     """Greedy-decode the datamodule's ``test_rows`` and score them with ``metrics`` (default exact-match
     ``accuracy``): the trained model at fit start ("before") and fit end ("after"), and the module's ``teacher``
-    if it has one. Results go to ``self.results``, the logger (``test/<name>_before|after``,
-    ``test/teacher_<name>``), ``held_out.json`` in the trainer's root dir, and a printed table.
+    if it has one. With a teacher, also the recovered fraction of the teacher–student gap per metric
+    (``lightning_gkd.evaluation.metrics.gap_closed``: (after − before) / (teacher − before); None, "n/a", when the
+    teacher does not score above the start). Results go to ``self.results`` (``teacher``, ``before``, ``after``,
+    ``gap_closed``), the logger (``test/<name>_before|after``, ``test/teacher_<name>``, ``test/<name>_gap_closed``
+    where defined), ``held_out.json`` in the trainer's root dir (with ``num_rows`` and ``max_new_tokens``), and a
+    printed table.
 
     With a method that rolls out with tools (``rollout``), each prompt is a greedy multi-turn rollout with the
     method's tools, scored on the transcript's final answer (plus ``tool_calls`` and ``tool_failures``).
@@ -34,7 +38,7 @@ class HeldOutEvaluation(L.Callback):
         self.metrics = dict(metrics or {"accuracy": exact_match})
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
-        self.results: dict[str, dict[str, float]] = {}
+        self.results: dict[str, Mapping[str, float | None]] = {}
 
     def _rows(self, trainer: L.Trainer) -> Any:
         datamodule = getattr(trainer, "datamodule", None)
@@ -83,17 +87,23 @@ class HeldOutEvaluation(L.Callback):
         if rows is None:
             return
         self.results["after"] = self._evaluate(trainer, pl_module.model, rows, getattr(pl_module, "sampler", None))
+        if "teacher" in self.results:
+            scores = cast(dict[str, dict[str, float]], self.results)  # the three scores are never None
+            self.results["gap_closed"] = gaps_closed(scores["after"], scores["before"], scores["teacher"])
         flat = {
             f"test/{name}_{when}": value for when in ("before", "after") for name, value in self.results[when].items()
         }
         flat.update({f"test/teacher_{name}": v for name, v in self.results.get("teacher", {}).items()})
+        flat.update({f"test/{name}_gap_closed": v for name, v in self.results.get("gap_closed", {}).items()})
+        logged = {key: value for key, value in flat.items() if value is not None}  # an undefined gap is not logged
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(flat, step=trainer.global_step)
+                logger.log_metrics(logged, step=trainer.global_step)
                 logger.save()
             out = Path(trainer.default_root_dir) / "held_out.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"num_rows": len(rows), **self.results}, indent=2))
+            saved = {"num_rows": len(rows), "max_new_tokens": self.max_new_tokens, **self.results}
+            out.write_text(json.dumps(saved, indent=2))
         rank_zero_info(self.table(len(rows)))
 
     def table(self, num_rows: int) -> str:
@@ -104,6 +114,12 @@ class HeldOutEvaluation(L.Callback):
                 for who, key in (("teacher", "teacher"), ("model before", "before"), ("model after", "after"))
                 if key in self.results
             ]
+            if "gap_closed" in self.results:
+                gap = self.results["gap_closed"].get(name)
+                parts.append(
+                    "gap closed "
+                    + ("n/a (the teacher does not score above the start)" if gap is None else f"{gap:.3f}")
+                )
             lines.append(f"  {name}: " + " | ".join(parts))
         return "\n".join(lines)
 

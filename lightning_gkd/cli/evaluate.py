@@ -9,7 +9,9 @@ python -m lightning_gkd.cli.evaluate ...                                 # the s
 
 Every group and override of ``lightning-gkd`` composes here (conf/evaluate.yaml starts from conf/train.yaml).
 Writes ``eval.json`` (the figures) and ``samples.jsonl`` (prompt, completion, reference, per-row scores) to its run
-folder, ``outputs/eval/<time>/`` (or ``hydra.run.dir``), and prints a summary.
+folder, ``outputs/eval/<time>/`` (or ``hydra.run.dir``), and prints a summary. With a training run's
+``held_out.json`` beside the model (``eval.reference``), the test scores also come as the recovered fraction of
+that run's teacher–student gap (``test/<metric>_gap_closed``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from lightning_gkd.cli.model_source import check_model_folder, has_tokenizer
 from lightning_gkd.cli.train import print_config
 from lightning_gkd.data.chat import ChatDataModule
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generations
+from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generations, gaps_closed
 from lightning_gkd.methods.base import check_data_format
 from lightning_gkd.methods.sft import SFTModule
 from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
@@ -132,6 +134,54 @@ def apply_target(cfg: DictConfig, target: EvalTarget) -> str:
         if cfg.eval.get("tokenizer"):
             cfg.model.tokenizer = cfg.eval.tokenizer
     return tokenizer_source(cfg.model)
+
+
+def resolve_reference(value: Any, target: EvalTarget) -> Path | None:
+    """The ``held_out.json`` whose teacher and student-before scores the gap is measured against, from
+    ``eval.reference``: ``auto`` = the run folder's own when ``eval.model`` is a run's exported folder
+    (``<run>/student``) or checkpoint (``<run>/checkpoints/*.ckpt``) and it has one (else None); a path (a
+    missing one raises here, before any loading); null = None."""
+    if value is None or value == "":
+        return None
+    if str(value) == "auto":
+        if target.kind not in ("folder", "checkpoint"):
+            return None
+        source = Path(str(target.source))
+        found = (source.parent if target.kind == "folder" else source.parent.parent) / "held_out.json"
+        return found if found.is_file() else None
+    path = Path(str(value)).expanduser()
+    if path.is_dir():
+        path = path / "held_out.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"eval.reference={value!r}: no such file (relative to {Path.cwd()}). Pass a training run's held_out.json "
+            "(or its folder), auto (the run of eval.model), or null."
+        )
+    return path
+
+
+def gap_against(reference: Path, after: Mapping[str, float], test_rows: int, max_new_tokens: int) -> dict[str, Any]:
+    """eval.json's ``gap_closed`` block: the test scores ``after`` (``{metric: value}``, of ``test_rows`` rows)
+    against ``reference``'s teacher and student-before scores: ``scores`` (``gaps_closed``; None where the teacher
+    does not score above the start), with ``teacher`` and ``before``; or, where the two cannot be compared (no
+    teacher in it, another number of test rows or another token budget), ``why`` not."""
+    saved = json.loads(reference.read_text())
+    block: dict[str, Any] = {"reference": str(reference.resolve())}
+    teacher, before = saved.get("teacher"), saved.get("before")
+    if not teacher or not before:
+        return {
+            **block,
+            "why": "it has no teacher scores (the run had no in-process teacher)" if before else "it has no scores",
+        }
+    if test_rows != saved.get("num_rows"):
+        return {**block, "why": f"it scored {saved.get('num_rows')} test rows, this evaluation {test_rows}"}
+    if saved.get("max_new_tokens", max_new_tokens) != max_new_tokens:
+        return {
+            **block,
+            "why": f"it generated up to {saved['max_new_tokens']} tokens, this evaluation {max_new_tokens} "
+            "(eval.max_new_tokens)",
+        }
+    return {**block, "teacher": teacher, "before": before, "scores": gaps_closed(after, before, teacher)}
 
 
 def resolve_loss_mode(cfg: DictConfig, chat: bool) -> tuple[str, str]:
@@ -320,6 +370,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_settings(cfg)
     target = resolve_target(cfg.eval.get("model"))
     checkpoint = read_checkpoint(str(target.source)) if target.kind == "checkpoint" else None
+    reference = resolve_reference(cfg.eval.get("reference", "auto"), target)
     tokenizer = apply_target(cfg, target)
     if cfg.get("print_config"):
         print_config(cfg)
@@ -360,6 +411,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 rollout=method_rollout(cfg, module, datamodule.tokenizer),
             )
             values.update(generated)
+    held_out = {key.removeprefix("test/"): value for key, value in values.items() if key.startswith("test/")}
+    gap: dict[str, Any] | None = None
+    if reference is not None and counts.get("test"):
+        gap = gap_against(reference, held_out, counts["test"], cfg.eval.max_new_tokens)
+        for name, value in (gap.get("scores") or {}).items():
+            if value is not None:  # None: the teacher does not score above the start
+                values[f"test/{name}_gap_closed"] = value
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -373,7 +431,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "num_rows": counts,
         "generation_metrics": sorted(metrics) if counts else [],
         # test_data's scores as lightning-gkd's result names them (a multirun's summary shows them as columns)
-        "held_out": {"eval": {k.removeprefix("test/"): v for k, v in values.items() if k.startswith("test/")}},
+        "held_out": {
+            "eval": held_out,
+            **({"gap_closed": gap["scores"]} if gap and "scores" in gap else {}),
+        },
+        # the reference run's held_out.json, its teacher's and student-before scores and this model's gap closed
+        "gap_closed": gap,
         "max_new_tokens": cfg.eval.max_new_tokens,
         "samples": len(samples),
         "output_dir": str(output_dir.resolve()),
@@ -397,6 +460,16 @@ def print_summary(result: Mapping[str, Any], target: EvalTarget) -> None:
         lines.append(f"{key}: {metrics[key]:.4f}{rows}")
     if not metrics:
         lines.append("nothing to report: no validation rows and no generation metrics (method.metrics)")
+    gap = result.get("gap_closed")
+    if gap is not None:
+        undefined = [name for name, value in (gap.get("scores") or {}).items() if value is None]
+        lines += [
+            f"test/{name}_gap_closed: n/a (the reference's teacher does not score above its start)"
+            for name in undefined
+        ]
+        lines.append(
+            f"gap closed against: {gap['reference']}" + (f" - not computed: {gap['why']}" if "why" in gap else "")
+        )
     lines.append(f"written: {Path(result['output_dir']) / 'eval.json'}, samples.jsonl ({result['samples']} rows)")
     print("\n".join(["== lightning_gkd evaluation ==", *lines]), flush=True)
 

@@ -224,13 +224,21 @@ def card_info(cfg: DictConfig, result: dict[str, Any]) -> dict[str, Any]:
         info["resumed from"] = result["resumed_from"]
     for who, scores in result["held_out"].items():
         for name, value in scores.items():
-            info[f"held-out {name} ({who})"] = round(float(value), 4)
+            label = "gap closed" if who == "gap_closed" else who
+            info[f"held-out {name} ({label})"] = "n/a" if value is None else round(float(value), 4)
     return info
 
 
 # Not in the summary: the throughput line has it; a schedule's last value; GKD's last-batch coin (the fraction is
 # shown).
 SUMMARY_HIDDEN = {"train/tokens_per_sec", "train/lr", "train/on_policy"}
+#: The summary's names of the held-out results (``HeldOutEvaluation.results``' keys).
+HELD_OUT_LABELS = {
+    "teacher": "teacher",
+    "before": "student before",
+    "after": "student after",
+    "gap_closed": "gap closed",
+}
 
 
 @rank_zero_only
@@ -249,8 +257,11 @@ def print_summary(result: dict[str, Any]) -> None:
     losses = sorted(name for name in metrics if name.endswith("/loss"))
     lines += [f"{name}: {metrics[name]:.4f}" for name in losses + sorted(set(metrics) - set(losses))]
     for who, scores in result["held_out"].items():
-        label = {"teacher": "teacher", "before": "student before", "after": "student after"}.get(who, who)
-        lines += [f"held-out {name} ({label}): {value:.4f}" for name, value in scores.items()]
+        label = HELD_OUT_LABELS.get(who, who)
+        lines += [
+            f"held-out {name} ({label}): " + (f"{value:.4f}" if value is not None else "n/a (teacher not above start)")
+            for name, value in scores.items()
+        ]
     if result.get("teacher_unavailable"):
         lines.append(f"stopped: the teacher server stayed unavailable ({result['teacher_unavailable']}); not exported")
     if result["stopped_by_signal"]:

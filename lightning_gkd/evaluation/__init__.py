@@ -5,6 +5,8 @@ from lightning_gkd.evaluation.metrics import (
     decode_until_eos,
     evaluate_generations,
     exact_match,
+    gap_closed,
+    gaps_closed,
     greedy_texts,
     reference_texts,
 )
@@ -14,6 +16,8 @@ __all__ = [
     "decode_until_eos",
     "evaluate_generations",
     "exact_match",
+    "gap_closed",
+    "gaps_closed",
     "greedy_texts",
     "reference_texts",
 ]

@@ -29,6 +29,30 @@ def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
     return sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)) / len(predictions)
 
 
+def gap_closed(after: float, before: float, teacher: float) -> float | None:
+    """The recovered fraction of the teacher–student gap on a score where higher is better (an accuracy):
+    ``(after − before) / (teacher − before)``. 1: the student reached its teacher; 0: no change from its start
+    (``before``); below 0: worse than its start; above 1: past its teacher.
+
+    None when the teacher is not better than the start (``teacher <= before``, or either is NaN): there is no gap
+    to close, and the ratio would be meaningless (a division by zero, or a sign that flips). Reports show it as
+    ``n/a``."""
+    if not teacher > before:
+        return None
+    return (after - before) / (teacher - before)
+
+
+def gaps_closed(
+    after: Mapping[str, float], before: Mapping[str, float], teacher: Mapping[str, float]
+) -> dict[str, float | None]:
+    """``gap_closed`` per metric, for each metric name all three score mappings have (``{name: value}``)."""
+    return {
+        name: gap_closed(after[name], before[name], teacher[name])
+        for name in after
+        if name in before and name in teacher
+    }
+
+
 def decode_until_eos(
     tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence[int]], eos_token_id: EosTokenId
 ) -> list[str]:

@@ -4,6 +4,26 @@
 (several teachers by a data column), ``cross_tokenizer`` (a teacher with another tokenizer), ``opd`` (OPD's policy
 gradient). The math itself is ``lightning_gkd.ops``."""
 
-from lightning_gkd.losses.base import DistillationLoss, LeanPath, Logged, LossOutput, combine, finite_flag
+from lightning_gkd.losses.base import (
+    STUDENT_SAMPLES,
+    DistillationLoss,
+    LeanPath,
+    Logged,
+    LossOutput,
+    combine,
+    finite_flag,
+    sample_figure_logs,
+    sample_figures,
+)
 
-__all__ = ["DistillationLoss", "LeanPath", "Logged", "LossOutput", "combine", "finite_flag"]
+__all__ = [
+    "STUDENT_SAMPLES",
+    "DistillationLoss",
+    "LeanPath",
+    "Logged",
+    "LossOutput",
+    "combine",
+    "finite_flag",
+    "sample_figure_logs",
+    "sample_figures",
+]

@@ -5,6 +5,10 @@ called per batch: ``loss(student, batch) -> LossOutput``. The batch holds ``inpu
 ``labels`` ``(B, L)`` (left-padded, labels -100 off the completions), plus whatever its teacher needs (a routing
 column, the rows' prompt messages, the sampler's log-probs). The loss holds its teacher signal; the method never
 asks which kind it is.
+
+A batch whose completions the trained student sampled itself carries ``STUDENT_SAMPLES: True`` (set by the on-policy
+step); a loss then also reports figures of those samples (``sample_figures``, ``sample_figure_logs``): the teacher's
+top-1 agreement with the sampled tokens, the teacher's mass on the student's top-k, the student's entropy.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_gkd.ops.hf import LeanForwardUnsupported
+from lightning_gkd.ops.sample_figures import SampleFigures
 
 Reduce = Literal["mean", "sum", "max"]
 _T = TypeVar("_T")
@@ -30,6 +35,35 @@ class Logged:
     value: torch.Tensor | float
     weight: float = 1.0
     reduce: Reduce = "mean"
+
+
+#: The batch key (a bool) that says the completions are the trained student's own samples (``OnPolicyModule``).
+STUDENT_SAMPLES = "student_samples"
+#: The logged names of ``SampleFigures``' figures (``<train|val>/<name>``), by figure.
+SAMPLE_FIGURE_NAMES = {
+    "agreement": "teacher_top1_agreement",
+    "mass": "teacher_mass_on_student_top{k}",
+    "entropy": "student_entropy",
+}
+
+
+def sample_figures(
+    batch: Mapping[str, Any], tokens: torch.Tensor, teacher_top1: torch.Tensor | None = None
+) -> SampleFigures | None:
+    """An empty ``SampleFigures`` for the sampled next ``tokens`` ``(N,)`` of a batch of the student's own samples
+    (``batch[STUDENT_SAMPLES]``; ``teacher_top1``: a top-k teacher's most likely tokens); None for any other batch
+    (dataset completions, teacher samples, validation), where the figures would not describe the student's samples."""
+    return SampleFigures(tokens, teacher_top1=teacher_top1) if batch.get(STUDENT_SAMPLES) else None
+
+
+def sample_figure_logs(figures: SampleFigures | None) -> dict[str, Logged]:
+    """The figures ``figures`` gathered, as logs named by ``SAMPLE_FIGURE_NAMES``, each weighted by its positions."""
+    if figures is None:
+        return {}
+    return {
+        SAMPLE_FIGURE_NAMES[name].format(k=figures.k): Logged(value, float(count))
+        for name, (value, count) in figures.means().items()
+    }
 
 
 def finite_flag(values: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,11 @@ from typing import Any
 
 from torch import nn
 
-from lightning_gkd.losses.base import LeanPath, LossOutput, finite_flag
+from lightning_gkd.losses.base import LeanPath, LossOutput, finite_flag, sample_figure_logs, sample_figures
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.hf import causal_lm_logits, hidden_states_and_head
 from lightning_gkd.ops.losses import generalized_jsd_loss
-from lightning_gkd.teachers.base import Teacher, supervised_positions
+from lightning_gkd.teachers.base import Teacher, next_tokens, supervised_positions
 
 
 class DenseDistillation:
@@ -21,7 +21,10 @@ class DenseDistillation:
     Lean (default): only the supervised positions are projected to logits, ``chunk_size`` at a time, from both
     models' final hidden states (``ops.chunked_jsd.projected_jsd_loss``); full ``(B, L, V)`` logits never exist.
     A model whose head the lean path cannot describe falls back to full logits and ``generalized_jsd_loss``
-    (``LeanPath``, shared by the run's losses)."""
+    (``LeanPath``, shared by the run's losses).
+
+    On a batch of the student's own samples it also logs, from the same chunks of logits, ``teacher_top1_agreement``,
+    ``teacher_mass_on_student_top5`` and ``student_entropy`` (``losses.base.sample_figures``)."""
 
     def __init__(
         self,
@@ -39,6 +42,7 @@ class DenseDistillation:
     def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
         positions = supervised_positions(batch["labels"])
         count = positions.sum()
+        figures = sample_figures(batch, next_tokens(batch["input_ids"], positions))
 
         def lean() -> LossOutput:
             hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], positions)
@@ -51,11 +55,11 @@ class DenseDistillation:
                 beta=self.beta,
                 temperature=self.temperature,
                 chunk_size=self.chunk_size,
+                figures=figures,
             )
             # no logits for the non-finite guard's watch on this path: report the hidden states instead
-            return LossOutput(
-                loss, count, finite={"student": finite_flag(hidden), "teacher": finite_flag(teacher_hidden)}
-            )
+            finite = {"student": finite_flag(hidden), "teacher": finite_flag(teacher_hidden)}
+            return LossOutput(loss, count, sample_figure_logs(figures), finite)
 
         def full() -> LossOutput:
             student_logits = causal_lm_logits(student, batch)
@@ -67,6 +71,8 @@ class DenseDistillation:
                 beta=self.beta,
                 temperature=self.temperature,
             )
-            return LossOutput(loss, count)
+            if figures is not None:
+                figures.add_positions(student_logits, teacher_logits, positions, chunk_size=self.chunk_size)
+            return LossOutput(loss, count, sample_figure_logs(figures))
 
         return self.lean.run(lean, full, loss_name="generalized JSD")

@@ -9,6 +9,11 @@ Two teacher signals, chosen once when the loss is built: an in-process teacher's
 (``DensePolicyGradient``: the sampled token's log-prob and, for ``kl_coef``, the whole distribution) or a sparse
 teacher's ``TopKSignal`` (``TopKPolicyGradient``: ``next_logprobs`` and its top-k with a tail bucket or
 renormalised). Both read the student's final hidden states once for the reward and the ``kl_coef`` term.
+
+Every batch is the student's samples; both also log the sample figures (``losses.base.sample_figures``): the
+teacher's top-1 agreement and the student's entropy, and with an in-process teacher its mass on the student's top-5
+(from the ``kl_coef`` term's chunks, else from a pass of both heads that also gives the rewards' teacher log-probs:
+one student projection more, no gradients).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag
+from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag, sample_figure_logs, sample_figures
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.hf import EosTokenId, LogitHead, hidden_states_and_head
 from lightning_gkd.ops.losses import IGNORE_INDEX
 from lightning_gkd.ops.opd import Baseline, OPDStats, policy_gradient_distillation_loss
+from lightning_gkd.ops.sample_figures import SampleFigures
 from lightning_gkd.ops.sparse_kd import topk_distillation_loss
 from lightning_gkd.ops.topk import topk_log_probs
 from lightning_gkd.teachers.base import SparseTeacher, Teacher, next_tokens, supervised_positions
@@ -88,9 +94,10 @@ class PolicyGradientDistillation:
         tokens: torch.Tensor,
         hidden: torch.Tensor,
         head: LogitHead,
+        figures: SampleFigures | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """``(N,)`` the teacher's log-prob of each sampled token, the ``kl_coef`` term (None when ``kl_coef`` is
-        0) and the teacher's finite flags."""
+        0) and the teacher's finite flags; fills ``figures`` (the sample figures) when given."""
         raise NotImplementedError
 
     def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
@@ -100,7 +107,8 @@ class PolicyGradientDistillation:
         def lean() -> LossOutput:
             hidden, head = hidden_states_and_head(student, ids, batch["attention_mask"], positions)
             tokens = next_tokens(ids, positions)
-            teacher_logprobs, divergence, finite = self.teacher_terms(batch, positions, tokens, hidden, head)
+            figures = sample_figures(batch, tokens)
+            teacher_logprobs, divergence, finite = self.teacher_terms(batch, positions, tokens, hidden, head, figures)
             rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[positions]
             loss, stats = policy_gradient_distillation_loss(
                 hidden,
@@ -119,7 +127,7 @@ class PolicyGradientDistillation:
             if divergence is not None:
                 loss = loss + self.kl_coef * divergence
             count = positions.sum()
-            logs = self.logs(stats, divergence, batch["labels"], float(count))
+            logs = {**self.logs(stats, divergence, batch["labels"], float(count)), **sample_figure_logs(figures)}
             return LossOutput(loss, count, logs, {"student": finite_flag(hidden), **finite})
 
         return self.lean.run(lean, None, loss_name="OPD")
@@ -175,12 +183,18 @@ class DensePolicyGradient(PolicyGradientDistillation):
         tokens: torch.Tensor,
         hidden: torch.Tensor,
         head: LogitHead,
+        figures: SampleFigures | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         teacher_hidden, teacher_head = self.teacher.hidden_states(batch, positions)
-        _, _, following = topk_log_probs(
-            teacher_hidden, teacher_head, 1, next_tokens=tokens, chunk_size=self.chunk_size
-        )
-        assert following is not None  # next_tokens were given
+        if figures is not None and self.kl_coef == 0:  # one pass of both heads: the figures and the rewards
+            following = figures.add_hidden(
+                hidden, head, teacher_hidden=teacher_hidden, teacher_head=teacher_head, chunk_size=self.chunk_size
+            )
+        else:
+            _, _, following = topk_log_probs(
+                teacher_hidden, teacher_head, 1, next_tokens=tokens, chunk_size=self.chunk_size
+            )
+        assert following is not None  # next_tokens or the teacher's hidden states were given
         divergence = None
         if self.kl_coef > 0:
             divergence = projected_jsd_loss(
@@ -191,6 +205,7 @@ class DensePolicyGradient(PolicyGradientDistillation):
                 beta=self.beta,
                 temperature=self.temperature,
                 chunk_size=self.chunk_size,
+                figures=figures,
             )
         return following, divergence, {"teacher": finite_flag(teacher_hidden)}
 
@@ -211,6 +226,7 @@ class TopKPolicyGradient(PolicyGradientDistillation):
         tokens: torch.Tensor,
         hidden: torch.Tensor,
         head: LogitHead,
+        figures: SampleFigures | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         signal = self.teacher.topk(batch, positions).to(hidden.device)
         if signal.next_logprobs is None:
@@ -218,6 +234,8 @@ class TopKPolicyGradient(PolicyGradientDistillation):
                 f"OPD's reward is the teacher's log-prob of each sampled token, which {type(self.teacher).__name__} "
                 "did not return (TopKSignal.next_logprobs is None): use teacher=local or teacher=server."
             )
+        if figures is not None:
+            figures.set_teacher_top1(signal.ids[:, 0])  # most likely first
         divergence = None
         if self.kl_coef > 0:
             divergence = topk_distillation_loss(
@@ -228,5 +246,8 @@ class TopKPolicyGradient(PolicyGradientDistillation):
                 beta=self.beta,
                 tail=self.tail,
                 chunk_size=self.chunk_size,
+                figures=figures,
             )
+        elif figures is not None:
+            figures.add_hidden(hidden, head, chunk_size=self.chunk_size)
         return signal.next_logprobs, divergence, {}

@@ -1,6 +1,10 @@
 """Losses against a sparse teacher signal (``TopKSignal``: an offline cache, a vLLM server, an in-process teacher's
 top-k): the generalized JSD over the teacher's top-k (with a tail bucket, or renormalised), and the sampled-token
-reverse-KL estimators k1/k3."""
+reverse-KL estimators k1/k3.
+
+On a batch of the student's own samples both also log ``teacher_top1_agreement`` (from the signal's first id, the
+teacher's most likely token) and ``student_entropy`` (``losses.base.sample_figures``); not the teacher's mass on the
+student's top-k, which needs the teacher's probabilities of tokens outside its own top-k."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_gkd.losses.base import LeanPath, LossOutput, finite_flag
+from lightning_gkd.losses.base import LeanPath, LossOutput, finite_flag, sample_figure_logs, sample_figures
 from lightning_gkd.ops.hf import hidden_states_and_head
 from lightning_gkd.ops.sparse_kd import sampled_kl_loss, topk_distillation_loss
 from lightning_gkd.teachers.base import SparseTeacher, next_tokens, supervised_positions
@@ -32,6 +36,7 @@ class TopKDistillation:
         def lean() -> LossOutput:
             hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], positions)
             signal = self.teacher.topk(batch, positions).to(hidden.device)
+            figures = sample_figures(batch, next_tokens(batch["input_ids"], positions), signal.ids[:, 0])
             loss = topk_distillation_loss(
                 hidden,
                 head,
@@ -40,8 +45,10 @@ class TopKDistillation:
                 beta=self.beta,
                 tail=self.tail,
                 chunk_size=self.chunk_size,
+                figures=figures,
             )
-            return LossOutput(loss, positions.sum(), finite={"student": finite_flag(hidden)})
+            logs = sample_figure_logs(figures)
+            return LossOutput(loss, positions.sum(), logs, finite={"student": finite_flag(hidden)})
 
         return self.lean.run(lean, None, loss_name="top-k")
 
@@ -68,14 +75,18 @@ class SampledDistillation:
                     f"sparse_loss={self.estimator} needs the teacher's log-prob of each sampled token, which "
                     f"{type(self.teacher).__name__} did not return; use sparse_loss=topk."
                 )
+            tokens = next_tokens(ids, positions)
+            figures = sample_figures(batch, tokens, signal.ids[:, 0])
             loss = sampled_kl_loss(
                 hidden,
                 head,
-                next_tokens(ids, positions),
+                tokens,
                 signal.next_logprobs,
                 estimator=self.estimator,
                 chunk_size=self.chunk_size,
+                figures=figures,
             )
-            return LossOutput(loss, positions.sum(), finite={"student": finite_flag(hidden)})
+            logs = sample_figure_logs(figures)
+            return LossOutput(loss, positions.sum(), logs, finite={"student": finite_flag(hidden)})
 
         return self.lean.run(lean, None, loss_name=f"sampled {self.estimator}")

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.loader import GenerationGroup, group_slot, shuffled_micro_batches
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import reference_texts
-from lightning_gkd.losses.base import DistillationLoss, LeanPath, LossOutput
+from lightning_gkd.losses.base import STUDENT_SAMPLES, DistillationLoss, LeanPath, LossOutput
 from lightning_gkd.losses.plan import divergence_loss
 from lightning_gkd.methods.base import CausalLMModule
 from lightning_gkd.models.loading import ModelSource
@@ -390,6 +390,7 @@ class OnPolicyModule(CausalLMModule):
     # -- the step -------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         source, batch = self.training_batch(batch, batch_idx)
+        batch = {**batch, STUDENT_SAMPLES: source == "student"}  # the losses' sample figures (losses.base)
         step_loss = self.finish_training_step(self.training_loss(batch), batch)
         if step_loss is None:
             return None

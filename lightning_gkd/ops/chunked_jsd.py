@@ -18,12 +18,15 @@ Gradient of the per-position loss with respect to the student logits ``z`` (with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from lightning_gkd.ops.chunked_head import folded_head_loss, head_logits
 from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.sample_figures import SampleFigures
 
 __all__ = ["projected_jsd_loss"]
 
@@ -34,15 +37,24 @@ def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def _chunk_loss_and_logit_grad(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, beta: float, temperature: float, need_grad: bool
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    beta: float,
+    temperature: float,
+    need_grad: bool,
+    keep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed loss over a chunk ``(C, V)`` and, if ``need_grad``, its gradient with respect to the student logits.
+    ``keep(s, t, S or None)`` sees both log-softmaxes (and the student's softmax) before they are overwritten.
 
     Written with few fresh ``(C, V)`` tensors (intermediates are overwritten in place once used): at a 152k
     vocabulary each is ~40 MB, and a fresh allocation that large costs more in page faults than the arithmetic."""
     s = _log_probs(student_logits, temperature)
     t = _log_probs(teacher_logits, temperature)
     if beta == 0:
+        if keep is not None:
+            keep(s, t, None)
         T = t.exp()
         loss = (T * (t - s)).sum()
         if not need_grad:
@@ -50,6 +62,8 @@ def _chunk_loss_and_logit_grad(
         grad = s.exp_().sub_(T)
         return loss, (grad if temperature == 1.0 else grad.div_(temperature))
     S = s.exp()
+    if keep is not None:
+        keep(s, t, S)
     if beta == 1:
         g = t.neg_().add_(s)  # s - t, in t's storage
         loss = torch.dot(S.flatten(), g.flatten())
@@ -76,6 +90,7 @@ def projected_jsd_loss(
     temperature: float = 1.0,
     chunk_size: int = 256,
     num_items_in_batch: int | torch.Tensor | None = None,
+    figures: SampleFigures | None = None,
 ) -> torch.Tensor:
     r"""Mean generalized JSD over positions, from final hidden states and each model's head.
 
@@ -98,6 +113,8 @@ def projected_jsd_loss(
         chunk_size: positions projected to logits at a time.
         num_items_in_batch: divide the sum by this instead of ``N`` (e.g. the token count of a whole
             accumulated batch).
+        figures: when given (on the student's own samples), each chunk's two logits are also added to it
+            (``ops.sample_figures``: teacher top-1 agreement, teacher mass on the student's top-k, student entropy).
 
     Returns:
         A 0-dim float32 tensor. Its gradients are computed during the forward pass (when autograd needs them) and
@@ -130,8 +147,18 @@ def projected_jsd_loss(
 
     def chunk_loss(student_logits: torch.Tensor, rows: slice, need_grad: bool):
         teacher_logits, _ = head_logits(teacher_hidden[rows], frozen_teacher)
+        keep = None
+        if figures is not None and temperature == 1.0:  # the loss's own log-softmaxes are the figures' (T = 1)
+            keep = partial(figures.add_log_probs, rows)
+        elif figures is not None:
+            figures.add(rows, student_logits, teacher_logits)
         return _chunk_loss_and_logit_grad(
-            student_logits, teacher_logits, beta=float(beta), temperature=float(temperature), need_grad=need_grad
+            student_logits,
+            teacher_logits,
+            beta=float(beta),
+            temperature=float(temperature),
+            need_grad=need_grad,
+            keep=keep,
         )
 
     return folded_head_loss(student_hidden, student_head, chunk_loss, chunk_size, normalizer)

@@ -41,6 +41,7 @@ import torch
 
 from lightning_gkd.ops.chunked_head import check_hidden_and_head, check_token_ids, folded_head_loss
 from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.sample_figures import SampleFigures
 
 __all__ = ["ESTIMATORS", "sampled_kl_loss", "topk_distillation_loss"]
 
@@ -142,6 +143,7 @@ def topk_distillation_loss(
     tail: bool = True,
     chunk_size: int = 256,
     num_items_in_batch: int | torch.Tensor | None = None,
+    figures: SampleFigures | None = None,
 ) -> torch.Tensor:
     r"""Mean generalized JSD(β) over positions between the teacher's top-k signal and the student.
 
@@ -174,6 +176,8 @@ def topk_distillation_loss(
         tail: keep the rest bucket (exact coarse divergence) or renormalise over ``K``.
         chunk_size: positions projected to logits at a time.
         num_items_in_batch: divide the sum over positions by this instead of ``N``.
+        figures: when given (on the student's own samples), each chunk's student logits are also added to it
+            before the loss reuses their storage (``ops.sample_figures``; the teacher's side is its top-1).
 
     Returns:
         A 0-dim float32 tensor; its gradients with respect to ``student_hidden`` and the head's weight and bias
@@ -203,6 +207,8 @@ def topk_distillation_loss(
     teacher = teacher_logprobs.detach().to(device=student_hidden.device, dtype=torch.float32)
 
     def chunk_loss(logits: torch.Tensor, rows: slice, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if figures is not None:
+            figures.add(rows, logits)
         return _topk_chunk_loss(logits, ids[rows], teacher[rows], beta=float(beta), tail=tail, need_grad=need_grad)
 
     return folded_head_loss(student_hidden, head, chunk_loss, chunk_size, normalizer)
@@ -217,6 +223,7 @@ def sampled_kl_loss(
     estimator: str = "k1",
     chunk_size: int = 256,
     num_items_in_batch: int | torch.Tensor | None = None,
+    figures: SampleFigures | None = None,
 ) -> torch.Tensor:
     r"""Mean single-sample estimate of the reverse KL(S‖T) over positions, from the student's own samples.
 
@@ -239,6 +246,7 @@ def sampled_kl_loss(
         estimator: ``"k1"`` or ``"k3"``.
         chunk_size: positions projected to logits at a time.
         num_items_in_batch: divide the sum over positions by this instead of ``N``.
+        figures: as in ``topk_distillation_loss``.
 
     Returns:
         A 0-dim float32 tensor, gradients folded in during the forward pass as in ``topk_distillation_loss``.
@@ -258,6 +266,8 @@ def sampled_kl_loss(
     teacher = teacher_logprobs.detach().to(device=student_hidden.device, dtype=torch.float32)
 
     def chunk_loss(logits: torch.Tensor, rows: slice, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if figures is not None:
+            figures.add(rows, logits)
         return _sampled_chunk_loss(logits, ids[rows], teacher[rows], estimator=estimator, need_grad=need_grad)
 
     return folded_head_loss(student_hidden, head, chunk_loss, chunk_size, normalizer)
