@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_gkd.evaluation.metrics import CompletionLengths, greedy_completions
 from lightning_gkd.methods.on_policy import OnPolicyModule
 from lightning_gkd.ops.hf import resolve_eos_token_id
-from lightning_gkd.training.checkpoint_io import resume_checkpoint_path
+from lightning_gkd.training.checkpoint_io import inside_accumulation_window, resume_checkpoint_path
 
 #: Where the option of each threshold lives in ``lightning-gkd``'s config.
 _OPTION = "callbacks.length_guard"
@@ -199,8 +199,7 @@ class LengthGuard(L.Callback):
         self._stop_pending = False
         trainer.should_stop = True
         path = resume_checkpoint_path(trainer)
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-        if processed % trainer.accumulate_grad_batches:
+        if inside_accumulation_window(trainer):
             rank_zero_warn(
                 f"LengthGuard stopped the run after step {trainer.global_step}, inside a gradient-accumulation "
                 f"window (accumulate_grad_batches={trainer.accumulate_grad_batches}): no checkpoint saved now; the "

@@ -117,6 +117,13 @@ def resume_checkpoint_path(trainer: L.Trainer) -> Path:
     return Path(folder) / "last.ckpt"
 
 
+def inside_accumulation_window(trainer: L.Trainer) -> bool:
+    """Whether the fit stands between micro-batches of one optimizer step (``accumulate_grad_batches``): a checkpoint
+    saved there would drop the accumulated gradients, so a callback that stops the fit saves none."""
+    processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+    return bool(processed % trainer.accumulate_grad_batches)
+
+
 def current_umask() -> int:
     """The process's file-mode creation mask (reading it means setting it: set straight back)."""
     mask = os.umask(0o022)

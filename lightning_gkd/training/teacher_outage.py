@@ -17,7 +17,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gkd.teachers.base import TeacherUnavailable
-from lightning_gkd.training.checkpoint_io import resume_checkpoint_path
+from lightning_gkd.training.checkpoint_io import inside_accumulation_window, resume_checkpoint_path
 
 
 class TeacherOutage(L.Callback):
@@ -32,8 +32,8 @@ class TeacherOutage(L.Callback):
         if not isinstance(exception, TeacherUnavailable):
             return
         path = resume_checkpoint_path(trainer)
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-        if processed % trainer.accumulate_grad_batches:
+        if inside_accumulation_window(trainer):
+            processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
             rank_zero_warn(
                 f"The teacher server is unavailable ({exception}). It failed inside a gradient-accumulation window "
                 f"(batch {processed} of the epoch, accumulate_grad_batches={trainer.accumulate_grad_batches}): no "
