@@ -29,7 +29,7 @@ def test_fast_mode_runs_every_method_and_writes_the_report(tmp_path):
     assert script.main(["--fast", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     names = [row["method"] for row in results["table"]]
-    assert names == [m.name for m in script.METHODS] and len(names) == 8
+    assert names == [m.name for m in script.METHODS] and len(names) == 11
     assert results["teacher_accuracy"] > results["student_start_accuracy"]
     for run in results["runs"]:
         assert run["curve"] and [step for step, _ in run["curve"]] == [3, 6]
@@ -70,8 +70,16 @@ def test_chain_fast_mode_scores_every_method_per_position_and_against_compute(tm
         assert (tokens["tokens_teacher_scored"] == 0) == (run["method"] == "SFT")
     opd = next(r for r in runs if r["method"] == "OPD")
     assert "train_opd_reward" in opd["diagnostics"] and opd["diagnostics"]["train_opd_is_weight_mean"] > 0
+    # speculative KD: the teacher's verification is counted, its replacement rate logged
+    skd = next(r for r in runs if r["method"] == "SKD K=5")["diagnostics"]
+    assert skd["tokens_teacher_verified"] > 0 and 0 <= skd["train_sampler_replacement_rate"] <= 1
+    # the top-1 server arms trained against the served teacher (its parameters counted in the FLOPs)
+    served = next(r for r in runs if r["method"] == "OPD top-1 server")["diagnostics"]
+    assert served["train_flops"] > 0 and "train_opd_reward" in served
+    assert all("guard_alerts" in r["diagnostics"] for r in runs if r["arm"] == "full")
     report = (tmp_path / "results.md").read_text()
     assert "| OPD |" in report and "Compute-matched" in report and "<!-- task:chain -->" in report
+    assert "### Speculative KD, stable OPD, a top-1 teacher" in report and "| SKD K=25 |" in report
     for plot in ("chain_accuracy.png", "chain_error_position.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
     assert script.main(["--task", "chain", "--rerender", "--out", str(tmp_path)]) == 0
@@ -151,3 +159,28 @@ def test_without_a_gap_to_close_the_tables_say_n_a():
     assert fields == {"gap_closed": None, "gap_closed_std": None, "gap_closed_seeds": [None, None]}
     assert script.fmt_gap(fields["gap_closed"], fields["gap_closed_std"]) == "n/a"
     assert script.fmt_gap(0.5, 0.025) == "50.0% ± 2.5%"
+
+
+def test_add_keeps_the_earlier_methods_and_replaces_the_rerun_ones():
+    script = load_script()
+    before = {
+        "runs": [{"method": "A", "seed": 0}, {"method": "B", "seed": 0}],
+        "sweep": [{"method": "A", "lr": 1}, {"method": "B", "lr": 1}],
+        "methods": [{"name": "A"}, {"name": "B"}],
+        "seconds": 10.0,
+        "command": "first",
+        "args": {"low_data_methods": ["A"], "steps": 300},
+    }
+    new = {
+        "runs": [{"method": "B", "seed": 1}, {"method": "C", "seed": 0}],
+        "sweep": [{"method": "B", "lr": 2}, {"method": "C", "lr": 2}],
+        "methods": [{"name": "B"}, {"name": "C"}],
+        "seconds": 5.0,
+        "command": "second",
+        "args": {"low_data_methods": [], "steps": 300},
+    }
+    merged = script.merged_study(before, new)
+    assert merged["runs"] == [{"method": "A", "seed": 0}, {"method": "B", "seed": 1}, {"method": "C", "seed": 0}]
+    assert [m["name"] for m in merged["methods"]] == ["A", "B", "C"] and merged["sweep"][1] == {"method": "B", "lr": 2}
+    assert merged["seconds"] == 15.0 and merged["command"] == "first && second"
+    assert merged["args"]["low_data_methods"] == ["A"]
