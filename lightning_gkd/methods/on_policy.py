@@ -64,7 +64,7 @@ class OnPolicyModule(CausalLMModule):
     The coin flip and the sampler's seed are functions of (``seed``, global step, batch index), so every rank flips
     the same coin and a resumed run repeats them. Sampling uses ``temperature``, ``top_k``, ``top_p`` and at most
     ``max_new_tokens`` new tokens, always with the KV cache, through ``sampler`` (our KV-cache decoder unless one is
-    given; a factory, Hydra ``sampler=hf|vllm``, is called with the tokenizer and those options); a served teacher's
+    given; a factory, Hydra ``sampler=hf|vllm|skd``, is called with the tokenizer and those options); a served teacher's
     samples come from its server.
 
     Grouped generation (``ChatDataModule(steps_per_generation=k)``): the coin is flipped once per group of ``k``

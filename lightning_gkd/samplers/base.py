@@ -1,4 +1,4 @@
-"""The sampler protocol, and how a method builds its sampler from a factory (Hydra ``sampler=hf|vllm``)."""
+"""The sampler protocol, and how a method builds its sampler from a factory (Hydra ``sampler=hf|vllm|skd``)."""
 
 from __future__ import annotations
 
