@@ -53,6 +53,7 @@ from lightning_gkd.data.toy.tools import (
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.rollouts.evaluate import rollout_rows
+from lightning_gkd.samplers import SpeculativeKDSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce_gkd import update_results_section  # noqa: E402  (the shared results page)
@@ -67,6 +68,7 @@ class Method:
     lmbda: float = 0.0
     beta: float = 0.0
     lrs: tuple[float, ...] | None = None  # this method's learning-rate sweep (None: --lrs)
+    skd: dict[str, int] | None = None  # SpeculativeKDSampler options (sampler=skd); None: the default sampler
 
     @property
     def on_policy(self) -> bool:
@@ -80,6 +82,8 @@ METHODS = [
     Method("GKD with tools λ=1 β=1", "gkd", lmbda=1.0, beta=1.0),
     Method("Mixed λ=0.5 β=0", "gkd", lmbda=0.5, beta=0.0),
     Method("OPD with tools", "opd", lrs=(1e-4, 3e-4, 1e-3)),  # a policy gradient: smaller steps (OPD on chain: 3e-4)
+    # speculative KD: the teacher keeps the student's proposals in its top-5, else draws (every turn of a rollout)
+    Method("SKD K=5 with tools λ=1 β=1", "gkd", lmbda=1.0, beta=1.0, skd={"accept_top_k": 5, "draft_tokens": 4}),
 ]
 
 
@@ -146,6 +150,8 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     elif method.kind == "opd":
         module = OPDModule(student, teacher, tok, **rollout, **common)
     else:
+        if method.skd is not None:
+            rollout["sampler"] = partial(SpeculativeKDSampler, **method.skd)
         module = GKDModule(student, teacher, tok, lmbda=method.lmbda, beta=method.beta, **rollout, **common)
     data = ChatDataModule(
         tok,
@@ -202,6 +208,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 def table(runs: list[dict], chosen: dict[str, float]) -> list[dict[str, Any]]:
     out = []
     for method in METHODS:
+        if method.name not in chosen:
+            continue
         mine = [r for r in runs if r["method"] == method.name and r["lr"] == chosen[method.name]]
         mine.sort(key=lambda r: r["seed"])
         success = [r["test_success"] for r in mine]
@@ -303,7 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     parser.add_argument("--fast", action="store_true", help="1 seed, 4 steps, 32 rows: a smoke test")
     parser.add_argument("--rerender", action="store_true", help="rewrite the report from results_tools.json only")
+    parser.add_argument("--methods", nargs="+", default=None, help="subset of method names")
+    parser.add_argument(
+        "--add", action="store_true", help="keep <out>/results_tools.json's runs of the other methods, add these"
+    )
     args = parser.parse_args(argv)
+    methods = [m for m in METHODS if args.methods is None or m.name in args.methods]
     if args.rerender:
         saved = json.loads((args.out / "results_tools.json").read_text())
         update_results_section(args.out / "results.md", "tools", report_lines(saved))
@@ -337,26 +350,33 @@ def main(argv: list[str] | None = None) -> int:
             fast=args.fast,
         )
 
-    sweep = run_jobs([job(m, 0, lr) for m in METHODS for lr in lrs(m)], args.workers)
+    sweep = run_jobs([job(m, 0, lr) for m in methods for lr in lrs(m)], args.workers)
     chosen = {
         m.name: max((r for r in sweep if r["method"] == m.name), key=lambda r: (r["val_success"], -r["lr"]))["lr"]
-        for m in METHODS
+        for m in methods
     }
-    runs = sweep + run_jobs([job(m, s, chosen[m.name]) for m in METHODS for s in range(1, args.seeds)], args.workers)
+    runs = sweep + run_jobs([job(m, s, chosen[m.name]) for m in methods for s in range(1, args.seeds)], args.workers)
+    seconds = time.perf_counter() - started
+    if args.add:  # the earlier study's other methods, their rates read back from their runs' table rows
+        before = json.loads((args.out / "results_tools.json").read_text())
+        names = {m.name for m in methods}
+        runs = [r for r in before["runs"] if r["method"] not in names] + runs
+        chosen = {**{row["method"]: row["lr"] for row in before["table"] if row["method"] not in names}, **chosen}
+        seconds += before["seconds"]
     saved = {
         "setup": {
             "steps": args.steps,
             "batch_size": args.batch_size,
             "lrs": args.lrs,
             "seeds": args.seeds,
-            "opd_lrs": lrs(METHODS[-1]),
+            "opd_lrs": lrs(next(m for m in METHODS if m.kind == "opd")),
             "test_rows": len(test_rows),
         },
         "teacher": {k: v for k, v in teacher.items() if k != "example"},
         "start": {k: v for k, v in start.items() if k != "example"},
         "table": table(runs, chosen),
         "runs": runs,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(seconds, 1),
         "machine": f"{platform.machine()}, {args.workers} workers x {args.threads} threads, torch {torch.__version__}",
     }
     args.out.mkdir(parents=True, exist_ok=True)
