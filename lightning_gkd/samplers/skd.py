@@ -46,7 +46,7 @@ class SpeculativeKDSampler:
     top_k: int = 0
     top_p: float = 1.0
     accept_top_k: int = 25
-    draft_tokens: int = 4
+    draft_tokens: int = 2
     matmul_precision: str | None = "medium"
     teacher: nn.Module | None = field(default=None, repr=False)
     _stats: dict[str, float] = field(default_factory=dict, repr=False)
@@ -57,7 +57,7 @@ class SpeculativeKDSampler:
         check_speculative_settings(self.accept_top_k, self.draft_tokens)
 
     @staticmethod
-    def check_settings(accept_top_k: int = 25, draft_tokens: int = 4, **_: Any) -> None:
+    def check_settings(accept_top_k: int = 25, draft_tokens: int = 2, **_: Any) -> None:
         """The factory's options, before any model loads."""
         check_speculative_settings(accept_top_k, draft_tokens)
 
