@@ -81,6 +81,7 @@ METHODS = [
     Method("GKD with tools λ=1 β=0", "gkd", lmbda=1.0, beta=0.0),
     Method("GKD with tools λ=1 β=1", "gkd", lmbda=1.0, beta=1.0),
     Method("Mixed λ=0.5 β=0", "gkd", lmbda=0.5, beta=0.0),
+    Method("Mixed λ=0.5 β=0.5 (the default)", "gkd", lmbda=0.5, beta=0.5),
     Method("OPD with tools", "opd", lrs=(1e-4, 3e-4, 1e-3)),  # a policy gradient: smaller steps (OPD on chain: 3e-4)
     # speculative KD: the teacher keeps the student's proposals in its top-5, else draws (every turn of a rollout)
     Method("SKD K=5 with tools λ=1 β=1", "gkd", lmbda=1.0, beta=1.0, skd={"accept_top_k": 5, "draft_tokens": 4}),
