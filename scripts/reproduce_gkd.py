@@ -1293,8 +1293,12 @@ def speculative_lines(saved: dict[str, Any], table: list[dict[str, Any]]) -> lis
             lines.append(
                 f"- {name} {fmt(row['greedy'])} vs OPD γ=0 {fmt(opd['greedy'])}: {gap * 100:+.1f} points "
                 + ("(within the 5-point goal)" if gap >= -0.05 else "(**not** within 5 points)")
-                + f"; mean sampled length {row['mean_length']:.1f} tokens, length guard alerts "
-                f"{run_diagnostic(saved, name, 'guard_alerts'):.1f} per run."
+                + f"; mean sampled length {row['mean_length']:.1f} tokens"
+                + (
+                    f", length guard alerts {alerts:.1f} per run."
+                    if (alerts := run_diagnostic(saved, name, "guard_alerts")) == alerts
+                    else " (run before the length guard existed)."
+                )
             )
     for name, other in (("OPD top-1 server", "GKD top-1 server"),):
         if name in by_name and other in by_name:
