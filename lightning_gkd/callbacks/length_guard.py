@@ -9,7 +9,7 @@ look fine while accuracy falls below where the student started. The lengths show
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -105,7 +105,7 @@ class LengthGuard(L.Callback):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._measuring(trainer):
             return
-        pl_module.completion_lengths = CompletionLengths()  # type: ignore[union-attr]  # an OnPolicyModule
+        cast(OnPolicyModule, pl_module).completion_lengths = CompletionLengths()
         if self._teacher is not None and self._teacher_lengths is None:
             self._measuring_teacher = CompletionLengths()
 

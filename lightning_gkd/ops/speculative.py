@@ -172,7 +172,7 @@ def speculative_tokens(
         )
     batch, prompt_len = prompt_ids.shape
     device = prompt_ids.device
-    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    options: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     # one uniform per row and completion position for each stream: a re-drafted position draws the same token
     student_stream = torch.Generator(device=device).manual_seed(seed)
     teacher_stream = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)

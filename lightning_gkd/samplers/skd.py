@@ -86,7 +86,7 @@ class SpeculativeKDSampler:
                 "SpeculativeKDSampler has no teacher: a method binds it (bind_teachers); outside one, set "
                 "sampler.teacher to the teacher model."
             )
-        options = {
+        options: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "pad_token_id": resolve_pad_token_id(self.tokenizer),
             "eos_token_id": resolve_eos_token_id(model, self.tokenizer),
