@@ -74,6 +74,7 @@ CONFIGS = [
     "ours",
     "ours_k4",
     "ours_mm_medium",
+    "ours_bf16_sampling",
     "trl_distill",
     "trl_distill_vllm",
     "ours_vllm",
@@ -239,7 +240,11 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
             max_new_tokens=NEW_TOKENS,
             optimizer=partial(adamw, lr=1e-5),  # our default: fused where torch can
             seed=0,
-            sampler=VLLMSampler if "vllm" in config else KVCacheSampler,
+            sampler=(
+                VLLMSampler
+                if "vllm" in config
+                else partial(KVCacheSampler, weights_dtype="bfloat16" if config == "ours_bf16_sampling" else None)
+            ),
             frozen_dtype=frozen_dtype_default(),  # what "auto" gives a teacher loaded from a folder
         )
         datamodule = ChatDataModule(
@@ -527,6 +532,7 @@ def decode_profile(tokens: int = 12) -> dict:
 
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
     from lightning_gkd.ops.hf import float32_matmul_precision
+    from lightning_gkd.samplers import KVCacheSampler
 
     tokenizer = build_chatml_tokenizer()
     torch.manual_seed(0)
@@ -535,14 +541,16 @@ def decode_profile(tokens: int = 12) -> dict:
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     weight_bytes = 4 * sum(p.numel() for p in model.parameters())
+    bf16_copy = KVCacheSampler(tokenizer, weights_dtype="bfloat16").sampling_model(model)
     out: dict[str, dict] = {}
-    for precision in ("highest", "medium"):
+    for precision in ("highest", "medium", "bf16 weights"):
+        decoder = bf16_copy if precision == "bf16 weights" else model
         for batch in (BATCH, 4 * BATCH):
             prompts = torch.randint(3, len(tokenizer), (batch, 60))
             mask = torch.ones(batch, 60 + tokens + 4, dtype=torch.long)
-            with torch.no_grad(), float32_matmul_precision(precision):
-                cache = model(input_ids=prompts, attention_mask=mask[:, :60], use_cache=True, logits_to_keep=1).cache
-                step = partial(_decode_step, model, prompts[:, -1:], mask, cache)
+            with torch.no_grad(), float32_matmul_precision("medium" if precision == "medium" else "highest"):
+                cache = decoder(input_ids=prompts, attention_mask=mask[:, :60], use_cache=True, logits_to_keep=1).cache
+                step = partial(_decode_step, decoder, prompts[:, -1:], mask, cache)
                 step(0)
                 start = time.perf_counter()
                 for i in range(1, tokens):
@@ -557,7 +565,7 @@ def decode_profile(tokens: int = 12) -> dict:
             attention = sum(v for k, v in events.items() if "scaled_dot_product" in k)
             out[f"{precision}@{batch}"] = {
                 "ms per token": seconds * 1e3,
-                "weight GB/s": weight_bytes / seconds / 1e9,
+                "weight GB/s": weight_bytes / (2 if decoder is bf16_copy else 1) / seconds / 1e9,
                 "matmul share": matmul / total,
                 "attention share": attention / total,
             }
@@ -706,7 +714,8 @@ def real_shape_lines(results: dict, med) -> list[str]:
         lines += [
             "",
             "Decoding with our KV-cache sampler (one forward of one token per row, 60-token prompts; the weight read "
-            "rate is the float32 student's bytes over the step time; shares from torch.profiler):",
+            "rate is the decoding copy's bytes over the step time: the float32 student's, or for 'bf16 weights' "
+            "the bfloat16 copy `sampler.weights_dtype=bfloat16` decodes with; shares from torch.profiler):",
             "",
             "| matmul precision | batch | ms / token | weight read GB/s | matrix products | attention |",
             "|---|---|---|---|---|---|",
@@ -727,6 +736,16 @@ def real_shape_lines(results: dict, med) -> list[str]:
             "could remove only the remaining share, so the sampler uses neither. Exact float32 ('highest') products "
             "of a few rows read the weights at a third of that rate on this CPU, which is what 'medium' buys.",
         ]
+        bf16 = decode.get(f"bf16 weights@{BATCH}")
+        if bf16 and medium:
+            lines += [
+                "",
+                f"A bfloat16 copy of the student (`sampler.weights_dtype=bfloat16`, opt-in) decodes at "
+                f"{bf16['ms per token']:.0f} ms a token against 'medium''s {medium['ms per token']:.0f} "
+                f"({bf16['ms per token'] / medium['ms per token']:.2f}x) at batch {BATCH}: it reads half the bytes "
+                f"at {bf16['weight GB/s']:.1f} GB/s. It costs a re-sync after every optimizer step (one cast of the "
+                "student's weights) and half the float32 student's bytes of memory for the whole fit.",
+            ]
     steps = [(key, label) for key, label in LEVER_STEPS if f"levers:{key}" in results]
     if steps:
         names = list(results[f"levers:{steps[0][0]}"][0])
@@ -794,6 +813,7 @@ def render(results: dict, command: str, reps: int, steps: int, seconds: float) -
         "ours": "ours, GKDModule (steps_per_generation 1)",
         "ours_k4": "ours, steps_per_generation 4",
         "ours_mm_medium": "ours, + float32_matmul_precision=medium (opt-in)",
+        "ours_bf16_sampling": "ours, + sampler.weights_dtype=bfloat16 (opt-in)",
         "trl_distill": "TRL DistillationTrainer, defaults (bf16 off)",
         "trl_distill_vllm": "TRL DistillationTrainer, use_vllm=True (colocate)",
         "ours_vllm": "ours, sampler=vllm (steps_per_generation 1)",

@@ -182,3 +182,72 @@ def test_hydra_sampler_group_builds_each_backend(tmp_path):
     assert hf.func is KVCacheSampler
     vllm = instantiate(compose_train(tmp_path, ["sampler=vllm", "sampler.sync_every=3"]).method.sampler)
     assert vllm.func is VLLMSampler and vllm.keywords["sync_every"] == 3
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gpt2"])
+def test_weights_dtype_samples_from_a_cast_copy_that_stays_tied_and_frozen(tokenizer, family):
+    """``weights_dtype=bfloat16`` decodes exactly as the model with its parameters cast to bf16 would, without
+    touching the model."""
+    import copy
+
+    from helpers.tiny_registry import build_tiny, tiny_config
+
+    model = build_tiny(tiny_config(family, len(tokenizer), tie_word_embeddings=True), seed=0)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (ids != 0).long()
+    sampler = KVCacheSampler(tokenizer, max_new_tokens=6, temperature=0.8, weights_dtype="bfloat16")
+    got = sampler.sample(model, ids, mask, seed=4)
+    reference = copy.deepcopy(model)  # its parameters cast to bf16; buffers (rotary frequencies) as they are
+    for parameter in reference.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    want = KVCacheSampler(tokenizer, max_new_tokens=6, temperature=0.8).sample(reference, ids, mask, seed=4)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    copied = sampler.sampling_model(model)
+    assert copied is not model and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.dtype for p in copied.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in copied.parameters())
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert (copied.get_input_embeddings().weight is copied.get_output_embeddings().weight) == tied
+
+
+def test_weights_dtype_copy_resyncs_only_after_an_optimizer_step(student, tokenizer):
+    sampler = KVCacheSampler(tokenizer, max_new_tokens=3, weights_dtype="bfloat16")
+    copied = sampler.sampling_model(student)
+    embedding = student.get_input_embeddings().weight
+    with torch.no_grad():
+        embedding.add_(0.5)
+    assert sampler.sampling_model(student) is copied  # no step announced: the copy is not re-read
+    assert not torch.equal(copied.get_input_embeddings().weight, embedding.to(torch.bfloat16))
+    sampler.weights_updated()
+    assert sampler.sampling_model(student) is copied
+    for cast, weight in zip(copied.parameters(), student.parameters(), strict=True):
+        assert torch.equal(cast, weight.detach().to(torch.bfloat16))
+
+
+def test_weights_dtype_keeps_a_model_already_in_that_dtype_and_checks_its_value(student, tokenizer):
+    import copy
+
+    bf16 = copy.deepcopy(student).to(torch.bfloat16)
+    assert KVCacheSampler(tokenizer, weights_dtype="bfloat16").sampling_model(bf16) is bf16
+    assert KVCacheSampler(tokenizer).sampling_model(student) is student
+    with pytest.raises(ValueError, match=r"weights_dtype must be one of \('bfloat16', 'float16'\).*got 'int8'"):
+        KVCacheSampler(tokenizer, weights_dtype="int8")
+
+
+def test_weights_dtype_in_a_fit_resyncs_after_each_step(student, teacher, tokenizer, toy_rows, tmp_path):
+    """In a GKD fit the copy is re-synced at every sampling call after a step: at the end it is the trained
+    student cast to bf16, and every step sampled through it."""
+    from functools import partial
+
+    module = make_module(
+        student, teacher, tokenizer, lmbda=1.0, sampler=partial(KVCacheSampler, weights_dtype="bfloat16")
+    )
+    fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
+    sampler = module.sampler
+    assert sampler._version == 3 and len(sampler._copies) == 1
+    held = next(iter(sampler._copies.values()))
+    assert held.synced_version == 2  # synced before the third step's sampling, then one more step ran
+    copied = sampler.sampling_model(module.student)
+    for cast, weight in zip(copied.parameters(), module.student.parameters(), strict=True):
+        assert torch.equal(cast, weight.detach().to(torch.bfloat16))
+    assert module.sampling_calls == 3

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,10 +12,22 @@ from torch import nn
 from lightning_gkd.ops.hf import (
     check_matmul_precision,
     float32_matmul_precision,
+    is_sharded,
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
 from lightning_gkd.ops.sampling import generate_completions, validate_sampling_args
+
+#: ``weights_dtype`` choices: the dtype of the sampling copy (``None``: sample with the model itself).
+SAMPLING_DTYPES = ("bfloat16", "float16")
+
+
+@dataclass
+class _SamplingCopy:
+    """A frozen copy of a model in the sampling dtype, and the weight version it was last synced at."""
+
+    model: nn.Module
+    synced_version: int
 
 
 @dataclass
@@ -30,7 +43,16 @@ class KVCacheSampler:
     float32's on an AVX512-BF16 CPU (a 0.5B student: 152 vs 332 ms a token at batch 2) and there keep float32's
     accuracy; on AMX CPUs and GPUs they may use bf16/TF32 inputs, and the samples and ``sampled_logprobs`` then come
     from those products, as from a bf16 serving engine. "highest" always samples from the exact float32 model.
-    Training and greedy validation are not affected."""
+    Training and greedy validation are not affected.
+
+    ``weights_dtype`` ("bfloat16" or "float16"; default ``None``: off) samples from a copy of the model cast to that
+    dtype, which halves the bytes every decoded token reads. The copy is made at the first sampling call (it holds
+    half a float32 model's bytes for the whole fit) and re-synced from the model, in place, at the first sampling
+    call after an optimizer step changed the model (``weights_updated``), like the vLLM engine's copy. The samples
+    and ``sampled_logprobs`` are then those of the cast copy, as from a bf16 serving engine. A model whose floating
+    weights already have that dtype is sampled as is; a sharded (FSDP2) model is refused: gather it or use
+    ``sampler=vllm``.
+    """
 
     tokenizer: Any
     max_new_tokens: int = 128
@@ -38,17 +60,34 @@ class KVCacheSampler:
     top_k: int = 0
     top_p: float = 1.0
     matmul_precision: str | None = "medium"
+    weights_dtype: str | None = None
+    _copies: dict[int, _SamplingCopy] = field(default_factory=dict, init=False, repr=False)
+    _version: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_sampling_args(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         check_matmul_precision(self.matmul_precision)
+        self.check_settings(weights_dtype=self.weights_dtype)
+
+    @staticmethod
+    def check_settings(weights_dtype: str | None = None, **_: Any) -> None:
+        """The factory's options, checked before any model loads."""
+        if weights_dtype is not None and weights_dtype not in SAMPLING_DTYPES:
+            raise ValueError(
+                f"sampler.weights_dtype must be one of {SAMPLING_DTYPES} or null (sample with the model itself), "
+                f"got {weights_dtype!r}."
+            )
+
+    def weights_updated(self) -> None:
+        """An optimizer step is about to change the trainable models: their sampling copies re-sync when next used."""
+        self._version += 1
 
     def sample(
         self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
     ) -> dict[str, torch.Tensor]:
         with float32_matmul_precision(self.matmul_precision):
             return generate_completions(
-                model,
+                self.sampling_model(model),
                 prompts,
                 prompt_attention_mask,
                 max_new_tokens=self.max_new_tokens,
@@ -60,3 +99,43 @@ class KVCacheSampler:
                 top_p=self.top_p,
                 seed=seed,
             )
+
+    def sampling_model(self, model: nn.Module) -> nn.Module:
+        """The module that decodes for ``model``: ``model`` itself, or its copy in ``weights_dtype`` (made on first
+        use, re-synced when an optimizer step changed ``model`` since)."""
+        if self.weights_dtype is None:
+            return model
+        dtype = getattr(torch, self.weights_dtype)
+        floating = [p for p in model.parameters() if p.is_floating_point()]
+        if all(p.dtype == dtype for p in floating):
+            return model
+        if is_sharded(model):
+            raise ValueError(
+                f"sampler.weights_dtype={self.weights_dtype} copies the model for sampling, but this model is "
+                "sharded (FSDP2). Set sampler.weights_dtype=null, or use sampler=vllm, whose engine gathers the "
+                "shards."
+            )
+        held = self._copies.get(id(model))
+        if held is None:
+            held = self._copies[id(model)] = _SamplingCopy(_cast_copy(model, dtype), self._version)
+        elif held.synced_version != self._version and any(p.requires_grad for p in floating):
+            _sync_copy(held.model, model)
+            held.synced_version = self._version
+        return held.model
+
+
+def _cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen deep copy of ``model`` whose floating parameters are cast to ``dtype`` (tied parameters stay tied;
+    the float32 weights are never duplicated on the way); buffers are copied as they are."""
+    memo: dict[int, Any] = {}
+    for parameter in model.parameters():
+        cast = parameter.detach().to(dtype) if parameter.is_floating_point() else parameter.detach().clone()
+        memo[id(parameter)] = nn.Parameter(cast, requires_grad=False)
+    return copy.deepcopy(model, memo).requires_grad_(False)
+
+
+@torch.no_grad()
+def _sync_copy(target: nn.Module, source: nn.Module) -> None:
+    """Copy ``source``'s parameters into ``target``'s (same structure), casting to ``target``'s dtypes in place."""
+    for copied, parameter in zip(target.parameters(), source.parameters(), strict=True):
+        copied.copy_(parameter)
