@@ -364,7 +364,12 @@ def breakdown(config: str = "ours", batches: int = 3, levers: frozenset[str] = f
     if "bf16_teacher" in levers and frozen_dtype_default() == "bfloat16":
         teacher = teacher.to(torch.bfloat16)
     precision = "medium" if "sampler_medium" in levers else "highest"
-    sampler = VLLMSampler if config == "ours_vllm" else partial(KVCacheSampler, matmul_precision=precision)
+    weights_dtype = "bfloat16" if "bf16_sampling" in levers else None
+    sampler = (
+        VLLMSampler
+        if config == "ours_vllm"
+        else partial(KVCacheSampler, matmul_precision=precision, weights_dtype=weights_dtype)
+    )
     module = GKDModule(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=NEW_TOKENS, sampler=sampler)
     engine = getattr(module.sampler, "start", None)
     if engine is not None:
@@ -635,6 +640,7 @@ LEVER_STEPS = [
     ("fused_adamw+bf16_teacher", "+ bf16 teacher"),
     ("fused_adamw+bf16_teacher+sampler_medium", "+ sampling at matmul precision 'medium' (= our defaults)"),
     ("fused_adamw+bf16_teacher+sampler_medium+student_medium", "+ student matmuls at 'medium' (opt-in)"),
+    ("fused_adamw+bf16_teacher+sampler_medium+bf16_sampling", "defaults + a bf16 sampling copy (opt-in)"),
 ]
 
 

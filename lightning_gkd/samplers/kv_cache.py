@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,8 @@ class KVCacheSampler:
     weights_dtype: str | None = None
     _copies: dict[int, _SamplingCopy] = field(default_factory=dict, init=False, repr=False)
     _version: int = field(default=0, init=False, repr=False)
+    #: Seconds spent making and re-syncing sampling copies (``weights_dtype``), in this process.
+    seconds: dict[str, float] = field(default_factory=lambda: {"sync": 0.0}, init=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_sampling_args(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
@@ -115,12 +118,14 @@ class KVCacheSampler:
                 "sharded (FSDP2). Set sampler.weights_dtype=null, or use sampler=vllm, whose engine gathers the "
                 "shards."
             )
+        started = time.perf_counter()
         held = self._copies.get(id(model))
         if held is None:
             held = self._copies[id(model)] = _SamplingCopy(_cast_copy(model, dtype), self._version)
         elif held.synced_version != self._version and any(p.requires_grad for p in floating):
             _sync_copy(held.model, model)
             held.synced_version = self._version
+        self.seconds["sync"] += time.perf_counter() - started
         return held.model
 
 
