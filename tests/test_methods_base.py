@@ -1,4 +1,5 @@
-"""The CausalLMModule contract: a method refuses a datamodule holding the other kind of rows, with a plain Trainer."""
+"""The CausalLMModule contract: a method refuses a datamodule holding the other kind of rows, with a plain Trainer;
+every method frees its gradients right after each optimizer step."""
 
 import copy
 
@@ -10,15 +11,16 @@ from lightning_gkd.data.toy.preference import addition_preference_rows
 from lightning_gkd.methods.base import check_data_format
 
 
-def _trainer(tmp_path):
+def _trainer(tmp_path, max_steps=1, **kwargs):
     return L.Trainer(
         accelerator="cpu",
-        max_steps=1,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
+        **kwargs,
     )
 
 
@@ -40,3 +42,87 @@ def test_datamodules_that_declare_no_format_and_matching_ones_pass(tokenizer, to
     check_data_format(GKDModule, chat)
     check_data_format(GKDModule, L.LightningDataModule())  # a user's own datamodule: not checked
     check_data_format(DPOModule, PreferenceDataModule(tokenizer, addition_preference_rows("train", 4)))
+
+
+class GradientsAtBatchStart(L.Callback):
+    """Records, as each training batch starts (before its sampling and forwards), whether the trained parameters
+    hold gradients."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        trained = [p for p in pl_module.parameters() if p.requires_grad]
+        self.seen.append(any(p.grad is not None for p in trained))
+
+
+class StepAsLightningDoes:
+    """Lightning's own ``optimizer_step`` (gradients left until the next closure zeroes them): the reference."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        L.LightningModule.optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure)
+
+
+def _method_and_data(kind, student, teacher, tokenizer, toy_rows, reference_step=False):
+    from functools import partial
+
+    import torch
+
+    from lightning_gkd import OPDModule, SFTModule
+    from lightning_gkd.samplers import KVCacheSampler
+
+    optimizer = partial(torch.optim.AdamW, lr=1e-2)
+    sampler = partial(KVCacheSampler, matmul_precision="highest")
+    if kind == "dpo":
+        cls, args = DPOModule, (student, tokenizer, copy.deepcopy(student))
+        data = PreferenceDataModule(tokenizer, addition_preference_rows("train", 16), batch_size=4, max_length=64)
+        kwargs = {}
+    else:
+        cls = {"gkd": GKDModule, "opd": OPDModule, "sft": SFTModule}[kind]
+        args = (student, tokenizer) if kind == "sft" else (student, teacher, tokenizer)
+        kwargs = {} if kind == "sft" else {"max_new_tokens": 4, "sampler": sampler, "frozen_dtype": "float32"}
+        kwargs |= {"lmbda": 1.0} if kind == "gkd" else {}
+        data = ChatDataModule(tokenizer, toy_rows["train"], batch_size=4, max_length=64)
+    if reference_step:
+        cls = type(f"Reference{cls.__name__}", (StepAsLightningDoes, cls), {})
+    return cls(*args, optimizer=optimizer, **kwargs), data
+
+
+@pytest.mark.parametrize("kind", ["gkd", "opd", "sft", "dpo"])
+def test_gradients_are_freed_after_each_step_and_training_is_unchanged(tmp_path, tokenizer, toy_rows, kind):
+    """The previous step's gradients are gone before the next step samples and runs its forwards (they used to
+    live until Lightning's zero_grad inside the next closure); losses and weights after 3 steps are those of
+    Lightning's own step, bit for bit."""
+    import torch
+
+    from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+
+    runs = {}
+    for reference in (False, True):
+        student, teacher = (
+            tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
+            tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
+        )
+        module, data = _method_and_data(kind, student, teacher, tokenizer, toy_rows, reference_step=reference)
+        probe, losses = GradientsAtBatchStart(), LossRecorder()
+        _trainer(tmp_path, max_steps=3, callbacks=[probe, losses]).fit(module, datamodule=data)
+        runs[reference] = (probe.seen, losses.losses, [p.detach().clone() for p in student.parameters()])
+    assert runs[False][0] == [False, False, False]
+    assert runs[True][0] == [False, True, True]  # Lightning's own step: the last step's gradients linger
+    assert runs[False][1] == runs[True][1] and len(runs[False][1]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][2], runs[True][2], strict=True))
+
+
+def test_gradients_are_kept_between_accumulated_micro_batches(tmp_path, tokenizer, student, teacher, toy_rows):
+    module, data = _method_and_data("gkd", student, teacher, tokenizer, toy_rows)
+    probe = GradientsAtBatchStart()
+    _trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[probe]).fit(module, datamodule=data)
+    assert probe.seen == [False, True, False, True]  # freed at each real step, summed within the window
+
+
+class LossRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
