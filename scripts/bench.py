@@ -115,6 +115,10 @@ def use_real_shapes() -> None:
     VOCAB, BATCH, NEW_TOKENS, MAX_LENGTH, SUPERVISED_ANSWER, SHAPE = 151936, 2, 32, 640, 512, "real"
 
 
+#: Where the worker trains: "cpu" (this script's tables) or "cuda" (scripts/device_check.py sets BENCH_DEVICE=cuda:
+#: Lightning and TRL then train in bf16-mixed on one GPU).
+DEVICE = os.environ.get("BENCH_DEVICE", "cpu")
+
 if os.environ.get("BENCH_SHAPE") == "real":
     use_real_shapes()
 if os.environ.get("BENCH_TINY"):
@@ -251,8 +255,9 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
             tokenizer, rows, batch_size=BATCH, max_length=MAX_LENGTH, steps_per_generation=group
         )
         trainer = L.Trainer(
-            accelerator="cpu",
+            accelerator="gpu" if DEVICE == "cuda" else "cpu",
             devices=1,
+            precision="bf16-mixed" if DEVICE == "cuda" else "32-true",
             max_steps=warmup + steps,
             logger=False,
             enable_checkpointing=False,
@@ -276,7 +281,8 @@ def worker(config: str, lmbda: float, warmup: int, steps: int) -> dict:
 
 
 def trl_arguments(max_steps: int) -> dict:
-    """The TrainingArguments both TRL trainers get here: the shared shapes and optimizer, CPU, fp32, no logging."""
+    """The TrainingArguments both TRL trainers get here: the shared shapes and optimizer, CPU fp32 (bf16 mixed
+    precision on a GPU: BENCH_DEVICE=cuda), no logging."""
     return {
         "per_device_train_batch_size": BATCH,
         "max_steps": max_steps,
@@ -287,8 +293,8 @@ def trl_arguments(max_steps: int) -> dict:
         "logging_steps": 10**6,
         "save_strategy": "no",
         "report_to": [],
-        "use_cpu": True,
-        "bf16": False,
+        "use_cpu": DEVICE == "cpu",
+        "bf16": DEVICE == "cuda",
         "fp16": False,
         "seed": 0,
         "dataloader_num_workers": 0,
@@ -341,7 +347,7 @@ def frozen_dtype_default() -> str:
     """What ``frozen_dtype="auto"`` gives a teacher loaded from a folder or the hub on this machine."""
     from lightning_gkd.models.precision import bf16_matmul_is_fast
 
-    return "bfloat16" if bf16_matmul_is_fast("cpu") else "float32"
+    return "bfloat16" if bf16_matmul_is_fast(DEVICE) else "float32"
 
 
 def breakdown(config: str = "ours", batches: int = 3, levers: frozenset[str] = frozenset(LEVERS)) -> dict:

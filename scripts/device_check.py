@@ -1,0 +1,615 @@
+"""A prepared GPU check: one script, a few minutes on one GPU, that runs each GPU code path of the package and
+measures what only a GPU can tell (docs/developing.md, "A prepared GPU check").
+
+    bash scripts/device_wheels.sh                   # here, with network: wheels into device_wheels/ (git-ignored)
+    python scripts/device_check.py --setup          # on the GPU machine: install them offline, then run every part
+    python scripts/device_check.py --dry-run        # anywhere: the same code paths on CPU at toy sizes (~2 minutes)
+
+Parts (each timed and guarded: one failing prints its traceback and the rest still run):
+
+* ``default_job``    the ``lightning-gkd`` CLI's default job (toy GKD) for a few steps with ``trainer=gpu``
+* ``methods``        GKD (lambda 1), OPD, SFT and DPO for a few steps at Qwen2.5-0.5B / 1.5B shapes (random init,
+                     scripts/bench.py's ``build_model``), bf16-mixed: seconds a step, peak GPU memory, the last loss
+* ``lean_memory``    peak GPU memory of one GKD loss forward + backward, lean (hidden states, chunked) vs full
+                     logits, at vocabulary 151,936 x 4,096 supervised tokens (scripts/lean_memory.py's comparison)
+* ``sampler``        our KVCacheSampler's decode tokens/s vs Hugging Face ``generate`` on the 0.5B-shaped student
+* ``bench_trl``      scripts/bench.py's real-shape worker on the GPU: ours vs TRL's DistillationTrainer (lambda 1),
+                     seconds a step, tokens/s and MFU (model FLOPs over the GPU's bf16 peak); skipped without trl
+* ``fsdp``           GKD for a few steps under FSDP2 on one device (Lightning's ModelParallelStrategy, as trainer=fsdp)
+* ``teacher_cache``  ``lightning-gkd-cache`` with ``trainer=gpu`` (bf16-mixed): top-k and bf16 hidden-state caches
+
+Writes ``device_check.json`` and ``device_check.md`` (a table ready for docs/benchmarks_gpu.md) to ``--out``
+(default: ``$OUT`` if set, else ./device_check_out). ``--dry-run`` runs every part on CPU at toy sizes; GPU-only
+measurements (peak GPU memory, MFU) are then left out with a note, so the dry run checks the script, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ROOT / "device_wheels"
+#: Dense bf16 peak of the GPU, TFLOP/s, for MFU (NVIDIA's data sheets; the SXM parts).
+BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+PARTS = ("default_job", "methods", "lean_memory", "sampler", "bench_trl", "fsdp", "teacher_cache")
+
+
+class Skipped(Exception):
+    """A part that cannot run here (e.g. trl not installed); recorded as skipped with the message."""
+
+
+def load_bench():
+    """scripts/bench.py as a module (its shapes, ``build_model``, ``bench_rows`` and subprocess worker)."""
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Check:
+    """The settings every part reads: where it runs and at which sizes."""
+
+    def __init__(self, dry_run: bool, out: Path, steps: int) -> None:
+        self.dry_run = dry_run
+        self.out = out
+        self.steps = steps
+        self.device = "cpu" if dry_run else "cuda"
+        self.trainer = "cpu" if dry_run else "gpu"
+        os.environ["BENCH_DEVICE"] = self.device  # scripts/bench.py and its workers read it
+        self.bench = load_bench()
+        if dry_run:
+            self.bench.use_tiny_sizes()
+        else:
+            self.bench.use_real_shapes()
+
+    # -- helpers shared by the parts ------------------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def cli(self, module: str, overrides: list[str], name: str) -> tuple[str, float]:
+        """Run ``python -m <module> <overrides>`` with its Hydra run folder under the output folder; its stdout and
+        wall seconds. A failure raises with the end of its stderr."""
+        run_dir = self.out / name
+        command = [sys.executable, "-m", module, *overrides, f"hydra.run.dir={run_dir}"]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env=self.env(), cwd=self.out, timeout=300)
+        seconds = time.perf_counter() - start
+        (self.out / f"{name}.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+        return done.stdout, seconds
+
+    def synchronize(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gb(self) -> float | None:
+        """Peak GPU memory allocated since ``reset_peak`` (None on CPU: a shared process's peak RSS says nothing
+        about one part)."""
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30 if self.device == "cuda" else None
+
+    def model(self, spec: dict, seed: int, tokenizer):
+        """scripts/bench.py's ``build_model`` (random init, float32), initialised on the check's device (on a GPU
+        that takes a second, not the CPU's minute for a 1.5B model)."""
+        import torch
+
+        with torch.device(self.device):
+            return self.bench.build_model(spec, seed, tokenizer)
+
+    def tokenizer(self):
+        from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
+        return build_chatml_tokenizer()
+
+    def lightning_trainer(self, steps: int, callbacks: list, strategy: Any = "auto"):
+        import lightning as L
+
+        return L.Trainer(
+            accelerator=self.trainer,
+            devices=1,
+            strategy=strategy,
+            precision="bf16-mixed",  # trainer=gpu's precision (autocast on CPU too in the dry run)
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            gradient_clip_val=1.0,
+            callbacks=callbacks,
+        )
+
+    def fit_timed(self, module, datamodule, strategy: Any = "auto") -> dict[str, Any]:
+        """Fit ``self.steps`` optimizer steps; seconds a step after the first, peak GPU memory, the last loss."""
+        import lightning as L
+
+        ends: list[float] = []
+
+        class StepEnds(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                check.synchronize()
+                ends.append(time.perf_counter())
+
+        check = self
+        self.reset_peak()
+        trainer = self.lightning_trainer(self.steps, [StepEnds()], strategy)
+        trainer.fit(module, datamodule=datamodule)
+        loss = float(trainer.callback_metrics["train/loss"])
+        if not loss == loss or abs(loss) == float("inf"):
+            raise RuntimeError(f"the last train/loss is not finite: {loss}")
+        timed = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        return {
+            "steps": trainer.global_step,
+            "s_per_step": sum(timed) / len(timed),
+            "loss": loss,
+            "peak_gpu_gb": self.peak_gb(),
+        }
+
+    # -- the parts ------------------------------------------------------------------------------------------------
+
+    def default_job(self) -> dict[str, Any]:
+        steps = self.steps
+        overrides = [f"trainer={self.trainer}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+        overrides += ["trainer.limit_val_batches=1", f"paths.cache_dir={self.out / 'cache'}"]
+        if self.dry_run:  # the held-out evaluation and validation generate over every row: fewer rows on CPU
+            overrides += ["+data.val_data.num_rows=32", "+data.test_data.num_rows=32"]
+        stdout, seconds = self.cli("lightning_gkd.cli.train", overrides, "default_job")
+        if "== lightning_gkd summary ==" not in stdout:
+            raise RuntimeError("the run printed no summary:\n" + stdout[-2000:])
+        found = re.search(r"^steps: (\d+)  fit time: ([\d.]+)s  throughput: (\d+) tokens/s", stdout, re.M)
+        losses = {k: float(v) for k, v in re.findall(r"^(train/loss|val/loss): ([-\d.eE+]+)$", stdout, re.M)}
+        if found is None or "train/loss" not in losses:
+            raise RuntimeError("the summary has no steps or train/loss:\n" + stdout[-2000:])
+        return {
+            "command": "lightning-gkd " + " ".join(overrides[:3]),
+            "steps": int(found[1]),
+            "fit_s": float(found[2]),
+            "tokens_per_s": int(found[3]),
+            "wall_s": seconds,
+            **losses,
+        }
+
+    def methods(self) -> dict[str, Any]:
+        import torch
+
+        from lightning_gkd import ChatDataModule, DPOModule, GKDModule, OPDModule, PreferenceDataModule, SFTModule
+        from lightning_gkd.training.optimizers import adamw
+
+        bench, tokenizer = self.bench, self.tokenizer()
+        rows = bench.bench_rows(bench.BATCH * (self.steps + 1), answer_tokens=bench.NEW_TOKENS)
+        pairs = [
+            {"prompt": row["messages"][:1], "chosen": row["messages"][1:], "rejected": other["messages"][1:]}
+            for row, other in zip(rows, rows[1:] + rows[:1], strict=True)
+        ]
+        optimizer = partial(adamw, lr=1e-5)
+        sampling = {"max_new_tokens": bench.NEW_TOKENS, "optimizer": optimizer, "seed": 0}
+
+        def student():
+            return self.model(bench.STUDENT, 0, tokenizer)
+
+        def teacher():
+            return self.model(bench.TEACHER, 1, tokenizer)
+
+        def chat():
+            return ChatDataModule(tokenizer, rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH)
+
+        builders: dict[str, Callable[[], tuple]] = {
+            "gkd (lambda 1)": lambda: (GKDModule(student(), teacher(), tokenizer, lmbda=1.0, **sampling), chat()),
+            "opd": lambda: (OPDModule(student(), teacher(), tokenizer, **sampling), chat()),
+            "sft": lambda: (SFTModule(student(), tokenizer, optimizer=optimizer), chat()),
+            "dpo": lambda: (
+                DPOModule(student(), tokenizer, reference=student(), optimizer=optimizer),
+                PreferenceDataModule(tokenizer, pairs, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH),
+            ),
+        }
+        results, failed = {}, []
+        for name, build in builders.items():
+            try:
+                module, datamodule = build()
+                results[name] = self.fit_timed(module, datamodule)
+            except Exception:
+                traceback.print_exc()
+                failed.append(name)
+                results[name] = {"error": traceback.format_exc(limit=-3)}
+            finally:
+                module = datamodule = None
+                if self.device == "cuda":
+                    torch.cuda.empty_cache()
+        if failed:
+            raise RuntimeError(f"methods that failed: {failed}; results: {json.dumps(results)[:3000]}")
+        return results
+
+    def lean_memory(self) -> dict[str, Any]:
+        """One GKD loss forward + backward over ``positions`` supervised tokens, lean vs full logits: the decoder
+        is 2 layers of the student's width (the loss, not the decoder, is what differs), the vocabulary 151,936."""
+        import torch
+
+        from lightning_gkd import GKDModule
+
+        bench, tokenizer = self.bench, self.tokenizer()
+        vocab, positions = (bench.VOCAB, 64) if self.dry_run else (151_936, 4096)
+        spec = {**bench.STUDENT, "num_hidden_layers": 2}
+        out: dict[str, Any] = {"vocab": vocab, "supervised_tokens": positions}
+        for lean in (False, True):
+            torch.manual_seed(0)
+            previous, bench.VOCAB = bench.VOCAB, vocab
+            try:
+                student, teacher = self.model(spec, 0, tokenizer), self.model(spec, 1, tokenizer)
+            finally:
+                bench.VOCAB = previous
+            module = GKDModule(student, teacher.to(torch.bfloat16), tokenizer, lean_loss=lean, max_new_tokens=4)
+            module.to(self.device)
+            rows = 2
+            ids = torch.randint(3, vocab, (rows, positions // rows + 1), generator=torch.Generator().manual_seed(0))
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+            batch["labels"][:, 0] = -100
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            self.synchronize()
+            self.reset_peak()
+            baseline = torch.cuda.memory_allocated() / 2**30 if self.device == "cuda" else None
+            start = time.perf_counter()
+            with torch.autocast(self.device, dtype=torch.bfloat16):
+                loss = module.distillation_loss(batch).loss
+            loss.backward()
+            self.synchronize()
+            kind = "lean" if lean else "full"
+            peak = self.peak_gb()
+            out[kind] = {
+                "loss": float(loss),
+                "seconds": time.perf_counter() - start,
+                "peak_gpu_gb": peak,
+                "added_gpu_gb": None if peak is None else peak - baseline,
+                "lean_taken": module.lean_path.enabled,
+            }
+            del module, student, teacher, loss, batch
+        if not out["lean"]["lean_taken"]:
+            raise RuntimeError("the lean path was not taken with lean_loss=True")
+        out["loss_rel_diff"] = abs(out["lean"]["loss"] - out["full"]["loss"]) / abs(out["full"]["loss"])
+        if out["loss_rel_diff"] > 2e-2:
+            raise RuntimeError(f"lean and full losses differ: {out['lean']['loss']} vs {out['full']['loss']}")
+        if self.device == "cuda":
+            out["lean_over_full_added"] = out["lean"]["added_gpu_gb"] / out["full"]["added_gpu_gb"]
+        else:
+            out["note"] = "CPU dry run: losses compared, GPU memory not measured"
+        return out
+
+    def sampler(self) -> dict[str, Any]:
+        """Decode tokens/s of our KVCacheSampler and of HF ``generate`` (sampling, temperature 0.9, the KV cache on
+        both), the float32 student under bf16 autocast as in training, prompts of ~60 tokens."""
+        import torch
+
+        from lightning_gkd.samplers import KVCacheSampler
+
+        bench, tokenizer = self.bench, self.tokenizer()
+        batch, new = (2, 8) if self.dry_run else (8, 128)
+        model = self.model(bench.STUDENT, 0, tokenizer).to(self.device).eval()
+        prompts = torch.randint(3, len(tokenizer), (batch, 60), generator=torch.Generator().manual_seed(0))
+        prompts, mask = prompts.to(self.device), torch.ones_like(prompts, device=self.device)
+        ours = KVCacheSampler(tokenizer, max_new_tokens=new, temperature=0.9)
+
+        def run_ours(seed: int) -> int:
+            out = ours.sample(model, prompts, mask, seed=seed)["input_ids"]
+            return batch * (out.shape[1] - prompts.shape[1])
+
+        def run_hf(seed: int) -> int:
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=prompts,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=0.9,
+                    top_k=0,
+                    max_new_tokens=new,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            return batch * (out.shape[1] - prompts.shape[1])
+
+        result: dict[str, Any] = {"batch": batch, "max_new_tokens": new}
+        for name, fn in (("ours", run_ours), ("hf_generate", run_hf)):
+            with torch.autocast(self.device, dtype=torch.bfloat16):
+                fn(0)  # warm-up
+                self.synchronize()
+                start, tokens = time.perf_counter(), 0
+                for seed in (1, 2, 3):
+                    tokens += fn(seed)
+                self.synchronize()
+            seconds = time.perf_counter() - start
+            result[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        result["ours_over_hf"] = result["ours"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"]
+        return result
+
+    def bench_trl(self) -> dict[str, Any]:
+        """scripts/bench.py's worker (its own process each) for ours and TRL's DistillationTrainer at lambda 1."""
+        if importlib.util.find_spec("trl") is None:
+            raise Skipped("trl is not installed here (pip install trl==1.16.0 to compare with its DistillationTrainer)")
+        bench = self.bench
+        warmup, steps = (1, 2) if self.dry_run else (2, 4)
+        flops, tokens = self.step_flops()
+        peak = self.peak_flops()
+        out: dict[str, Any] = {"batch": bench.BATCH, "new_tokens": bench.NEW_TOKENS, "tokens_per_step": tokens}
+        for config in ("ours", "trl_distill"):
+            result = bench.run_one(config, 1.0, warmup, steps)
+            seconds = result["seconds_per_step"]
+            out[config] = {
+                "s_per_step": seconds,
+                "tokens_per_s": tokens / seconds,
+                "mfu": None if peak is None else flops / seconds / peak,
+            }
+        out["ours_over_trl"] = out["ours"]["s_per_step"] / out["trl_distill"]["s_per_step"]
+        if peak is None:
+            out["note"] = "MFU needs a GPU with a known bf16 peak (BF16_PEAK_TFLOPS)"
+        return out
+
+    def step_flops(self) -> tuple[float, int]:
+        """Model FLOPs of one on-policy step at the bench's shapes, and the tokens it trains on: the student's
+        forward + backward (6 x non-embedding parameters x tokens, head 6 x V x H x supervised), the teacher's
+        forward (2 x, head at the supervised positions), and the decode (2 x student parameters x sampled)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from lightning_gkd import ChatDataModule
+
+        bench, tokenizer = self.bench, self.tokenizer()
+        datamodule = ChatDataModule(tokenizer, bench.bench_rows(bench.BATCH), batch_size=bench.BATCH)
+        datamodule.setup("fit")
+        prompt = next(iter(datamodule.train_dataloader()))["prompts"].shape[1]
+        sampled = bench.BATCH * bench.NEW_TOKENS
+        tokens = bench.BATCH * prompt + sampled
+
+        def layers(spec: dict) -> int:
+            config = AutoConfig.for_model("qwen2", vocab_size=bench.VOCAB, tie_word_embeddings=True, **spec)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            return sum(p.numel() for p in model.parameters()) - bench.VOCAB * spec["hidden_size"]
+
+        student, teacher = layers(bench.STUDENT), layers(bench.TEACHER)
+        head = 2 * bench.VOCAB * sampled
+        flops = 6 * student * tokens + 3 * head * bench.STUDENT["hidden_size"]
+        flops += 2 * teacher * tokens + head * bench.TEACHER["hidden_size"]
+        flops += 2 * student * sampled + head * bench.STUDENT["hidden_size"]
+        return float(flops), tokens
+
+    def peak_flops(self) -> float | None:
+        import torch
+
+        if self.device != "cuda":
+            return None
+        name = torch.cuda.get_device_name()
+        return next((tf * 1e12 for key, tf in BF16_PEAK_TFLOPS.items() if key in name), None)
+
+    def fsdp(self) -> dict[str, Any]:
+        """GKD (lambda 1) under FSDP2 on one device, in its own process (it starts a process group)."""
+        command = [sys.executable, __file__, "--fsdp-worker", "--out", str(self.out), "--steps", str(self.steps)]
+        command += ["--dry-run"] if self.dry_run else []
+        done = subprocess.run(command, capture_output=True, text=True, env=self.env(), cwd=self.out, timeout=300)
+        (self.out / "fsdp.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeError(f"the FSDP2 worker exited with {done.returncode}:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def fsdp_worker(self) -> dict[str, Any]:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from lightning_gkd import ChatDataModule, GKDModule
+        from lightning_gkd.training.optimizers import adamw
+
+        bench, tokenizer = self.bench, self.tokenizer()
+        rows = bench.bench_rows(bench.BATCH * (self.steps + 1))
+        module = GKDModule(
+            self.model(bench.STUDENT, 0, tokenizer),
+            self.model(bench.TEACHER, 1, tokenizer),
+            tokenizer,
+            lmbda=1.0,
+            max_new_tokens=bench.NEW_TOKENS,
+            optimizer=partial(adamw, lr=1e-5),
+        )
+        datamodule = ChatDataModule(tokenizer, rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH)
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        result = self.fit_timed(module, datamodule, strategy)
+        from torch.distributed.tensor import DTensor
+
+        weight = module.student.get_input_embeddings().weight
+        result["student_sharded"] = isinstance(weight, DTensor)
+        if not result["student_sharded"]:
+            raise RuntimeError("the student's weights are not DTensors: FSDP2 did not wrap it")
+        return result
+
+    def teacher_cache(self) -> dict[str, Any]:
+        """``lightning-gkd-cache`` on the toy task's rows with the 1.5B-shaped teacher (random init, saved in bf16 with
+        the ChatML tokenizer): top-k log-probs, then bf16 hidden states."""
+        import torch
+
+        folder = self.out / "teacher_model"
+        tokenizer = self.tokenizer()
+        self.model(self.bench.TEACHER, 1, tokenizer).to(torch.bfloat16).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        rows = (32, 16) if self.dry_run else (1024, 128)
+        model = [f"model.{key}={folder}" for key in ("tokenizer", "student.name_or_path", "teacher.name_or_path")]
+        model += [f"+data.train_data.num_rows={rows[0]}", f"+data.val_data.num_rows={rows[1]}"]
+        out: dict[str, Any] = {
+            "teacher": f"{self.bench.TEACHER['num_hidden_layers']} x {self.bench.TEACHER['hidden_size']}, bf16",
+            "rows": sum(rows),
+        }
+        for name, extra in (("topk", []), ("hidden_bf16", ["cache.signal=hidden", "cache.hidden_dtype=bfloat16"])):
+            overrides = [f"trainer={self.trainer}", f"cache.path={self.out}/cache_{name}", *model, *extra]
+            stdout, seconds = self.cli("lightning_gkd.cli.cache_teacher", overrides, f"teacher_cache_{name}")
+            found = re.search(r"built this run: (\d+) shards, (\d+) tokens in ([\d.]+)s \((\d+) tokens/s\)", stdout)
+            if found is None:
+                raise RuntimeError("the cache build printed no report:\n" + stdout[-2000:])
+            out[name] = {"tokens": int(found[2]), "tokens_per_s": int(found[4]), "wall_s": seconds}
+        return out
+
+
+def run_part(check: Check, name: str) -> dict[str, Any]:
+    print(f"== {name}", flush=True)
+    start = time.perf_counter()
+    record: dict[str, Any]
+    try:
+        record = {"status": "ok", "results": getattr(check, name)()}
+    except Skipped as why:
+        record = {"status": "skipped", "note": str(why)}
+    except Exception:
+        traceback.print_exc()
+        record = {"status": "failed", "error": traceback.format_exc()[-4000:]}
+    record["seconds"] = time.perf_counter() - start
+    print(f"== {name}: {record['status']} in {record['seconds']:.1f} s", flush=True)
+    if record["status"] == "ok":
+        print(json.dumps(record["results"], indent=1, default=str)[:2000], flush=True)
+    return record
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The markdown report: set-up, then one table per part."""
+    meta, parts = report["meta"], report["parts"]
+    lines = [
+        "# GPU check (scripts/device_check.py)",
+        "",
+        f"Made by `{meta['command']}` on {meta['date']} in {meta['seconds'] / 60:.1f} min: {meta['device']}, "
+        f"torch {meta['torch']}, transformers {meta['transformers']}, lightning {meta['lightning']}"
+        + (f", trl {meta['trl']}" if meta.get("trl") else "")
+        + ".",
+        "",
+        "| part | status | seconds |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {part['status']} | {part['seconds']:.1f} |" for name, part in parts.items()]
+    get = {name: part.get("results", {}) for name, part in parts.items()}
+    if get.get("methods"):
+        lines += ["", "Training steps (bf16-mixed, random init):", ""]
+        lines += ["| method | steps | s / step | peak GPU GiB | last loss |", "|---|---|---|---|---|"]
+        for name, row in [*get["methods"].items(), *([("gkd under FSDP2", get["fsdp"])] if get.get("fsdp") else [])]:
+            lines.append(
+                f"| {name} | {row.get('steps')} | {fmt(row.get('s_per_step'))} | {fmt(row.get('peak_gpu_gb'))} | "
+                f"{fmt(row.get('loss'), 5)} |"
+            )
+    if get.get("lean_memory"):
+        lean = get["lean_memory"]
+        lines += ["", f"GKD loss forward + backward, V={lean['vocab']} x {lean['supervised_tokens']} tokens:", ""]
+        lines += ["| loss path | peak GPU GiB | added GiB | seconds | loss |", "|---|---|---|---|---|"]
+        for kind in ("full", "lean"):
+            row = lean[kind]
+            lines.append(
+                f"| {kind} | {fmt(row['peak_gpu_gb'])} | {fmt(row['added_gpu_gb'])} | {fmt(row['seconds'])} | "
+                f"{fmt(row['loss'], 6)} |"
+            )
+    if get.get("sampler"):
+        s = get["sampler"]
+        lines += ["", f"Decode, batch {s['batch']}, {s['max_new_tokens']} new tokens:", ""]
+        lines += ["| sampler | tokens / s |", "|---|---|"]
+        lines += [f"| {name} | {s[name]['tokens_per_s']:.0f} |" for name in ("ours", "hf_generate")]
+    if get.get("bench_trl"):
+        b = get["bench_trl"]
+        lines += ["", f"On-policy step vs TRL (batch {b['batch']}, {b['new_tokens']} sampled tokens):", ""]
+        lines += ["| trainer | s / step | tokens / s | MFU |", "|---|---|---|---|"]
+        for name in ("ours", "trl_distill"):
+            row = b[name]
+            mfu = "—" if row["mfu"] is None else f"{row['mfu']:.1%}"
+            lines.append(f"| {name} | {row['s_per_step']:.3f} | {row['tokens_per_s']:.0f} | {mfu} |")
+    if get.get("teacher_cache"):
+        c = get["teacher_cache"]
+        lines += ["", f"Teacher cache build ({c['teacher']} teacher, {c['rows']} toy rows):", ""]
+        lines += ["| signal | tokens | tokens / s |", "|---|---|---|"]
+        lines += [f"| {k} | {c[k]['tokens']} | {c[k]['tokens_per_s']} |" for k in ("topk", "hidden_bf16")]
+    for name, part in parts.items():
+        if part["status"] != "ok":
+            reason = part.get("note") or part["error"].strip().splitlines()[-1]
+            lines += ["", f"- `{name}` {part['status']}: {reason}"]
+    return "\n".join(lines) + "\n"
+
+
+def setup() -> None:
+    """Install device_wheels/ (scripts/device_wheels.sh) and this checkout without network access."""
+    if not WHEELS.is_dir():
+        raise SystemExit(f"{WHEELS} is missing: run `bash scripts/device_wheels.sh` where pip can reach an index.")
+    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS)]
+    wanted = ["hydra-core", "omegaconf", "datasets", "rich"]
+    wanted += [w.name.split("-")[0] for w in WHEELS.glob("transformers-*.whl")]  # only when the script brought one
+    subprocess.run([*pip, *wanted], check=True)
+    subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks the script, not speed")
+    parser.add_argument("--setup", action="store_true", help="first install device_wheels/ and this checkout")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "device_check_out"))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per training part (default 4; 2 dry)")
+    parser.add_argument("--fsdp-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.setup:
+        setup()
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    steps = args.steps or (2 if args.dry_run else 4)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or use --dry-run to check the script on CPU")
+    check = Check(args.dry_run, args.out, steps)
+    if args.fsdp_worker:
+        print(json.dumps(check.fsdp_worker()))
+        return
+    started = time.perf_counter()
+    parts = {name: run_part(check, name) for name in args.parts}
+    import lightning
+    import transformers
+
+    trl = importlib.util.find_spec("trl") and __import__("trl").__version__
+    device = torch.cuda.get_device_name() if not args.dry_run else f"CPU dry run ({os.cpu_count()} cores)"
+    meta = {
+        "command": ("python scripts/device_check.py " + " ".join(sys.argv[1:])).strip(),
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": time.perf_counter() - started,
+        "device": device,
+        "dry_run": args.dry_run,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "lightning": lightning.__version__,
+        "trl": trl or None,
+    }
+    report = {"meta": meta, "parts": parts}
+    (args.out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (args.out / "device_check.md").write_text(render(report))
+    print(render(report))
+    print(f"wrote {args.out / 'device_check.json'} and device_check.md")
+
+
+if __name__ == "__main__":
+    main()
