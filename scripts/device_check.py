@@ -3,7 +3,7 @@ measures what only a GPU can tell (docs/developing.md, "A prepared GPU check").
 
     bash scripts/device_wheels.sh                   # here, with network: wheels into device_wheels/ (git-ignored)
     python scripts/device_check.py --setup          # on the GPU machine: install them offline, then run every part
-    python scripts/device_check.py --dry-run        # anywhere: the same code paths on CPU at toy sizes (~2 minutes)
+    python scripts/device_check.py --dry-run        # anywhere: the same code paths on CPU at toy sizes (2-4 minutes)
 
 Parts (each timed and guarded: one failing prints its traceback and the rest still run):
 
@@ -26,6 +26,7 @@ measurements (peak GPU memory, MFU) are then left out with a note, so the dry ru
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -238,6 +239,7 @@ class Check:
                 results[name] = {"error": traceback.format_exc(limit=-3)}
             finally:
                 module = datamodule = None
+                gc.collect()  # the models of one method go before the next one's are built
                 if self.device == "cuda":
                     torch.cuda.empty_cache()
         if failed:
@@ -557,9 +559,9 @@ def setup() -> None:
         raise SystemExit(f"{WHEELS} is missing: run `bash scripts/device_wheels.sh` where pip can reach an index.")
     pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS)]
     wanted = ["hydra-core", "omegaconf", "datasets", "rich"]
-    wanted += [w.name.split("-")[0] for w in WHEELS.glob("transformers-*.whl")]  # only when the script brought one
     subprocess.run([*pip, *wanted], check=True)
     subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
+    importlib.invalidate_caches()  # this process imports the new packages next
 
 
 def main() -> None:

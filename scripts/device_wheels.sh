@@ -22,7 +22,7 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 PLATFORM=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 # Binary packages: wheels for the GPU machine's Python and platform, without their dependencies (listed explicitly).
 pip download -q --no-deps --only-binary=:all: --python-version "$PY" "${PLATFORM[@]}" -d "$OUT" \
-    "hydra-core>=1.3.8" "omegaconf>=2.3.1,<2.4" "datasets>=5.2.0" "pyarrow==24.0.0" "pandas>=2.2" python-dateutil \
+    "hydra-core>=1.3.8" "omegaconf>=2.3.1,<2.4" "datasets>=5.2.0" "pyarrow==24.0.0" "pandas>=2.2" "python-dateutil<3" \
     six "dill>=0.3,<0.4.2" "multiprocess<0.70.20" xxhash "huggingface-hub>=1.31,<2" "fsspec>=2023.1.0,<=2026.9.0" \
     "rich>=15.0.0" markdown-it-py mdurl pygments "setuptools>=68"
 # antlr4-python3-runtime 4.9.3 (hydra's pin) is only an sdist: build its (pure Python) wheel here.
