@@ -54,7 +54,12 @@ def _first_student_tokens(student_tokenizer: PreTrainedTokenizerBase, texts: Seq
             continue
     out = [-1] * len(texts)
     order = list(decoded)
-    encoded = student_tokenizer([decoded[i] for i in order], add_special_tokens=False)["input_ids"] if order else []
+    strings = [decoded[i] for i in order]
+    backend = getattr(student_tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):  # what __call__ runs, without its wrapping
+        encoded: list[list[int]] = [e.ids for e in backend.encode_batch_fast(strings, add_special_tokens=False)]
+    else:
+        encoded = student_tokenizer(strings, add_special_tokens=False)["input_ids"] if order else []
     for index, ids in zip(order, encoded, strict=True):
         if ids:
             out[index] = ids[0]

@@ -88,7 +88,7 @@ class CrossTokenizerDistillation:
         self._matched_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.projection: ProjectionTables | None = None
         if self.loss_settings.loss == "projected":
-            self.projection = projection_tables(student_tokenizer, teacher_tokenizer)
+            self.projection = projection_tables(student_tokenizer, teacher_tokenizer, settings.projection_cache)
             self.projection.first_token[self.projection.first_token >= (student_width or len(student_tokenizer))] = -1
         positions = getattr(getattr(teacher.model, "config", None), "max_position_embeddings", None)
         self.teacher_positions: int | None = int(positions) if isinstance(positions, int) else None

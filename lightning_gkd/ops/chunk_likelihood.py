@@ -194,9 +194,13 @@ class ProjectionTables:
         lengths = [-1 if raw is None else len(raw) for raw in token_bytes]
         data = b"".join(raw for raw in token_bytes if raw is not None)
         cut = [index.get(raw[:c], -1) for raw in token_bytes if raw is not None for c in range(1, len(raw) + 1)]
+
+        def flat(part: int) -> list[int]:
+            values = (extensions[prefix][part] for prefix in prefixes)
+            return [i for v in values for i in (v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else v)]
+
         counts = [len(extensions[prefix][0]) for prefix in prefixes]
-        ids = [torch.as_tensor(extensions[prefix][0], dtype=torch.long).reshape(-1) for prefix in prefixes]
-        targets = [torch.as_tensor(extensions[prefix][1], dtype=torch.long).reshape(-1) for prefix in prefixes]
+        ids, targets = flat(0), flat(1)
         offsets = torch.tensor([0, *[max(n, 0) for n in lengths]], dtype=torch.long).cumsum(0)
         return cls(
             first_token=first_token.to(torch.long),
@@ -207,8 +211,8 @@ class ProjectionTables:
             else torch.zeros(0, dtype=torch.uint8),
             cut_prefix=torch.tensor(cut, dtype=torch.long),
             extension_offsets=torch.tensor([0, *counts], dtype=torch.long).cumsum(0),
-            extension_ids=torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long),
-            extension_targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long),
+            extension_ids=torch.tensor(ids, dtype=torch.long),
+            extension_targets=torch.tensor(targets, dtype=torch.long),
         )
 
     def to(self, device: torch.device | str) -> ProjectionTables:
@@ -521,9 +525,9 @@ class _RowwiseDistances(torch.autograd.Function):
         positions, grad = ctx.saved_tensors
         if not ctx.need_grad:
             return None, None, None, None
-        full = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
-        full.index_add_(0, positions, grad * grad_output[:, None])
-        return full.to(ctx.dtype), None, None, None
+        full = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device)
+        full[positions] = (grad * grad_output[:, None]).to(ctx.dtype)  # positions are distinct rows
+        return full, None, None, None
 
 
 def projected_distances(
