@@ -80,7 +80,7 @@ def _build(student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTra
     teacher_eos, student_eos = teacher_tokenizer.eos_token_id, student_tokenizer.eos_token_id
     if teacher_eos is not None and student_eos is not None and int(first[teacher_eos]) < 0:
         first[teacher_eos] = student_eos
-    suffixes = sorted({raw[cut:] for raw in plain.values() for cut in range(1, len(raw))})
+    suffixes = list({raw[cut:] for raw in plain.values() for cut in range(1, len(raw))})
     suffix_target = dict(zip(suffixes, _first_student_tokens(student_tokenizer, suffixes), strict=True))
     grouped: dict[bytes, tuple[list[int], list[int]]] = {}
     for index, raw in plain.items():

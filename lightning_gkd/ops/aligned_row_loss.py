@@ -23,6 +23,8 @@ One row's loss (``cross_tokenizer_row_loss``):
    models compared as two-outcome distributions (``ops.chunk_likelihood``).
 
 The row's loss is the mean of the returned per-group values (as in TRL); how rows are combined is the caller's.
+``likelihood`` and ``projected`` run over a whole batch at once (``cross_tokenizer_batch_loss``: alignment, chunk
+likelihoods and projection vectorised over all rows' tokens; the row functions call it with one row).
 
 Parity and differences with TRL 1.16's ``trl.experimental.gold.gold_trainer.ULDLoss`` (the test oracle; values
 agree within 1e-5 on the same inputs, see tests/test_ops_cross_tokenizer.py):
