@@ -285,7 +285,8 @@ def run_job(tree: Path, job: str, **kwargs: Any) -> dict:
     command = [sys.executable, __file__, "--job", json.dumps({"name": job, **kwargs})]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
-        raise RuntimeError(f"job {job} under {tree} failed:\n{done.stderr[-4000:]}")
+        why = "killed (-9: out of memory?)" if done.returncode == -9 else f"exit {done.returncode}"
+        raise RuntimeError(f"job {job} under {tree} failed, {why}:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                     tree, "memory", tokenizers=str(tokenizers), cache=str(scratch / "cache")
                 )
             except RuntimeError as error:  # e.g. killed for memory: say so in the table
-                report["memory"][name] = {"error": str(error).strip().splitlines()[-1][:200]}
+                report["memory"][name] = {"error": str(error).strip().splitlines()[0].split(", ", 1)[-1][:200]}
         print("memory", report["memory"], flush=True)
     report["seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.retokenize import _TokenBytes
+from lightning_gkd.data.tokenizer import tokenizer_fingerprint
 from lightning_gkd.ops.chunk_likelihood import ProjectionTables
-from lightning_gkd.teachers.cache import tokenizer_fingerprint
 
 __all__ = ["ProjectionTables", "projection_cache_path", "projection_tables"]
 
@@ -97,7 +97,7 @@ def projection_cache_path(
     student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTrainedTokenizerBase, cache_dir: str | Path
 ) -> Path:
     """Where the tables of this tokenizer pair are cached in ``cache_dir``: a file named by a hash of both tokenizers'
-    fingerprints (``teachers.cache.tokenizer_fingerprint``: vocabulary, special tokens, chat template) and the tables'
+    fingerprints (``data.tokenizer.tokenizer_fingerprint``: vocabulary, special tokens, chat template) and the tables'
     version."""
     key = f"{tokenizer_fingerprint(student_tokenizer)}:{tokenizer_fingerprint(teacher_tokenizer)}:{_TABLES_VERSION}"
     return Path(cache_dir).expanduser() / f"projection-{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}.pt"
