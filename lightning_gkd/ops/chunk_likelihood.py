@@ -394,8 +394,7 @@ def plan_targets(
     lo, hi = positions.start, positions.stop
     a = slice(*torch.searchsorted(plan.a_position, torch.tensor([lo, hi], device=plan.a_position.device)).tolist())
     b = slice(*torch.searchsorted(plan.b_position, torch.tensor([lo, hi], device=plan.b_position.device)).tolist())
-    needed = [plan.a_row[a], plan.b_next[b], plan.b_here[b][plan.b_here[b] >= 0]]
-    needed = torch.cat(needed)
+    needed = torch.cat([plan.a_row[a], plan.b_next[b], plan.b_here[b][plan.b_here[b] >= 0]])
     probs_device = first_token.device
     if needed.numel() == 0:
         return torch.zeros(hi - lo, student_vocab, device=probs_device)
@@ -495,7 +494,7 @@ class _RowwiseDistances(torch.autograd.Function):
     pass (a row's distance reads only its row) and its intermediates dropped."""
 
     @staticmethod
-    def forward(ctx, logits, positions, distance, chunk_size):  # type: ignore[override]
+    def forward(ctx, logits, positions, distance, chunk_size):
         need_grad = logits.requires_grad
         out = torch.zeros(
             positions.numel(),
@@ -521,7 +520,7 @@ class _RowwiseDistances(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):
         positions, grad = ctx.saved_tensors
         if not ctx.need_grad:
             return None, None, None, None
