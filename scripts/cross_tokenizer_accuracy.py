@@ -69,15 +69,18 @@ TIMED = {
     "student_completions": "decode the student's completions (byte spans)",
     "teacher_batch": "re-tokenize for the teacher (its chat template)",
     "hidden_states_and_head": "forwards (student and teacher, completion positions)",
-    "cross_tokenizer_row_terms": "alignment, merging and the loss per row",
+    "cross_tokenizer_row_terms": "alignment, merging and the loss (hybrid, ULD: per row; likelihood, projected: the "
+    "batch at once)",
 }
+#: Functions timed into another's column: the likelihood and projected losses run over the batch at once.
+TIMED_AS = {"cross_tokenizer_batch_loss": "cross_tokenizer_row_terms"}
 
 
 @contextmanager
 def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
     """Accumulate the wall time of the TIMED functions as ``losses.cross_tokenizer`` calls them."""
     # the teacher's forward goes through LocalTeacher.hidden_states (teachers/local.py), the student's through ours
-    modules = {name: [cross_step] for name in TIMED}
+    modules = {name: [cross_step] for name in (*TIMED, *TIMED_AS)}
     modules["hidden_states_and_head"].append(local_teacher)
     originals = {(module, name): getattr(module, name) for name, found in modules.items() for module in found}
 
@@ -87,7 +90,7 @@ def timed_parts(seconds: dict[str, float]) -> Iterator[None]:
             try:
                 return fn(*args, **kwargs)
             finally:
-                seconds[name] += time.perf_counter() - started
+                seconds[TIMED_AS.get(name, name)] += time.perf_counter() - started
 
         return timed
 

@@ -74,6 +74,7 @@ def test_the_cross_tokenizer_options_compose_into_the_method(tmp_path):
         "unmatched_weight": None,
         "matched_divergence": "clamped",
         "teacher_max_length": None,
+        "projection_cache": None,
     }
     assert default.method.distillation_weight == 1.0 and default.method.crossentropy_weight == 0.0
     assert default.method.teacher.tokenizer is None

@@ -45,11 +45,43 @@ def test_projection_tables_list_the_teacher_tokens_that_extend_each_prefix(token
     student, bpe = tokenizers["byte"], tokenizers["bpe"]
     tables = projection_tables(student, bpe)
     cafe = bpe.convert_tokens_to_ids("cafÃ©")
-    assert tables.token_bytes[cafe] == "café".encode() and tables.token_bytes[bpe.eos_token_id] is None
-    ids, targets = tables.extensions[b"caf"]  # "café" goes on with "é": the student's first byte of it is "Ã"
+    assert tables.token_bytes(cafe) == "café".encode() and tables.token_bytes(bpe.eos_token_id) is None
+    ids, targets = tables.extending(b"caf")  # "café" goes on with "é": the student's first byte of it is "Ã"
     assert cafe in ids.tolist()
     assert student.convert_ids_to_tokens(int(targets[ids.tolist().index(cafe)])) == "Ã"
     # "æ¼¢å" is 漢 and the first byte of 字: after the prefix 漢 its remainder is no whole character, so it is left out
     kan = bpe.convert_tokens_to_ids("æ¼¢å")
-    assert tables.token_bytes[kan] == "漢".encode() + b"\xe5"
-    assert kan not in tables.extensions.get("漢".encode(), (torch.tensor([]), None))[0].tolist()
+    assert tables.token_bytes(kan) == "漢".encode() + b"\xe5"
+    assert kan not in (tables.extending("漢".encode()) or (torch.tensor([]), None))[0].tolist()
+
+
+def test_projection_tables_cache_hits_for_the_same_pair_and_misses_when_a_tokenizer_changes(tokenizers, tmp_path):
+    from dataclasses import fields
+
+    from lightning_gkd.data.token_projection import projection_cache_path
+    from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer
+
+    student, bpe = tokenizers["byte"], tokenizers["bpe"]
+    built = projection_tables(student, bpe, cache_dir=tmp_path)
+    path = projection_cache_path(student, bpe, tmp_path)
+    assert path.is_file() and list(tmp_path.iterdir()) == [path]
+    marker = torch.load(path, weights_only=True)
+    marker["first_token"] = torch.full_like(marker["first_token"], 7)  # a hit reads the file, not a rebuild
+    torch.save(marker, path)
+    hit = projection_tables(student, bpe, cache_dir=tmp_path)
+    assert hit.first_token.tolist() == [7] * len(bpe)
+    for field in fields(built):
+        if field.name != "first_token":
+            assert torch.equal(getattr(hit, field.name), getattr(built, field.name))
+    # another teacher (fewer merges), or the pair the other way round: another file, built afresh
+    other = build_chatml_bpe_tokenizer(["café café 漢字 漢字 a   b\n\n x\n  y"] * 4, merges=5)
+    assert other.get_vocab() != bpe.get_vocab()
+    assert projection_cache_path(student, other, tmp_path) != path
+    assert projection_cache_path(bpe, student, tmp_path) != path
+    fresh = projection_tables(student, other, cache_dir=tmp_path)
+    assert torch.equal(fresh.first_token, projection_tables(student, other).first_token)
+    assert len(list(tmp_path.iterdir())) == 2
+    # a changed chat template changes the fingerprint too
+    templated = build_chatml_bpe_tokenizer(["café café 漢字 漢字 a   b\n\n x\n  y"] * 4, merges=20)
+    templated.chat_template = "{{ messages[0]['content'] }}"
+    assert projection_cache_path(student, templated, tmp_path) != path

@@ -271,6 +271,7 @@ def test_crossentropy_weight_adds_the_students_cross_entropy(student, tokenizer,
         "unmatched_weight": None,
         "matched_divergence": "clamped",
         "teacher_max_length": None,
+        "projection_cache": None,
     }
     with torch.no_grad():
         expected = 2 * base.distillation_loss(batch).loss + 0.5 * crossentropy
@@ -424,3 +425,19 @@ def test_the_datamodule_must_carry_prompt_messages_of_the_last_turn_only(
     batch = ChatMLCollator(tokenizer, max_length=64)(toy_rows["train"][:2])
     with pytest.raises(ValueError, match=r"The batch has no 'prompt_messages'.*carry_prompt_messages"):
         module.distillation_loss(batch)
+
+
+def test_projection_cache_option_writes_the_tables_once_and_reads_them_back(
+    student, tokenizer, bpe_tokenizer, bpe_teacher, tmp_path
+):
+    """``cross_tokenizer.projection_cache``: the first module builds the projected loss's tables and writes them
+    there (one file, named by both tokenizers' fingerprints); the next reads the same tables."""
+    from lightning_gkd.data.token_projection import projection_cache_path
+
+    settings = {"loss": "projected", "projection_cache": str(tmp_path)}
+    first = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, cross_tokenizer=settings)
+    assert list(tmp_path.iterdir()) == [projection_cache_path(tokenizer, bpe_tokenizer, tmp_path)]
+    assert first.hparams.cross_tokenizer["projection_cache"] == str(tmp_path)
+    second = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, cross_tokenizer=settings)
+    assert torch.equal(second.loss.projection.first_token, first.loss.projection.first_token)
+    assert torch.equal(second.loss.projection.extension_ids, first.loss.projection.extension_ids)

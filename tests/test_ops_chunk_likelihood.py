@@ -3,7 +3,6 @@ the student's next token (hand-checked on "787"), and why they exist: on a chunk
 token and a byte student as two, GOLD's hybrid pushes the student's correct first byte down, these push it up."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss, cross_tokenizer_row_loss, matched_vocabulary
 from lightning_gkd.ops.chunk_likelihood import (
     LOG_PROB_CEILING,
+    ProjectionTables,
     binary_jsd,
     chunk_log_likelihoods,
     log1mexp,
@@ -86,9 +86,7 @@ def test_projected_targets_of_787_hand_checked():
         [(0, 2), (2, 3), (3, 3)],
         [0, 1, 2, 3, 3],  # "7" "8" "7" EOS "\n": the second zero-width token gets no target
         student_vocab=4,
-        first_token=FIRST_TOKEN,
-        token_bytes=TOKEN_BYTES,
-        extensions=EXTENSIONS,
+        tables=ProjectionTables.from_parts(FIRST_TOKEN, TOKEN_BYTES, EXTENSIONS),
     )
     assert positions.tolist() == [0, 1, 2, 3]
 
@@ -135,10 +133,10 @@ def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_dow
     student_logits = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
     spans = {"student": [(0, 1), (1, 2)], "teacher": [(0, 2)]}
     matched = matched_vocabulary(student_vocab, teacher_vocab)
-    projection = SimpleNamespace(  # "58" starts with "5" and goes on with "8"
-        first_token=torch.tensor([0, 1, 2, 0]),
-        token_bytes=[b"5", b"8", b"x", b"58"],
-        extensions={b"5": (torch.tensor([3]), torch.tensor([1]))},
+    projection = ProjectionTables.from_parts(  # "58" starts with "5" and goes on with "8"
+        torch.tensor([0, 1, 2, 0]),
+        [b"5", b"8", b"x", b"58"],
+        {b"5": (torch.tensor([3]), torch.tensor([1]))},
     )
     gradients = {}
     for loss in ("hybrid", "likelihood", "projected"):
@@ -170,3 +168,144 @@ def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_dow
             settings=CrossTokenizerLoss(loss="projected"),
             matched=None,
         )
+
+
+# --------------------------------------------------------------------------- the vectorised batch path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_pairs():
+    from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer
+    from tests.helpers.sentencepiece_style import sentencepiece_style_tokenizer
+
+    byte = build_chatml_tokenizer()
+    bpe = build_chatml_bpe_tokenizer(["café café 漢字 漢字 a   b\n\n x\n  y 7871 787 58 5858"] * 4, merges=40)
+    return {"bpe": (byte, bpe), "metaspace": (byte, sentencepiece_style_tokenizer("metaspace")), "same": (byte, byte)}
+
+
+def _completion(tokenizer, text: str, end_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """``text``'s ids and byte spans, then ``end_tokens`` zero-width end tokens (EOS, ``"\\n"``)."""
+    from lightning_gkd.data.retokenize import _TokenBytes
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    spans, end = [], 0
+    for piece in _TokenBytes(tokenizer).content_pieces(ids) if ids else []:
+        spans.append((end, end + len(piece)))
+        end += len(piece)
+    tail = [tokenizer.eos_token_id, tokenizer.eos_token_id][:end_tokens]
+    return ids + tail, spans + [(end, end)] * len(tail)
+
+
+@pytest.mark.parametrize("pair", ["bpe", "metaspace", "same"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        CrossTokenizerLoss(loss="projected"),
+        CrossTokenizerLoss(loss="likelihood"),
+        CrossTokenizerLoss(loss="projected", skip_student_eos=True, beta=0.5, student_temperature=2.0),
+        CrossTokenizerLoss(loss="projected", alignment="positions", skip_teacher_eos=True, teacher_temperature=0.7),
+        CrossTokenizerLoss(loss="likelihood", alignment="positions", beta=1.0),
+    ],
+    ids=["projected", "likelihood", "projected-skip-beta", "projected-positions", "likelihood-positions"],
+)
+def test_batch_loss_equals_the_per_token_reference_over_uneven_rows(tokenizer_pairs, pair, settings):
+    """``cross_tokenizer_batch_loss`` (vectorised over all rows' tokens, the projected part in chunks of 3 positions)
+    against the per-token loops it replaced (tests/helpers/cross_tokenizer_reference.py), row by row: the same groups,
+    values and gradients (float64; equal up to the last bits of vectorised transcendental functions)."""
+    from lightning_gkd.data.token_projection import projection_tables
+    from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss
+    from tests.helpers.cross_tokenizer_reference import reference_row_terms, reference_tables
+
+    student, teacher = tokenizer_pairs[pair]
+    parts = reference_tables(student, teacher)
+    tables = projection_tables(student, teacher)
+    assert torch.equal(tables.first_token, parts[0])  # the tables equal the token-by-token ones
+    reference = ProjectionTables.from_parts(*parts)
+    assert all(torch.equal(getattr(tables, f), getattr(reference, f)) for f in ("cut_prefix", "extension_ids"))
+    texts = ["café 7871 漢字", "a   b\n\n x", "787", "", "58 5858 café\n  y", "7"]
+    ends = [2, 1, 0, 2, 1, 2]  # uneven end tokens (a sample cut without EOS: 0)
+    rows_s = [_completion(student, text, end) for text, end in zip(texts, ends, strict=True)]
+    rows_t = [_completion(teacher, text, max(end - 1, 0)) for text, end in zip(texts, ends, strict=True)]
+    torch.manual_seed(0)
+    s_logits = torch.randn(sum(len(ids) for ids, _ in rows_s), len(student), dtype=torch.float64, requires_grad=True)
+    t_logits = torch.randn(sum(len(ids) for ids, _ in rows_t), len(teacher) + 3, dtype=torch.float64)
+    got = cross_tokenizer_batch_loss(
+        s_logits,
+        t_logits,
+        [ids for ids, _ in rows_s],
+        [ids for ids, _ in rows_t],
+        [spans for _, spans in rows_s],
+        [spans for _, spans in rows_t],
+        settings=settings,
+        projection=tables,
+        chunk_elements=3 * len(student),
+    )
+    (got_grad,) = torch.autograd.grad(got.mean(), s_logits)
+    expected, s_at, t_at = [], 0, 0
+    for (s_ids, s_spans), (t_ids, t_spans) in zip(rows_s, rows_t, strict=True):
+        expected.append(
+            reference_row_terms(
+                s_logits[s_at : s_at + len(s_ids)],
+                t_logits[t_at : t_at + len(t_ids)],
+                s_ids,
+                t_ids,
+                s_spans,
+                t_spans,
+                settings=settings,
+                parts=parts,
+            )
+        )
+        s_at, t_at = s_at + len(s_ids), t_at + len(t_ids)
+    reference = torch.cat(expected)
+    (reference_grad,) = torch.autograd.grad(reference.mean(), s_logits)
+    assert got.shape == reference.shape and got.numel() > 5
+    torch.testing.assert_close(got, reference, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(got_grad, reference_grad, rtol=1e-12, atol=1e-15)
+    assert got_grad.abs().sum() > 0
+
+
+def test_batch_loss_in_float32_matches_the_reference_to_rounding(tokenizer_pairs):
+    from lightning_gkd.data.token_projection import projection_tables
+    from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss
+    from tests.helpers.cross_tokenizer_reference import reference_row_terms, reference_tables
+
+    student, teacher = tokenizer_pairs["bpe"]
+    parts, tables = reference_tables(student, teacher), projection_tables(student, teacher)
+    rows_s = [_completion(student, text, 2) for text in ("café 7871", "58 58")]
+    rows_t = [_completion(teacher, text, 1) for text in ("café 7871", "58 58")]
+    torch.manual_seed(1)
+    s_logits = torch.randn(sum(len(ids) for ids, _ in rows_s), len(student))
+    t_logits = torch.randn(sum(len(ids) for ids, _ in rows_t), len(teacher))
+    settings = CrossTokenizerLoss(loss="projected")
+    got = cross_tokenizer_batch_loss(
+        s_logits,
+        t_logits,
+        [r[0] for r in rows_s],
+        [r[0] for r in rows_t],
+        [r[1] for r in rows_s],
+        [r[1] for r in rows_t],
+        settings=settings,
+        projection=tables,
+    )
+    split_s = s_logits.split([len(r[0]) for r in rows_s])
+    split_t = t_logits.split([len(r[0]) for r in rows_t])
+    reference = torch.cat(
+        [
+            reference_row_terms(s, t, rs[0], rt[0], rs[1], rt[1], settings=settings, parts=parts)
+            for s, t, rs, rt in zip(split_s, split_t, rows_s, rows_t, strict=True)
+        ]
+    )
+    torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_batch_loss_rejects_malformed_spans_and_lengths():
+    from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss
+
+    settings = CrossTokenizerLoss(loss="likelihood")
+    logits = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="ends that never go back"):
+        cross_tokenizer_batch_loss(
+            logits, logits, [[0, 1]], [[0, 1]], [[(0, 2), (0, 1)]], [[(0, 1), (1, 2)]], settings=settings
+        )
+    with pytest.raises(ValueError, match="2 logit rows, 1 token ids"):
+        cross_tokenizer_batch_loss(logits, logits, [[0]], [[0, 1]], [[(0, 1)]], [[(0, 1), (1, 2)]], settings=settings)

@@ -3,6 +3,7 @@ per byte, or a byte-level BPE trained on a corpus)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable
@@ -86,6 +87,19 @@ def _chatml_fast(backend: Tokenizer) -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=PAD_TOKEN)
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Stable hash (hex blake2b-128) of the vocabulary (token -> id, added tokens included), the special tokens and
+    the chat template: what turns a conversation into ids (a teacher cache's key, ``teachers.cache``; the projection
+    tables' cache, ``data.token_projection``). The pad token is left out: padding never reaches the cache, and
+    ``ChatDataModule`` sets a missing one to EOS."""
+    special = {name: value for name, value in tokenizer.special_tokens_map.items() if name != "pad_token"}
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    hasher = hashlib.blake2b(digest_size=16)
+    for part in (vocab, special, getattr(tokenizer, "chat_template", None)):
+        hasher.update(json.dumps(part, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str).encode())
+    return hasher.hexdigest()
 
 
 def load_tokenizer(

@@ -22,7 +22,6 @@ cross path cannot do.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from lightning_gkd.data.token_projection import ProjectionTables, projection_tab
 from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag
 from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
 from lightning_gkd.models.loading import vocab_size
-from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_row_terms, matched_vocabulary
+from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss, cross_tokenizer_row_terms, matched_vocabulary
 from lightning_gkd.ops.hf import causal_lm_logits, hidden_states_and_head, resolve_eos_token_id
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.local import LocalTeacher
@@ -89,7 +88,7 @@ class CrossTokenizerDistillation:
         self._matched_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.projection: ProjectionTables | None = None
         if self.loss_settings.loss == "projected":
-            self.projection = projection_tables(student_tokenizer, teacher_tokenizer)
+            self.projection = projection_tables(student_tokenizer, teacher_tokenizer, settings.projection_cache)
             self.projection.first_token[self.projection.first_token >= (student_width or len(student_tokenizer))] = -1
         positions = getattr(getattr(teacher.model, "config", None), "max_position_embeddings", None)
         self.teacher_positions: int | None = int(positions) if isinstance(positions, int) else None
@@ -118,11 +117,11 @@ class CrossTokenizerDistillation:
         return self._matched_on[device]
 
     def _projection(self, device: torch.device) -> ProjectionTables | None:
-        """The projection tables with their per-token map on ``device`` (moved once, not per row)."""
+        """The projection tables on ``device`` (moved once, not per batch)."""
         if self.projection is None:
             return None
-        if self.projection.first_token.device != device:
-            self.projection = replace(self.projection, first_token=self.projection.first_token.to(device))
+        if self.projection.device != device:
+            self.projection = self.projection.to(device)
         return self.projection
 
     def teacher_inputs(self, batch: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -169,30 +168,42 @@ class CrossTokenizerDistillation:
         )
         matched = self._matched(device)
         projection = self._projection(device)
-        s_rows = s_logits.split([len(c.ids) for c in completions])
-        t_rows = t_logits.split([len(ids) for ids in teacher_rows["completion_ids"]])
-        terms = [
-            cross_tokenizer_row_terms(
-                s_row,
-                t_row,
-                completion.ids,
-                t_ids,
-                completion.spans,
-                t_spans,
+        if self.loss_settings.loss in ("likelihood", "projected"):  # the whole batch at once, vectorised
+            distances = cross_tokenizer_batch_loss(
+                s_logits,
+                t_logits,
+                [c.ids for c in completions],
+                teacher_rows["completion_ids"],
+                [c.spans for c in completions],
+                teacher_rows["completion_spans"],
                 settings=self.loss_settings,
-                matched=matched,
                 projection=projection,
             )
-            for s_row, t_row, completion, t_ids, t_spans in zip(
-                s_rows,
-                t_rows,
-                completions,
-                teacher_rows["completion_ids"],
-                teacher_rows["completion_spans"],
-                strict=True,
-            )
-        ]
-        distances = torch.cat([term.loss for term in terms]) if terms else s_logits.new_zeros(0)
+            terms = []
+        else:
+            s_rows = s_logits.split([len(c.ids) for c in completions])
+            t_rows = t_logits.split([len(ids) for ids in teacher_rows["completion_ids"]])
+            terms = [
+                cross_tokenizer_row_terms(
+                    s_row,
+                    t_row,
+                    completion.ids,
+                    t_ids,
+                    completion.spans,
+                    t_spans,
+                    settings=self.loss_settings,
+                    matched=matched,
+                )
+                for s_row, t_row, completion, t_ids, t_spans in zip(
+                    s_rows,
+                    t_rows,
+                    completions,
+                    teacher_rows["completion_ids"],
+                    teacher_rows["completion_spans"],
+                    strict=True,
+                )
+            ]
+            distances = torch.cat([term.loss for term in terms]) if terms else s_logits.new_zeros(0)
         groups = int(distances.numel())
         loss = distances.mean() if groups else s_logits.sum() * 0.0
         rows = float(batch["input_ids"].shape[0])

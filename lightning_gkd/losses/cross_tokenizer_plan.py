@@ -19,7 +19,7 @@ from lightning_gkd.teachers.spec import TeacherEntry, TeacherPlan
 Enabled = Literal["auto", "always", "never"]
 ENABLED: tuple[str, ...] = get_args(Enabled)
 #: ``cross_tokenizer`` keys read by the method (the rest are ``CrossTokenizerLoss``'s).
-_METHOD_KEYS = ("enabled", "teacher_max_length")
+_METHOD_KEYS = ("enabled", "teacher_max_length", "projection_cache")
 _LOSS_KEYS = tuple(f.name for f in fields(CrossTokenizerLoss))
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _OPTION = "cross_tokenizer"
@@ -30,16 +30,24 @@ class CrossTokenizerSettings:
     """``GKDModule(cross_tokenizer=...)``: ``enabled`` (``auto``: when the tokenizers differ; ``always``: also with
     the same tokenizer; ``never``: GKD's usual path only, the teacher's tokenizer is not looked at), the loss
     (``CrossTokenizerLoss``) and ``teacher_max_length`` (the teacher's input budget in its tokens; None: the
-    datamodule's ``max_length`` plus ``max_new_tokens``, at most the teacher's positions)."""
+    datamodule's ``max_length`` plus ``max_new_tokens``, at most the teacher's positions) and ``projection_cache``
+    (a folder where the ``projected`` loss's tables are cached, keyed by both tokenizers' fingerprints; None: built
+    each run)."""
 
     enabled: Enabled = "auto"
     loss: CrossTokenizerLoss = field(default_factory=CrossTokenizerLoss)
     teacher_max_length: int | None = None
+    projection_cache: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The flat mapping of conf/cross_tokenizer/ (plain values: checkpoints' hyper-parameters load weights-only)."""
         loss = {f.name: getattr(self.loss, f.name) for f in fields(CrossTokenizerLoss)}
-        return {"enabled": self.enabled, **loss, "teacher_max_length": self.teacher_max_length}
+        return {
+            "enabled": self.enabled,
+            **loss,
+            "teacher_max_length": self.teacher_max_length,
+            "projection_cache": self.projection_cache,
+        }
 
 
 def cross_tokenizer_settings(value: Any, *, beta: float, loss_temperature: float) -> CrossTokenizerSettings:
@@ -67,11 +75,16 @@ def cross_tokenizer_settings(value: Any, *, beta: float, loss_temperature: float
     max_length = given.pop("teacher_max_length", None)
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
         raise ValueError(f"{_OPTION}.teacher_max_length must be an integer >= 2 or null, got {max_length!r}.")
+    cache = given.pop("projection_cache", None)
+    if cache is not None and not isinstance(cache, str | Path):
+        raise ValueError(f"{_OPTION}.projection_cache must be a folder path or null, got {cache!r}.")
     defaults = {"beta": beta, "student_temperature": loss_temperature, "teacher_temperature": loss_temperature}
     for key, default in defaults.items():  # null: the method's own
         if given.get(key) is None:
             given[key] = default
-    return CrossTokenizerSettings(enabled, CrossTokenizerLoss(**given), max_length)
+    return CrossTokenizerSettings(
+        enabled, CrossTokenizerLoss(**given), max_length, None if cache is None else str(cache)
+    )
 
 
 def _changed_settings(value: Any) -> list[str]:
@@ -80,6 +93,7 @@ def _changed_settings(value: Any) -> list[str]:
     if isinstance(value, CrossTokenizerSettings):
         given: dict[str, Any] = {f.name: getattr(value.loss, f.name) for f in fields(CrossTokenizerLoss)}
         given["teacher_max_length"] = value.teacher_max_length
+        given["projection_cache"] = value.projection_cache
     elif isinstance(value, CrossTokenizerLoss):
         given = {f.name: getattr(value, f.name) for f in fields(CrossTokenizerLoss)}
     else:

@@ -23,6 +23,8 @@ One row's loss (``cross_tokenizer_row_loss``):
    models compared as two-outcome distributions (``ops.chunk_likelihood``).
 
 The row's loss is the mean of the returned per-group values (as in TRL); how rows are combined is the caller's.
+``likelihood`` and ``projected`` run over a whole batch at once (``cross_tokenizer_batch_loss``: alignment, chunk
+likelihoods and projection vectorised over all rows' tokens; the row functions call it with one row).
 
 Parity and differences with TRL 1.16's ``trl.experimental.gold.gold_trainer.ULDLoss`` (the test oracle; values
 agree within 1e-5 on the same inputs, see tests/test_ops_cross_tokenizer.py):
@@ -48,22 +50,25 @@ Nothing here imports Lightning or transformers.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from itertools import chain
+from typing import Literal, NamedTuple
 
 import torch
 
 from lightning_gkd.ops.chunk_likelihood import (
+    ProjectionTables,
     binary_jsd,
-    chunk_log_likelihoods,
-    projected_distance,
-    projected_teacher_targets,
+    plan_targets,
+    projected_distances,
+    projection_plan,
 )
 from lightning_gkd.ops.token_alignment import (
     MERGE_STRATEGIES,
     Span,
     align_byte_spans,
+    align_flat_spans,
     end_token_count,
     merge_group_probs,
     token_id_list,
@@ -173,19 +178,6 @@ class CrossTokenizerLoss:
                 raise ValueError(f"cross_tokenizer.{name} must be a finite number >= 0 (or null), got {value!r}.")
 
 
-class ProjectionTablesLike(Protocol):
-    """``data.token_projection.ProjectionTables``: what ``loss="projected"`` projects the teacher with."""
-
-    @property
-    def first_token(self) -> torch.Tensor: ...
-
-    @property
-    def token_bytes(self) -> Sequence[bytes | None]: ...
-
-    @property
-    def extensions(self) -> Mapping[bytes, tuple[torch.Tensor, torch.Tensor]]: ...
-
-
 class CrossTokenizerTerms(NamedTuple):
     """One row's per-group values: ``loss`` ``[G]`` and, for the hybrid, its unweighted ``matched`` and
     ``unmatched`` parts ``[G]`` (None for ULD)."""
@@ -224,7 +216,7 @@ def cross_tokenizer_row_terms(
     settings: CrossTokenizerLoss,
     matched: tuple[torch.Tensor, torch.Tensor] | None,
     chunk_size: int | None = None,
-    projection: ProjectionTablesLike | None = None,
+    projection: ProjectionTables | None = None,
 ) -> CrossTokenizerTerms:
     """``cross_tokenizer_row_loss`` with the hybrid's two parts as well (for logging)."""
     s_ids, t_ids = token_id_list(student_ids), token_id_list(teacher_ids)
@@ -247,42 +239,20 @@ def cross_tokenizer_row_terms(
     else:
         pairs = [([k], [k]) for k in range(min(n_s, n_t))]
     if settings.loss in ("likelihood", "projected"):
-        student_logp = chunk_log_likelihoods(
-            student_logits[:n_s], [sg for sg, _ in pairs], s_ids[:n_s], settings.student_temperature
+        return CrossTokenizerTerms(
+            cross_tokenizer_batch_loss(
+                student_logits,
+                teacher_logits,
+                [s_ids],
+                [t_ids],
+                [student_spans],
+                [teacher_spans],
+                settings=settings,
+                projection=projection,
+            ),
+            None,
+            None,
         )
-        teacher_logp = chunk_log_likelihoods(
-            teacher_logits[:n_t], [tg for _, tg in pairs], t_ids[:n_t], settings.teacher_temperature
-        )
-        chunks = binary_jsd(student_logp, teacher_logp, settings.beta)
-        if settings.loss == "likelihood":
-            return CrossTokenizerTerms(chunks, None, None)
-        if projection is None:
-            raise ValueError(
-                "cross_tokenizer.loss='projected' needs the projection tables: pass projection=projection_tables("
-                "student_tokenizer, teacher_tokenizer) (data/token_projection.py)."
-            )
-        with torch.no_grad():
-            teacher_probs = _probs(teacher_logits[:n_t], settings.teacher_temperature)
-        positions, targets = projected_teacher_targets(
-            teacher_probs,
-            t_ids[:n_t],
-            teacher_spans[:n_t],
-            [start for start, _ in student_spans[:n_s]],
-            student_vocab=student_logits.size(-1),
-            first_token=projection.first_token,
-            token_bytes=projection.token_bytes,
-            extensions=projection.extensions,
-        )
-        per_position = student_logits.new_zeros(n_s, dtype=chunks.dtype)
-        if positions.numel():
-            distances = projected_distance(
-                student_logits[positions], targets, settings.beta, settings.student_temperature
-            )
-            per_position = per_position.index_put((positions,), distances.to(chunks.dtype))
-        owner = torch.tensor([g for g, (sg, _) in enumerate(pairs) for _ in sg], device=chunks.device)
-        members = torch.tensor([k for sg, _ in pairs for k in sg], device=chunks.device, dtype=torch.long)
-        per_group = chunks.new_zeros(len(pairs)).index_add(0, owner, per_position[members]) if pairs else chunks
-        return CrossTokenizerTerms(per_group + chunks, None, None)
     if settings.alignment == "bytes":
         s_probs = _probs(student_logits[:n_s], settings.student_temperature)
         t_probs = _probs(teacher_logits[:n_t], settings.teacher_temperature)
@@ -323,7 +293,7 @@ def cross_tokenizer_row_loss(
     settings: CrossTokenizerLoss,
     matched: tuple[torch.Tensor, torch.Tensor] | None,
     chunk_size: int | None = None,
-    projection: ProjectionTablesLike | None = None,
+    projection: ProjectionTables | None = None,
 ) -> torch.Tensor:
     """The cross-tokenizer distance of one row's completion, per aligned group (the module docstring's steps 1-4).
 
@@ -355,3 +325,171 @@ def cross_tokenizer_row_loss(
         chunk_size=chunk_size,
         projection=projection,
     ).loss
+
+
+def _flat_side(
+    logits: torch.Tensor,
+    ids: Sequence[Sequence[int] | torch.Tensor],
+    spans: Sequence[Sequence[Span]],
+    skip_end_tokens: bool,
+    side: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One side's rows flat (``[N]`` over all rows): the kept positions (indices into ``logits``, end tokens dropped
+    with ``skip_end_tokens``), and their ids, ``[K, 2]`` spans and rows. Checks the shapes and spans."""
+    device = logits.device
+    if logits.dim() != 2:
+        raise ValueError(f"{side}_logits must be [N, V] (the rows' completion positions), got {tuple(logits.shape)}.")
+    lengths = [len(row) for row in ids]
+    span_lengths = [len(row) for row in spans]
+    if lengths != span_lengths or sum(lengths) != logits.size(0):
+        raise ValueError(
+            f"{side}: {logits.size(0)} logit rows, {sum(lengths)} token ids and {sum(span_lengths)} byte spans (per "
+            f"row {lengths} ids and {span_lengths} spans); each completion token needs one of each (logits shifted: "
+            "row k is the distribution for token k)."
+        )
+    flat_ids = torch.tensor(
+        list(chain.from_iterable(row.tolist() if isinstance(row, torch.Tensor) else row for row in ids)),
+        dtype=torch.long,
+    ).to(device)
+    flat_spans = torch.tensor(list(chain.from_iterable(spans)), dtype=torch.long).reshape(-1, 2).to(device)
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    if flat_ids.numel():
+        bad = (flat_spans[:, 0] < 0) | (flat_spans[:, 0] > flat_spans[:, 1])
+        back = torch.zeros_like(bad)
+        back[1:] = (flat_spans[1:, 1] < flat_spans[:-1, 1]) & (rows[1:] == rows[:-1])
+        if bool((bad | back).any()):
+            k = int(torch.nonzero(bad | back)[0])
+            raise ValueError(
+                f"{side}_spans: token {k} (flat over the rows) has span {tuple(flat_spans[k].tolist())}; byte spans "
+                "need 0 <= start <= end, and ends that never go back within a row (UTF-8 byte offsets relative to "
+                "the start of the completion's content, end tokens zero-width at its end)."
+            )
+    keep = torch.ones_like(flat_ids, dtype=torch.bool)
+    if skip_end_tokens and flat_ids.numel():  # the trailing zero-width tokens at each row's content end
+        count = len(lengths)
+        content = torch.zeros(count, dtype=torch.long, device=device).scatter_reduce(
+            0, rows, flat_spans[:, 1], "amax", include_self=True
+        )
+        end = (flat_spans[:, 0] == content[rows]) & (flat_spans[:, 1] == content[rows])
+        index = torch.arange(flat_ids.numel(), device=device)
+        last_content = torch.full((count,), -1, dtype=torch.long, device=device).scatter_reduce(
+            0, rows[~end], index[~end], "amax", include_self=True
+        )
+        keep = index <= last_content[rows]
+    positions = torch.nonzero(keep).squeeze(-1)
+    return positions, flat_ids[positions], flat_spans[positions], rows[positions]
+
+
+def _token_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log softmax(logits / τ)[ids]`` per row, float32 for half precision."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def cross_tokenizer_batch_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_ids: Sequence[Sequence[int] | torch.Tensor],
+    teacher_ids: Sequence[Sequence[int] | torch.Tensor],
+    student_spans: Sequence[Sequence[Span]],
+    teacher_spans: Sequence[Sequence[Span]],
+    *,
+    settings: CrossTokenizerLoss,
+    projection: ProjectionTables | None = None,
+    chunk_elements: int = 1 << 24,
+) -> torch.Tensor:
+    """The ``likelihood`` / ``projected`` loss of a batch, per aligned group, vectorised over the tokens of all rows:
+    equal to concatenating ``cross_tokenizer_row_loss`` over the rows.
+
+    Args:
+        student_logits: ``[Σ N_s, V_S]``: the rows' completion positions, row after row (shifted).
+        teacher_logits: ``[Σ N_t, V_T]``, the same for the teacher.
+        student_ids, teacher_ids: per row, the completion token ids.
+        student_spans, teacher_spans: per row, their byte spans (see ``cross_tokenizer_row_loss``).
+        settings: the ``CrossTokenizerLoss`` (``loss`` ``likelihood`` or ``projected``).
+        projection: the ``ProjectionTables`` (required for ``projected``).
+        chunk_elements: the projected part runs over chunks of about this many logits (positions × ``V_S``): the
+            teacher's probabilities, the targets and the divergence's intermediates exist a chunk at a time.
+
+    Returns:
+        ``[G]`` over the rows' aligned groups in order, float32 for half-precision logits, else the logits' dtype;
+        differentiable with respect to ``student_logits`` (and ``teacher_logits`` through the chunk likelihoods).
+    """
+    if settings.loss not in ("likelihood", "projected"):
+        raise ValueError(
+            f"cross_tokenizer_batch_loss computes loss='likelihood' or 'projected', got {settings.loss!r}."
+        )
+    if settings.loss == "projected" and projection is None:
+        raise ValueError(
+            "cross_tokenizer.loss='projected' needs the projection tables: pass projection=projection_tables("
+            "student_tokenizer, teacher_tokenizer) (data/token_projection.py)."
+        )
+    if len(student_ids) != len(teacher_ids):
+        raise ValueError(f"{len(student_ids)} student rows and {len(teacher_ids)} teacher rows: pass one of each.")
+    s_pos, s_ids, s_spans, s_rows = _flat_side(
+        student_logits, student_ids, student_spans, settings.skip_student_eos, "student"
+    )
+    t_pos, t_ids, t_spans, t_rows = _flat_side(
+        teacher_logits, teacher_ids, teacher_spans, settings.skip_teacher_eos, "teacher"
+    )
+    for name, logits, ids in (("student", student_logits, s_ids), ("teacher", teacher_logits, t_ids)):
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < logits.size(-1)):
+            raise ValueError(
+                f"{name} token ids hold ids in [{int(ids.min())}, {int(ids.max())}], outside the {logits.size(-1)} "
+                "logit columns."
+            )
+    device = student_logits.device
+    if settings.alignment == "bytes":
+        s_group, t_group, groups = align_flat_spans(s_spans[:, 1], s_rows, t_spans[:, 1], t_rows)
+    else:  # token k with token k, for the first min(N_s, N_t) of each row
+        rows = len(student_ids)
+        n_s = torch.bincount(s_rows, minlength=rows)
+        n_t = torch.bincount(t_rows, minlength=rows)
+        paired = torch.minimum(n_s, n_t)
+        offset = torch.cumsum(paired, 0) - paired
+        groups = int(paired.sum())
+
+        def numbered(rows_: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            local = torch.arange(rows_.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[rows_]
+            return torch.where(local < paired[rows_], offset[rows_] + local, -1)
+
+        s_group, t_group = numbered(s_rows, n_s), numbered(t_rows, n_t)
+    s_in, t_in = s_group >= 0, t_group >= 0
+    s_logp = _token_log_probs(student_logits[s_pos], s_ids, settings.student_temperature)
+    t_logp = _token_log_probs(teacher_logits[t_pos], t_ids, settings.teacher_temperature)
+    student_chunks = s_logp.new_zeros(groups).index_add(0, s_group[s_in], s_logp[s_in])
+    teacher_chunks = t_logp.new_zeros(groups).index_add(0, t_group[t_in], t_logp[t_in])
+    chunks = binary_jsd(student_chunks, teacher_chunks, settings.beta)
+    if settings.loss == "likelihood":
+        return chunks
+    assert projection is not None
+    tables = projection if projection.device == device else projection.to(device)
+    t_logits = teacher_logits.detach()
+    plan = projection_plan(
+        t_ids,
+        t_spans,
+        t_rows,
+        s_spans[:, 0],
+        s_rows,
+        teacher_vocab=t_logits.size(-1),
+        tables=tables,
+    )
+
+    def teacher_probs(lo: int, hi: int) -> torch.Tensor:
+        return _probs(t_logits[t_pos[lo:hi]], settings.teacher_temperature)
+
+    per_position = projected_distances(
+        student_logits,
+        s_pos,
+        lambda rows: plan_targets(
+            plan, teacher_probs, rows, student_vocab=student_logits.size(-1), first_token=tables.first_token
+        ),
+        beta=settings.beta,
+        temperature=settings.student_temperature,
+        chunk_size=max(1, chunk_elements // max(student_logits.size(-1), 1)),
+    ).to(chunks.dtype)
+    per_group = chunks.new_zeros(groups).index_add(0, s_group[s_in], per_position[s_in])
+    return per_group + chunks

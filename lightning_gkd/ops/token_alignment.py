@@ -13,7 +13,14 @@ from typing import Literal
 
 import torch
 
-__all__ = ["MERGE_STRATEGIES", "align_byte_spans", "end_token_count", "merge_group_probs", "token_id_list"]
+__all__ = [
+    "MERGE_STRATEGIES",
+    "align_byte_spans",
+    "align_flat_spans",
+    "end_token_count",
+    "merge_group_probs",
+    "token_id_list",
+]
 
 MERGE_STRATEGIES = ("observed", "bayesian")
 # TRL's floor for probabilities before a log (merged scalars).
@@ -87,6 +94,58 @@ def align_byte_spans(
         student_groups.append(list(range(s_open, n_s)))
         teacher_groups.append(list(range(t_open, n_t)))
     return student_groups, teacher_groups
+
+
+def align_flat_spans(
+    student_ends: torch.Tensor, student_rows: torch.Tensor, teacher_ends: torch.Tensor, teacher_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``align_byte_spans`` for a batch at once, vectorised over tokens: the rows' tokens flat, row after row.
+
+    Two tokens close a group when they are the ``r``-th token of their side to end at the same byte of the same row
+    (the walk pairs equal ends one to one, in order); the tokens after a row's last closing form one last group,
+    kept only when both sides have tokens in it (``align_byte_spans``'s pairs with an empty side are dropped).
+
+    Args:
+        student_ends, teacher_ends: ``[N_s]`` / ``[N_t]`` int64 end bytes, non-decreasing within a row.
+        student_rows, teacher_rows: each token's row, non-decreasing.
+
+    Returns:
+        ``(student_group, teacher_group, G)``: each token's group (``0 <= g < G``, groups in row order then byte
+        order; -1 for a token of a dropped group) and the number of groups.
+    """
+    device = student_ends.device
+
+    def keys(ends: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(ends.numel(), device=device)
+        new_run = torch.ones_like(ends, dtype=torch.bool)
+        new_run[1:] = (ends[1:] != ends[:-1]) | (rows[1:] != rows[:-1])
+        rank = index - torch.cummax(torch.where(new_run, index, 0), 0).values
+        return (rows << 44) | (ends << 20) | rank
+
+    s_key, t_key = keys(student_ends, student_rows), keys(teacher_ends, teacher_rows)
+
+    def closes(key: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if other.numel() == 0:
+            return torch.zeros_like(key, dtype=torch.bool)
+        found = torch.searchsorted(other, key).clamp(max=other.numel() - 1)
+        return other[found] == key
+
+    s_close, t_close = closes(s_key, t_key), closes(t_key, s_key)
+    # group slot: closings before the token (over the batch) plus one trailing slot per earlier row
+    s_slot = torch.cumsum(s_close, 0) - s_close.long() + student_rows
+    t_slot = torch.cumsum(t_close, 0) - t_close.long() + teacher_rows
+    rows = int(
+        max(
+            int(student_rows.max()) + 1 if student_rows.numel() else 0,
+            int(teacher_rows.max()) + 1 if teacher_rows.numel() else 0,
+        )
+    )
+    slots = int(s_close.sum()) + rows
+    both = (torch.bincount(s_slot, minlength=slots)[:slots] > 0) & (torch.bincount(t_slot, minlength=slots)[:slots] > 0)
+    number = torch.cumsum(both, 0) - 1
+    s_group = torch.where(both[s_slot], number[s_slot], -1) if s_slot.numel() else s_slot
+    t_group = torch.where(both[t_slot], number[t_slot], -1) if t_slot.numel() else t_slot
+    return s_group, t_group, int(both.sum())
 
 
 def end_token_count(spans: Sequence[Span]) -> int:

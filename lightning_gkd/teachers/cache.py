@@ -50,6 +50,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.rows import fit_rows
+from lightning_gkd.data.tokenizer import tokenizer_fingerprint
 from lightning_gkd.evaluation.model_card import describe_source
 from lightning_gkd.ops.hf import LogitHead
 from lightning_gkd.teachers.base import TopKSignal
@@ -337,15 +338,6 @@ def row_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]
 
 def _json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str).encode()
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Stable hash of the vocabulary (token -> id, added tokens included), the special tokens and the chat
-    template: what turns a conversation into the ids a cache is keyed by. The pad token is left out: padding
-    never reaches the cache, and ``ChatDataModule`` sets a missing one to EOS."""
-    special = {name: value for name, value in tokenizer.special_tokens_map.items() if name != "pad_token"}
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
-    return _digest([_json(vocab), _json(special), _json(getattr(tokenizer, "chat_template", None))])
 
 
 def data_fingerprint(rows: Iterable[Mapping[str, Any]]) -> str:
