@@ -1,0 +1,151 @@
+"""``sparse_tied_embedding_gradient``: a tied input embedding's gradient is its looked-up rows, added into the head's
+dense gradient. Gradients and fused-AdamW weights equal torch's dense path bit for bit (qwen2, llama, gpt2; through
+full logits and through the chunked hidden-state loss); untied, frozen, LoRA'd and custom embeddings keep theirs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.tiny_registry import build_tiny, tiny_config
+from test_methods_gkd import fit  # the shared tiny GKD fit
+from torch import nn
+
+from lightning_gkd import GKDModule
+from lightning_gkd.models.tied_embedding import RowsGradientEmbedding, sparse_tied_embedding_gradient
+from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.hf import hidden_states_and_head, position_ids_from_mask
+
+VOCAB = 96
+FAMILIES = ["qwen2", "llama", "gpt2"]
+
+
+def tied_model(model_type: str, tie: bool = True) -> nn.Module:
+    model = build_tiny(tiny_config(model_type, VOCAB, tie_word_embeddings=tie), seed=0)
+    same = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert same == tie, model_type
+    return model
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 20, (2, 12), generator=generator)  # few distinct ids: many repeats
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0  # left padding with the pad id (the padding_idx of qwen2/llama)
+    return ids, mask
+
+
+def logits_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    keep = mask[:, 1:].bool()
+    return F.cross_entropy(logits[:, :-1][keep].float(), ids[:, 1:][keep])
+
+
+def chunked_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    positions = mask.bool()
+    hidden, head = hidden_states_and_head(model, ids, mask, positions)
+    generator = torch.Generator().manual_seed(7)
+    teacher_hidden = torch.randn(hidden.shape[0], 16, generator=generator)
+    teacher_weight = torch.randn(head.weight.shape[0], 16, generator=generator)
+    return projected_jsd_loss(hidden, head, teacher_hidden, teacher_weight, chunk_size=5)
+
+
+def train(model: nn.Module, loss_fn) -> list[dict[str, torch.Tensor]]:
+    """Two fused AdamW steps (the second accumulates two micro-batches); each step's gradients, then the weights."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    torch.manual_seed(0)  # the same dropout masks (gpt2 drops out) for both paths
+    seen = []
+    for step_batches in ([0], [1, 2]):
+        optimizer.zero_grad()
+        for seed in step_batches:
+            loss_fn(model, *batch(seed)).backward()
+        seen.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+    seen.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return seen
+
+
+@pytest.mark.parametrize("loss_fn", [logits_loss, chunked_loss], ids=["logits", "chunked"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_gradients_and_fused_adamw_weights_equal_the_dense_path(model_type, loss_fn):
+    base = tied_model(model_type)
+    dense, rows = copy.deepcopy(base), copy.deepcopy(base)
+    assert sparse_tied_embedding_gradient(rows)
+    assert type(rows.get_input_embeddings()) is RowsGradientEmbedding
+    expected, got = train(dense, loss_fn), train(rows, loss_fn)
+    for want, have in zip(expected, got, strict=True):
+        assert want.keys() == have.keys()
+        for name in want:
+            assert not have[name].is_sparse, name
+            assert torch.equal(have[name], want[name]), name
+    embedding = got[0][next(n for n, p in rows.named_parameters() if p is rows.get_input_embeddings().weight)]
+    assert embedding.abs().sum() > 0
+
+
+def test_without_the_head_the_gradient_is_made_dense():
+    """A backward through the embedding alone: the hook turns the sparse rows into the dense ``.grad``."""
+    model = tied_model("qwen2")
+    dense = copy.deepcopy(model)
+    assert sparse_tied_embedding_gradient(model)
+    ids = batch(0)[0]
+    for m in (model, dense):
+        m.get_input_embeddings()(ids).pow(2).sum().backward()
+    got, want = model.get_input_embeddings().weight.grad, dense.get_input_embeddings().weight.grad
+    assert not got.is_sparse and torch.equal(got, want)
+
+
+def test_untied_frozen_and_custom_embeddings_keep_their_path():
+    untied = tied_model("qwen2", tie=False)
+    assert not sparse_tied_embedding_gradient(untied)
+    assert type(untied.get_input_embeddings()) is nn.Embedding
+    logits_loss(untied, *batch(0)).backward()
+    assert untied.get_input_embeddings().weight.grad.layout == torch.strided
+
+    frozen = tied_model("qwen2")
+    frozen.get_input_embeddings().weight.requires_grad_(False)
+    assert not sparse_tied_embedding_gradient(frozen)
+    logits_loss(frozen, *batch(0)).backward()
+    assert frozen.get_input_embeddings().weight.grad is None
+
+    class Scaled(nn.Embedding):  # e.g. Gemma's scaled word embedding: its own forward
+        def forward(self, input):
+            return super().forward(input) * 2.0
+
+    custom = tied_model("qwen2")
+    custom.get_input_embeddings().__class__ = Scaled
+    assert not sparse_tied_embedding_gradient(custom)
+    assert type(custom.get_input_embeddings()) is Scaled
+
+
+def test_a_lora_student_keeps_its_path():
+    pytest.importorskip("peft")
+    from lightning_gkd.models.lora import apply_lora
+
+    model = apply_lora(tied_model("qwen2"), {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"})
+    assert not sparse_tied_embedding_gradient(model)  # the tied weight is frozen: only adapters train
+    assert type(model.get_input_embeddings()) is nn.Embedding
+
+
+def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows, tmp_path):
+    """GKD on dataset completions (lmbda = 0: the chunked hidden-state loss), 3 steps of the default fused AdamW
+    under a real Trainer: the same weights as with torch's dense embedding gradient."""
+    student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
+    teacher = tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1)
+    states = []
+    for lever in (True, False):
+        torch.manual_seed(0)
+        module = GKDModule(copy.deepcopy(student), teacher, tokenizer, lmbda=0.0, beta=0.5)
+        embedding = module.model.get_input_embeddings()
+        assert type(embedding) is RowsGradientEmbedding
+        if not lever:
+            embedding.__class__ = nn.Embedding  # torch's dense path
+        fit(module, tokenizer, toy_rows, tmp_path / str(lever), max_steps=3)
+        states.append({name: p.detach().clone() for name, p in module.model.named_parameters()})
+    rows, dense = states
+    assert rows.keys() == dense.keys()
+    for name in rows:
+        assert torch.equal(rows[name], dense[name]), name
+    assert not torch.equal(rows["model.embed_tokens.weight"], student.model.embed_tokens.weight)  # it trained
