@@ -5,6 +5,11 @@ full logits and through the chunked hidden-state loss); untied, frozen, LoRA'd a
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +25,7 @@ from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.hf import hidden_states_and_head, position_ids_from_mask
 
 VOCAB = 96
+WORKER = Path(__file__).parent / "helpers" / "tied_embedding_worker.py"
 FAMILIES = ["qwen2", "llama", "gpt2"]
 
 
@@ -149,3 +155,26 @@ def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows,
     for name in rows:
         assert torch.equal(rows[name], dense[name]), name
     assert not torch.equal(rows["model.embed_tokens.weight"], student.model.embed_tokens.weight)  # it trained
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_two_processes_train_to_the_same_weights(kind, tmp_path):
+    """DDP and FSDP2 (ModelParallelStrategy), 2 gloo processes, fused AdamW: the same trained weights with the rows
+    gradient (the default) as with torch's dense path."""
+    launcher = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")  # a clean launcher: Lightning starts rank 1
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(launcher)},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = tmp_path / "run"
+    command = [sys.executable, str(WORKER), str(out), kind]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((out / "result.json").read_text())
+    strategy = {"ddp": "DDPStrategy", "fsdp": "ModelParallelStrategy"}[kind]
+    assert result["world_size"] == 2 and result["strategy"] == strategy
+    assert result["embedding"] == "RowsGradientEmbedding" and result["fused"]
+    assert result["names_equal"] and result["unequal"] == [] and result["max_abs_diff"] == 0.0
+    assert result["embedding_change"] > 1e-5  # the tied weight trained
