@@ -135,7 +135,7 @@ def test_a_lora_student_keeps_its_path():
     assert type(model.get_input_embeddings()) is nn.Embedding
 
 
-def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows, tmp_path):
+def test_a_student_with_it_trains_to_the_same_weights(tokenizer, toy_rows, tmp_path):
     """GKD on dataset completions (lmbda = 0: the chunked hidden-state loss), 3 steps of the default fused AdamW
     under a real Trainer: the same weights as with torch's dense embedding gradient."""
     student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
@@ -143,11 +143,12 @@ def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows,
     states = []
     for lever in (True, False):
         torch.manual_seed(0)
-        module = GKDModule(copy.deepcopy(student), teacher, tokenizer, lmbda=0.0, beta=0.5)
-        embedding = module.model.get_input_embeddings()
-        assert type(embedding) is RowsGradientEmbedding
-        if not lever:
-            embedding.__class__ = nn.Embedding  # torch's dense path
+        model = copy.deepcopy(student)
+        if lever:
+            assert sparse_tied_embedding_gradient(model)
+        module = GKDModule(model, teacher, tokenizer, lmbda=0.0, beta=0.5)
+        expected = RowsGradientEmbedding if lever else nn.Embedding
+        assert type(module.model.get_input_embeddings()) is expected
         fit(module, tokenizer, toy_rows, tmp_path / str(lever), max_steps=3)
         states.append({name: p.detach().clone() for name, p in module.model.named_parameters()})
     rows, dense = states
@@ -161,7 +162,7 @@ def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows,
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_two_processes_train_to_the_same_weights(kind, tmp_path):
     """DDP and FSDP2 (ModelParallelStrategy), 2 gloo processes, fused AdamW: the same trained weights with the rows
-    gradient (the default) as with torch's dense path."""
+    gradient as with torch's dense path."""
     launcher = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")  # a clean launcher: Lightning starts rank 1
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(launcher)},

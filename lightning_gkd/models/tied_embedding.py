@@ -5,7 +5,14 @@ head. The head's gradient is dense; torch's embedding backward makes a second de
 and an index-add of the few rows the batch looked up) that autograd then adds to it, at Qwen2.5-0.5B shapes a 545 MB
 buffer and about half a second per step on CPU. :func:`sparse_tied_embedding_gradient` swaps such an embedding's
 lookup for ``ops.embedding.embedding_rows_gradient``, whose gradient holds the rows looked up only: autograd adds them
-into the head's gradient in place, the same sums as before (bit-equal on CPU).
+into the head's gradient, the same sums as before (bit-equal on CPU).
+
+Not wired into the modules by default: autograd's input buffer adds a sparse gradient into a dense one out of place
+(torch 2.13 counts sparse tensors as "subclass-like", so ``InputBuffer`` computes ``dense + sparse`` into a fresh
+``(V, H)`` tensor instead of ``dense.add_(sparse)``), so the 545 MB allocation and its page faults remain and the
+backward measured no faster at Qwen2.5-0.5B's shapes (``scripts/bench.py``'s ``tied_rows`` lever). Adding the rows
+in place needs the rows delivered after the head's gradient without a sparse tensor in the buffer (for instance a
+pre-hook on the weight's ``AccumulateGrad`` node).
 """
 
 from __future__ import annotations
