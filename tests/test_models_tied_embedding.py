@@ -135,7 +135,7 @@ def test_a_lora_student_keeps_its_path():
     assert type(model.get_input_embeddings()) is nn.Embedding
 
 
-def test_a_student_with_it_trains_to_the_same_weights(tokenizer, toy_rows, tmp_path):
+def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows, tmp_path):
     """GKD on dataset completions (lmbda = 0: the chunked hidden-state loss), 3 steps of the default fused AdamW
     under a real Trainer: the same weights as with torch's dense embedding gradient."""
     student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
@@ -143,12 +143,11 @@ def test_a_student_with_it_trains_to_the_same_weights(tokenizer, toy_rows, tmp_p
     states = []
     for lever in (True, False):
         torch.manual_seed(0)
-        model = copy.deepcopy(student)
-        if lever:
-            assert sparse_tied_embedding_gradient(model)
-        module = GKDModule(model, teacher, tokenizer, lmbda=0.0, beta=0.5)
-        expected = RowsGradientEmbedding if lever else nn.Embedding
-        assert type(module.model.get_input_embeddings()) is expected
+        module = GKDModule(copy.deepcopy(student), teacher, tokenizer, lmbda=0.0, beta=0.5)
+        embedding = module.model.get_input_embeddings()
+        assert type(embedding) is RowsGradientEmbedding
+        if not lever:
+            embedding.__class__ = nn.Embedding  # torch's dense path
         fit(module, tokenizer, toy_rows, tmp_path / str(lever), max_steps=3)
         states.append({name: p.detach().clone() for name, p in module.model.named_parameters()})
     rows, dense = states
@@ -162,7 +161,7 @@ def test_a_student_with_it_trains_to_the_same_weights(tokenizer, toy_rows, tmp_p
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_two_processes_train_to_the_same_weights(kind, tmp_path):
     """DDP and FSDP2 (ModelParallelStrategy), 2 gloo processes, fused AdamW: the same trained weights with the rows
-    gradient as with torch's dense path."""
+    gradient (the default) as with torch's dense path."""
     launcher = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")  # a clean launcher: Lightning starts rank 1
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(launcher)},
@@ -179,3 +178,41 @@ def test_two_processes_train_to_the_same_weights(kind, tmp_path):
     assert result["embedding"] == "RowsGradientEmbedding" and result["fused"]
     assert result["names_equal"] and result["unequal"] == [] and result["max_abs_diff"] == 0.0
     assert result["embedding_change"] > 1e-5  # the tied weight trained
+
+
+@pytest.mark.parametrize("loss_fn", [logits_loss, chunked_loss], ids=["logits", "chunked"])
+def test_the_rows_are_added_without_a_vocabulary_sized_zero_fill(loss_fn):
+    """The backward makes no zero-filled (V, H) tensor for the embedding. With the chunked loss (the head's gradient
+    contiguous) the rows go in place into it, no (V, H) tensor at all; HF's lm_head hands a transposed gradient,
+    which autograd sums out of place (as it does today), and the rows go into that sum."""
+    model = tied_model("qwen2")
+    assert sparse_tied_embedding_gradient(model)
+    loss = loss_fn(model, *batch(0))
+    shape = str(list(model.get_input_embeddings().weight.shape))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiler:
+        loss.backward()
+    vocabulary_sized = {
+        event.key for event in profiler.key_averages(group_by_input_shape=True) if shape in str(event.input_shapes)
+    }
+    assert not vocabulary_sized & {"aten::zeros", "aten::fill_", "aten::zero_", "aten::embedding_dense_backward"}
+    assert "aten::index_add_" in vocabulary_sized  # the rows, into the head's gradient
+    if loss_fn is chunked_loss:
+        assert "aten::add" not in vocabulary_sized and "aten::add_" in vocabulary_sized
+
+
+def test_autograd_grad_and_a_deep_copy_get_the_whole_gradient():
+    """Where the weight's AccumulateGrad node does not run (autograd.grad) or is not the hooked one (a deep copy),
+    the rows come as a sparse gradient: still the dense path's values."""
+    model = tied_model("qwen2")
+    dense = copy.deepcopy(model)
+    assert sparse_tied_embedding_gradient(model)
+    weight, dense_weight = model.get_input_embeddings().weight, dense.get_input_embeddings().weight
+    (got,) = torch.autograd.grad(logits_loss(model, *batch(0)), [weight])
+    (want,) = torch.autograd.grad(logits_loss(dense, *batch(0)), [dense_weight])
+    assert torch.equal(got.to_dense() if got.is_sparse else got, want)
+    copied = copy.deepcopy(model)
+    assert type(copied.get_input_embeddings()) is RowsGradientEmbedding
+    logits_loss(copied, *batch(0)).backward()
+    assert torch.equal(copied.get_input_embeddings().weight.grad, want)
+    logits_loss(model, *batch(0)).backward()  # the original still takes the in-place path afterwards
+    assert torch.equal(weight.grad, want)

@@ -7,15 +7,18 @@ buffer and about half a second per step on CPU. :func:`sparse_tied_embedding_gra
 lookup for ``ops.embedding.embedding_rows_gradient``, whose gradient holds the rows looked up only: autograd adds them
 into the head's gradient, the same sums as before (bit-equal on CPU).
 
-Not wired into the modules by default: autograd's input buffer adds a sparse gradient into a dense one out of place
-(torch 2.13 counts sparse tensors as "subclass-like", so ``InputBuffer`` computes ``dense + sparse`` into a fresh
-``(V, H)`` tensor instead of ``dense.add_(sparse)``), so the 545 MB allocation and its page faults remain and the
-backward measured no faster at Qwen2.5-0.5B's shapes (``scripts/bench.py``'s ``tied_rows`` lever). Adding the rows
-in place needs the rows delivered after the head's gradient without a sparse tensor in the buffer (for instance a
-pre-hook on the weight's ``AccumulateGrad`` node).
+Autograd's input buffer would add a sparse gradient into the dense one out of place (torch counts sparse tensors as
+"subclass-like"), into a fresh ``(V, H)`` tensor: the allocation and its page faults would stay. So the rows go to a
+pre-hook on the weight's ``AccumulateGrad`` node instead, which adds them in place into the summed gradient it is
+about to accumulate (the head's, bit-equal to ``head + dense embedding gradient``); the embedding's own edge carries
+a zero tensor that allocates nothing. Where that node will not run (``torch.autograd.grad``) or the weight is another
+tensor than the one hooked (FSDP2's gathered copy, a deep copy), the rows go as a sparse gradient: exact, not faster.
 """
 
 from __future__ import annotations
+
+import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +33,52 @@ class RowsGradientEmbedding(nn.Embedding):
     (``embedding_rows_gradient``); its ``sparse`` flag stays False: DDP expects the weight's ``.grad`` dense."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return embedding_rows_gradient(input, self.weight, self.padding_idx)
+        sink = self.__dict__.get("_rows_sink")
+        deliver = sink if isinstance(sink, _RowsIntoGradient) and sink.holds(self.weight) else None
+        return embedding_rows_gradient(input, self.weight, self.padding_idx, deliver)
+
+
+def _no_sink() -> None:
+    return None
+
+
+class _RowsIntoGradient:
+    """Takes the embedding's rows in its backward and adds them, in order, into the weight's summed gradient in a
+    pre-hook of the weight's ``AccumulateGrad`` node (kept alive here, as DDP keeps it, so the hook stays)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        self._weight = weakref.ref(weight)
+        self._shape = weight.shape
+        self._accumulator = weight.view_as(weight).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        self._accumulator.register_prehook(self._add)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        return self._weight() is weight
+
+    def __call__(self, rows: torch.Tensor, values: torch.Tensor) -> bool:
+        try:  # only a backward that accumulates into .grad runs the node (autograd.grad raises here)
+            if not torch._C._will_engine_execute_node(self._accumulator):
+                return False
+        except RuntimeError:
+            return False
+        self._pending.append((rows, values))
+        return True
+
+    def _add(self, grads: tuple[Any, ...]) -> tuple[torch.Tensor] | None:
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        grad = grads[0]
+        if grad._is_zerotensor():  # only the rows came (no head in this backward): a dense gradient of them
+            grad = torch.zeros(self._shape, dtype=grad.dtype, device=grad.device)
+        # the buffer's sum is this node's own (made in place, or fresh): adding in place touches nothing else
+        for rows, values in pending:
+            grad.index_add_(0, rows, values)
+        return (grad,)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles of the module hold other weights: no sink
+        return (_no_sink, ())
 
 
 def _dense_grad(weight: torch.Tensor) -> None:
@@ -64,5 +112,6 @@ def sparse_tied_embedding_gradient(model: nn.Module) -> bool:
     ):
         return False
     embedding.__class__ = RowsGradientEmbedding
+    embedding._rows_sink = _RowsIntoGradient(weight)
     weight.register_post_accumulate_grad_hook(_dense_grad)
     return True

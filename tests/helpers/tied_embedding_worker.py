@@ -1,5 +1,5 @@
 """Two-process fits on CPU (gloo) for tests/test_models_tied_embedding.py: the tied student's embedding gradient as
-the rows looked up (``sparse_tied_embedding_gradient``) against torch's dense path; rank 0 writes
+the rows looked up (``RowsGradientEmbedding``, the default) against torch's dense path; rank 0 writes
 <out>/result.json.
 
     python tests/helpers/tied_embedding_worker.py <out_dir> ddp|fsdp
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch import nn
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tied_embedding import sparse_tied_embedding_gradient
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 STEPS = 3
@@ -34,10 +34,11 @@ def fit(out: Path, kind: str, rows_gradient: bool) -> tuple[dict[str, torch.Tens
     data = ChatDataModule(tokenizer, addition_rows("train", 16), batch_size=2, max_length=64, seed=0)
     L.seed_everything(0)
     student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
-    if rows_gradient:
-        sparse_tied_embedding_gradient(student)
     module = GKDModule(student, tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1), tokenizer, lmbda=0.0, beta=0.5)
-    made = type(module.model.get_input_embeddings()).__name__
+    embedding = module.model.get_input_embeddings()
+    made = type(embedding).__name__
+    if not rows_gradient:
+        embedding.__class__ = nn.Embedding  # torch's dense path
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp" else "ddp"
     trainer = L.Trainer(
         accelerator="cpu",
