@@ -340,7 +340,7 @@ def distillation_trainer(config: str, student, teacher, tokenizer, rows: list[di
 
 #: Our default speed levers, each switchable in the breakdown (LEVER_STEPS says what each is); "student_medium" is
 #: the opt-in one (the student's training matmuls at precision 'medium').
-LEVERS = ("fused_adamw", "bf16_teacher", "sampler_medium")
+LEVERS = ("fused_adamw", "bf16_teacher", "sampler_medium", "tied_rows")
 
 
 def frozen_dtype_default() -> str:
@@ -377,6 +377,8 @@ def breakdown(config: str = "ours", batches: int = 3, levers: frozenset[str] = f
         else partial(KVCacheSampler, matmul_precision=precision, weights_dtype=weights_dtype)
     )
     module = GKDModule(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=NEW_TOKENS, sampler=sampler)
+    if "tied_rows" not in levers:  # the module makes the tied embedding's gradient the rows looked up; undo it
+        student.get_input_embeddings().__class__ = torch.nn.Embedding
     engine = getattr(module.sampler, "start", None)
     if engine is not None:
         engine({"student": student}, max_model_len=MAX_LENGTH + NEW_TOKENS)
@@ -628,7 +630,8 @@ def setup_lines_real(reps: int, steps: int) -> list[str]:
         f"x {STUDENT['hidden_size']} (Qwen2.5-0.5B's shape), teacher {TEACHER['num_hidden_layers']} x "
         f"{TEACHER['hidden_size']} (Qwen2.5-1.5B's shape). TRL: both float32 (bf16 off, CPU). Ours: our defaults "
         f"-- student float32, teacher {frozen_dtype_default()} (frozen_dtype auto on this CPU), fused AdamW, "
-        "sampling at float32 matmul precision 'medium' (KVCacheSampler's default).",
+        "sampling at float32 matmul precision 'medium' (KVCacheSampler's default), the tied embedding's gradient as "
+        "the rows looked up (models.tied_embedding).",
         f"- Batch {BATCH}, prompts ~60 tokens, {NEW_TOKENS} sampled tokens at temperature 0.9 (lmbda 1); the "
         f"supervised (lmbda 0) rows have {SUPERVISED_ANSWER}-token answers. beta 0.5, AdamW, clipping 1.0.",
         f"- Each cell: median over {reps} repetitions of the mean seconds per optimizer step over {steps} timed "
@@ -644,9 +647,10 @@ LEVER_STEPS = [
     ("none", "none: for-loop AdamW, float32 teacher, exact sampling"),
     ("fused_adamw", "+ fused AdamW"),
     ("fused_adamw+bf16_teacher", "+ bf16 teacher"),
-    ("fused_adamw+bf16_teacher+sampler_medium", "+ sampling at matmul precision 'medium' (= our defaults)"),
-    ("fused_adamw+bf16_teacher+sampler_medium+student_medium", "+ student matmuls at 'medium' (opt-in)"),
-    ("fused_adamw+bf16_teacher+sampler_medium+bf16_sampling", "defaults + a bf16 sampling copy (opt-in)"),
+    ("fused_adamw+bf16_teacher+sampler_medium", "+ sampling at matmul precision 'medium'"),
+    ("fused_adamw+bf16_teacher+sampler_medium+tied_rows", "+ tied embedding's gradient as its rows (= our defaults)"),
+    ("fused_adamw+bf16_teacher+sampler_medium+tied_rows+student_medium", "+ student matmuls at 'medium' (opt-in)"),
+    ("fused_adamw+bf16_teacher+sampler_medium+tied_rows+bf16_sampling", "defaults + a bf16 sampling copy (opt-in)"),
 ]
 
 

@@ -68,11 +68,12 @@ def test_real_shape_mode_reports_the_floor_the_decode_profile_and_each_lever(tmp
     assert all(value > 0 for value in floor["parts"].values()) and floor["rates"]["copy GB/s"] > 0
     assert set(results["decode"][0]) == {"highest@2", "highest@8", "medium@2", "medium@8"}
     levers = [key for key in results if key.startswith("levers:")]
-    assert levers[0] == "levers:none" and len(levers) == 5
+    assert levers[0] == "levers:none" and len(levers) == 6
     assert all(sum(results[key][0].values()) > 0 for key in levers)
     report = out.read_text()
     assert "x TRL DistillationTrainer (issue 21's target: <= 0.6x)" in report and "x the floor below" in report
-    assert "| + fused AdamW |" in report and "| medium | 2 |" in report and "Qwen2.5-0.5B's shape" in report
+    assert "| + fused AdamW |" in report and "| + tied embedding's gradient as its rows (= our defaults) |" in report
+    assert "| medium | 2 |" in report and "Qwen2.5-0.5B's shape" in report
     rendered = tmp_path / "again.md"
     subprocess.run(
         [

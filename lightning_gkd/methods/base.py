@@ -36,6 +36,7 @@ from lightning_gkd.models.loading import (
 )
 from lightning_gkd.models.loading import disable_dropout as disable_dropout_in
 from lightning_gkd.models.precision import check_frozen_dtype, frozen_model_dtype, is_quantized
+from lightning_gkd.models.tied_embedding import sparse_tied_embedding_gradient
 from lightning_gkd.ops.hf import causal_lm_logits, resolve_eos_token_id
 from lightning_gkd.ops.sampling import derive_seed
 from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
@@ -155,6 +156,8 @@ class CausalLMModule(L.LightningModule):
             disable_dropout_in(self.model)
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        # a tied embedding's gradient: the rows looked up, added into the head's (no dense V x H zero-fill)
+        sparse_tied_embedding_gradient(self.model)
         self.optimizer_factory = optimizer or partial(adamw, lr=5e-5)  # fused where torch can
         self.scheduler_factory = scheduler
         self.seed = seed

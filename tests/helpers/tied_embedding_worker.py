@@ -1,0 +1,89 @@
+"""Two-process fits on CPU (gloo) for tests/test_models_tied_embedding.py: the tied student's embedding gradient as
+the rows looked up (``RowsGradientEmbedding``, the default) against torch's dense path; rank 0 writes
+<out>/result.json.
+
+    python tests/helpers/tied_embedding_worker.py <out_dir> ddp|fsdp
+
+Lightning starts rank 1 by re-running this script. Each fit: ``GKDModule`` (tiny tied Qwen2 student and teacher, toy
+addition rows), lmbda = 0 (dataset completions, the chunked hidden-state loss), the default fused AdamW, 3 steps,
+under DDP or FSDP2 (``ModelParallelStrategy``); the trained student's full weights are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+
+STEPS = 3
+
+
+def fit(out: Path, kind: str, rows_gradient: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    tokenizer = build_chatml_tokenizer()
+    data = ChatDataModule(tokenizer, addition_rows("train", 16), batch_size=2, max_length=64, seed=0)
+    L.seed_everything(0)
+    student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
+    module = GKDModule(student, tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1), tokenizer, lmbda=0.0, beta=0.5)
+    embedding = module.model.get_input_embeddings()
+    made = type(embedding).__name__
+    if not rows_gradient:
+        embedding.__class__ = nn.Embedding  # torch's dense path
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp" else "ddp"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+    trainer.fit(module, datamodule=data)
+    state = module._full_state_dict if kind == "fsdp" else module.model.state_dict()
+    optimizer = trainer.optimizers[0]
+    info = {
+        "embedding": made,
+        "fused": bool(optimizer.defaults.get("fused")),
+        "world_size": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
+        "rank": trainer.global_rank,
+    }
+    return {k: v.detach().clone().cpu() for k, v in (state or {}).items()}, info
+
+
+def main() -> None:
+    out, kind = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    rows, info = fit(out, kind, rows_gradient=True)
+    dense, _ = fit(out, kind, rows_gradient=False)
+    if info["rank"] != 0:
+        return
+    before = tiny_causal_lm(TINY_STUDENT, build_chatml_tokenizer(), seed=0).state_dict()
+    name = "model.embed_tokens.weight"
+    result = {
+        **info,
+        "names_equal": rows.keys() == dense.keys() and len(rows) > 0,
+        "unequal": [k for k in rows if k in dense and not torch.equal(rows[k], dense[k])],
+        "max_abs_diff": max((rows[k] - dense[k]).abs().max().item() for k in rows if k in dense),
+        "embedding_change": (rows[name] - before[name]).abs().max().item(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
