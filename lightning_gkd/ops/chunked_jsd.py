@@ -30,7 +30,8 @@ from lightning_gkd.ops.sample_figures import SampleFigures
 __all__ = ["projected_jsd_loss"]
 
 #: The elementwise work of a chunk runs on blocks of at most about this many logits (whole rows of ``V``, at least
-#: one; a chunk's rows split evenly), each in the same four float32 scratch blocks, reused across blocks and chunks.
+#: one; a chunk's rows split evenly), each in the same three float32 scratch blocks (four for a non-float32 teacher),
+#: reused across blocks and chunks.
 #: Smaller blocks stay in a core's caches but each op then does too little work to split across threads; 2**23
 #: (32 MB a block, 55 rows at V = 151936) was the faster side on a shared, loaded 2-core CPU (exp/log-softmax on 6 to
 #: 256 rows of 151936: small blocks won with one thread, lost 5x with two busy ones).
