@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.ops import chunked_jsd
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.losses import generalized_jsd_loss
 
@@ -173,3 +174,61 @@ def test_sample_figures_ride_along_without_changing_the_loss(beta, temperature):
     expected = reference_figures(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, tokens)
     got = {name: value.item() for name, (value, _) in figures.means().items()}
     assert got == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("teacher_dtype", [torch.float32, torch.bfloat16])
+def test_row_blocks_and_reused_buffers_with_uneven_last_chunk(monkeypatch, beta, temperature, teacher_dtype):
+    """Chunks of 7 of 23 positions (the last has 2), each split into row blocks of at most 3 (3, 3, 1; then 2) that
+    share the scratch buffers: equal to the full-logits loss, and a second call (fresh buffers) gives the same."""
+    monkeypatch.setattr(chunked_jsd, "ROW_BLOCK_ELEMENTS", 3 * 50 + 10)
+    torch.manual_seed(3)
+    positions, vocab = 23, 50
+    student_hidden = torch.randn(positions, 16, requires_grad=True)
+    student_weight = torch.randn(vocab, 16, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(positions, 24).to(teacher_dtype), torch.randn(vocab, 24)
+    teacher_weight = teacher_weight.to(teacher_dtype)
+    expected = generalized_jsd_loss(
+        student_hidden @ student_weight.T,
+        (teacher_hidden @ teacher_weight.T).float(),
+        labels=torch.zeros(positions, dtype=torch.long),
+        beta=beta,
+        temperature=temperature,
+    )
+    expected_grads = torch.autograd.grad(expected, (student_hidden, student_weight))
+    for _ in range(2):
+        value = projected_jsd_loss(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            beta=beta,
+            temperature=temperature,
+            chunk_size=7,
+        )
+        grads = torch.autograd.grad(value, (student_hidden, student_weight))
+        torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_row_blocks_split_a_chunk_evenly(monkeypatch):
+    monkeypatch.setattr(chunked_jsd, "ROW_BLOCK_ELEMENTS", 55 * 100)
+    assert chunked_jsd._row_blocks(64, 100) == [slice(0, 32), slice(32, 64)]
+    assert chunked_jsd._row_blocks(7, 100) == [slice(0, 7)]
+    monkeypatch.setattr(chunked_jsd, "ROW_BLOCK_ELEMENTS", 10)  # less than a row: one row a block
+    assert chunked_jsd._row_blocks(3, 100) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+
+
+def test_a_second_backward_is_refused_with_a_clear_error():
+    """The gradients are handed over (scaled in place) once; a retained graph's second backward says so."""
+    torch.manual_seed(4)
+    hidden, weight = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(5, 8), torch.randn(11, 8)
+    loss = projected_jsd_loss(hidden, weight, teacher_hidden, teacher_weight, beta=0.5)
+    (loss * 2).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="call backward on it once"):
+        loss.backward()
+    once = torch.autograd.grad(projected_jsd_loss(hidden, weight, teacher_hidden, teacher_weight, beta=0.5), hidden)
+    torch.testing.assert_close(hidden.grad, 2 * once[0])

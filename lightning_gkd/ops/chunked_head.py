@@ -10,23 +10,56 @@ import torch
 
 from lightning_gkd.ops.hf import LogitHead
 
-__all__ = ["ChunkLoss", "check_hidden_and_head", "check_token_ids", "folded_head_loss", "head_logits"]
+__all__ = [
+    "ChunkLoss",
+    "check_hidden_and_head",
+    "check_token_ids",
+    "folded_head_loss",
+    "head_finish",
+    "head_logits",
+    "head_projection",
+]
 
-# (logits (C, V) float32, the chunk's rows, need_grad) -> (summed loss, d loss / d logits or None)
+# (logits (C, V) float32, the chunk's rows, need_grad) -> (summed loss, d loss / d logits or None); the driver owns
+# both the logits and the returned gradient afterwards (it may overwrite them), so a chunk loss may return the
+# gradient in the logits' own storage.
 ChunkLoss = Callable[[torch.Tensor, slice, bool], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def head_projection(hidden: torch.Tensor, head: LogitHead, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``hidden @ weightᵀ`` ``(C, V)`` in the operands' dtype, written into ``out`` (a contiguous buffer of that
+    shape and dtype, reused across chunks so no fresh ``C × V`` block is faulted in each time) when it fits."""
+    if out is not None and out.dtype == hidden.dtype == head.weight.dtype:
+        return torch.mm(hidden, head.weight.t(), out=out)
+    return hidden @ head.weight.t()
+
+
+def head_finish(
+    projected: torch.Tensor, head: LogitHead, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    """``(logits, d logits / d (h @ Wᵀ + b))`` in float32 from ``projected = h @ Wᵀ`` (any dtype): the bias and
+    ``LogitHead.transform``, elementwise, so it may run on any rows of a projection; ``in_place``: the bias is added
+    into ``projected`` when it is float32 already."""
+    projected = projected.float()
+    if head.bias is not None:
+        bias = head.bias.float()
+        projected = projected.add_(bias) if in_place else projected + bias
+    return head.transform(projected)
 
 
 def head_logits(hidden: torch.Tensor, head: LogitHead) -> tuple[torch.Tensor, torch.Tensor | float | None]:
     """``(logits, d logits / d (h @ Wᵀ + b))`` in float32 for ``hidden`` ``(C, H)``: ``LogitHead.transform``."""
-    projected = (hidden @ head.weight.t()).float()
-    if head.bias is not None:
-        projected = projected + head.bias.float()
-    return head.transform(projected)
+    return head_finish(head_projection(hidden, head), head)
 
 
 class _FoldedHeadLoss(torch.autograd.Function):
     """Runs ``chunk_loss`` over the positions a chunk at a time, folding each chunk's logit gradient into the
-    gradients of the hidden states, weight and bias during the forward pass."""
+    gradients of the hidden states, weight and bias during the forward pass.
+
+    One float32 ``(chunk_size, V)`` buffer holds every chunk's projection in turn (the last, shorter chunk uses its
+    first rows); the weight's gradient starts from the first chunk's product (no zero-filled ``V × H`` pass); the
+    gradients are divided by the normaliser in place, and the backward pass scales them in place (skipped for an
+    incoming gradient of exactly 1 on the CPU), so it runs once: ``retain_graph`` is not supported."""
 
     @staticmethod
     def forward(
@@ -43,36 +76,55 @@ class _FoldedHeadLoss(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias = grads
         need_grad = any(grads)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        hidden_grad = torch.zeros_like(hidden, dtype=torch.float32) if grad_hidden else None
-        weight_grad = torch.zeros_like(weight, dtype=torch.float32) if grad_weight else None
+        dense = torch.contiguous_format
+        hidden_grad = torch.empty_like(hidden, dtype=torch.float32, memory_format=dense) if grad_hidden else None
+        weight_grad = torch.empty_like(weight, dtype=torch.float32) if grad_weight else None
         bias_grad = torch.zeros_like(bias, dtype=torch.float32) if grad_bias and bias is not None else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
+        rows_total = hidden.shape[0]
+        fp32 = hidden.dtype == weight.dtype == torch.float32
+        buffer = hidden.new_empty((min(chunk_size, rows_total), weight.shape[0])) if fp32 else None
+        for start in range(0, rows_total, chunk_size):
+            rows = slice(start, min(start + chunk_size, rows_total))
             hs = hidden[rows]
-            logits, head_grad = head_logits(hs, head)
+            projected = head_projection(hs, head, out=None if buffer is None else buffer[: hs.shape[0]])
+            logits, head_grad = head_finish(projected, head, in_place=True)
             loss, logit_grad = chunk_loss(logits, rows, need_grad)
             total += loss
             if logit_grad is not None:
                 if head_grad is not None:  # through the head's scale and soft-cap, to h @ Wᵀ + b
-                    logit_grad = logit_grad * head_grad
+                    logit_grad = logit_grad.mul_(head_grad)
                 if bias_grad is not None:
                     bias_grad += logit_grad.sum(dim=0)
                 if weight_grad is not None:
-                    weight_grad.addmm_(logit_grad.t(), hs.float())
+                    if start == 0:
+                        torch.mm(logit_grad.t(), hs.float(), out=weight_grad)
+                    else:
+                        weight_grad.addmm_(logit_grad.t(), hs.float())
                 if hidden_grad is not None:
-                    hidden_grad[rows] = logit_grad.to(weight.dtype) @ weight
-        ctx.save_for_backward(
-            *(g / normalizer if g is not None else torch.empty(0) for g in (hidden_grad, weight_grad, bias_grad))
-        )
+                    if weight.dtype == torch.float32:
+                        torch.mm(logit_grad, weight, out=hidden_grad[rows])
+                    else:
+                        hidden_grad[rows] = logit_grad.to(weight.dtype) @ weight
+        if rows_total == 0:
+            for g in (hidden_grad, weight_grad):
+                if g is not None:
+                    g.zero_()
+        ctx.grads = [g.div_(normalizer) if g is not None else None for g in (hidden_grad, weight_grad, bias_grad)]
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.has = (grad_hidden, grad_weight, bias_grad is not None)
         return total / normalizer
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        if ctx.grads is None:
+            raise RuntimeError(
+                "The chunked hidden-state loss computed its gradients during the forward pass and hands them over "
+                "once; call backward on it once (retain_graph=True with a second backward is not supported)."
+            )
+        saved, ctx.grads = ctx.grads, None
+        one = grad_output.device.type == "cpu" and grad_output.item() == 1.0  # no host sync on the CPU
         grads = [
-            (saved * grad_output).to(dtype) if has else None
-            for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.dtypes, strict=True)
+            None if g is None else (g if one else g.mul_(grad_output)).to(dtype)
+            for g, dtype in zip(saved, ctx.dtypes, strict=True)
         ]
         return *grads, None, None, None, None, None
 

@@ -22,61 +22,82 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
-from lightning_gkd.ops.chunked_head import folded_head_loss, head_logits
+from lightning_gkd.ops.chunked_head import folded_head_loss, head_finish, head_projection
 from lightning_gkd.ops.hf import LogitHead
 from lightning_gkd.ops.sample_figures import SampleFigures
 
 __all__ = ["projected_jsd_loss"]
 
+#: The elementwise work of a chunk runs on blocks of at most about this many logits (whole rows of ``V``, at least
+#: one; a chunk's rows split evenly), each in the same three float32 scratch blocks (four for a non-float32 teacher),
+#: reused across blocks and chunks.
+#: Smaller blocks stay in a core's caches but each op then does too little work to split across threads; 2**23
+#: (32 MB a block, 55 rows at V = 151936) was the faster side on a shared, loaded 2-core CPU (exp/log-softmax on 6 to
+#: 256 rows of 151936: small blocks won with one thread, lost 5x with two busy ones).
+ROW_BLOCK_ELEMENTS = 1 << 23
 
-def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = logits.float()
-    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+def _row_blocks(count: int, vocab: int) -> list[slice]:
+    """Consecutive row slices of about equal size covering ``count`` rows, each at most
+    ``ROW_BLOCK_ELEMENTS // vocab`` rows (at least 1)."""
+    most = max(1, ROW_BLOCK_ELEMENTS // max(vocab, 1))
+    blocks = -(-count // most)
+    step = -(-count // max(blocks, 1))
+    return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 
 def _chunk_loss_and_logit_grad(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     *,
     beta: float,
     temperature: float,
     need_grad: bool,
     keep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed loss over a chunk ``(C, V)`` and, if ``need_grad``, its gradient with respect to the student logits.
-    ``keep(s, t, S or None)`` sees both log-softmaxes (and the student's softmax) before they are overwritten.
+    """Summed loss over a block ``(C, V)`` and, if ``need_grad``, its gradient with respect to the student logits,
+    written over ``student_logits`` (float32, contiguous, the caller's to overwrite, as is ``teacher_logits``).
+    ``scratch``: three float32 ``(C, V)`` blocks for the log-softmaxes and the mixture. ``keep(s, t, S or None)``
+    sees both log-softmaxes (and the student's softmax) before they are overwritten.
 
-    Written with few fresh ``(C, V)`` tensors (intermediates are overwritten in place once used): at a 152k
-    vocabulary each is ~40 MB, and a fresh allocation that large costs more in page faults than the arithmetic."""
-    s = _log_probs(student_logits, temperature)
-    t = _log_probs(teacher_logits, temperature)
+    No fresh ``(C, V)`` tensor is made: at a 152k vocabulary a fresh block costs more in page faults than the
+    arithmetic on it, so every intermediate goes to a scratch block or over an input that is no longer needed."""
+    s, t, c = scratch
+    z = student_logits
+    if temperature != 1.0:
+        z.div_(temperature)
+        teacher_logits = teacher_logits.div_(temperature)
+    torch.log_softmax(z, dim=-1, out=s)
+    torch.log_softmax(teacher_logits, dim=-1, out=t)
     if beta == 0:
         if keep is not None:
             keep(s, t, None)
-        T = t.exp()
-        loss = (T * (t - s)).sum()
+        T = torch.exp(t, out=c)
+        loss = torch.dot(T.flatten(), t.sub_(s).flatten())  # Σ T (t − s)
         if not need_grad:
             return loss, None
-        grad = s.exp_().sub_(T)
+        grad = torch.exp(s, out=z).sub_(T)
         return loss, (grad if temperature == 1.0 else grad.div_(temperature))
-    S = s.exp()
+    S = torch.exp(s, out=c)
     if keep is not None:
         keep(s, t, S)
     if beta == 1:
         g = t.neg_().add_(s)  # s - t, in t's storage
         loss = torch.dot(S.flatten(), g.flatten())
     else:
-        m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))  # log(β T + (1 − β) S)
-        T = t.exp()
+        # log(β T + (1 − β) S), in the teacher logits' storage (read already)
+        shifted_s, shifted_t = torch.add(s, math.log1p(-beta), out=z), torch.add(t, math.log(beta), out=teacher_logits)
+        m = torch.logaddexp(shifted_s, shifted_t, out=teacher_logits)
+        T = torch.exp(t, out=z)
         teacher_part = torch.dot(T.flatten(), t.sub_(m).flatten())  # Σ T (t − m)
         g = m.neg_().add_(s).mul_(1 - beta)  # (1 − β)(s − m), in m's storage
         loss = beta * teacher_part + torch.dot(S.flatten(), g.flatten())
     if not need_grad:
         return loss, None
     row = torch.einsum("cv,cv->c", S, g).unsqueeze(-1)  # Σ_v S_v g_v per position
-    grad = g.sub_(row).mul_(S)
+    grad = torch.sub(g, row, out=z).mul_(S)
     return loss, (grad if temperature == 1.0 else grad.div_(temperature))
 
 
@@ -145,20 +166,48 @@ def projected_jsd_loss(
         teacher_head.softcap,
     )
 
+    buffers: dict[str, torch.Tensor] = {}  # reused by every chunk: the teacher's projection, the scratch blocks
+
+    def buffer(name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        if name not in buffers:
+            buffers[name] = teacher_hidden.new_empty((rows, vocab), dtype=dtype)
+        return buffers[name]
+
+    vocab = student_head.weight.shape[0]
+    chunk_rows = min(chunk_size, student_hidden.shape[0])
+
     def chunk_loss(student_logits: torch.Tensor, rows: slice, need_grad: bool):
-        teacher_logits, _ = head_logits(teacher_hidden[rows], frozen_teacher)
-        keep = None
-        if figures is not None and temperature == 1.0:  # the loss's own log-softmaxes are the figures' (T = 1)
-            keep = partial(figures.add_log_probs, rows)
-        elif figures is not None:
-            figures.add(rows, student_logits, teacher_logits)
-        return _chunk_loss_and_logit_grad(
-            student_logits,
-            teacher_logits,
-            beta=float(beta),
-            temperature=float(temperature),
-            need_grad=need_grad,
-            keep=keep,
-        )
+        # the teacher's (C, V) product at once (one read of its weight per chunk); the softmaxes, loss and gradient
+        # then a block of rows at a time, the gradient written over the student's logits (the driver's buffer)
+        hidden, count = teacher_hidden[rows], student_logits.shape[0]
+        projected = head_projection(hidden, frozen_teacher, out=buffer("teacher", chunk_rows, hidden.dtype)[:count])
+        blocks = _row_blocks(count, vocab)
+        block_rows = blocks[0].stop - blocks[0].start
+        scratch = [buffer(f"scratch{i}", block_rows, torch.float32) for i in range(3)]
+        total = student_logits.new_zeros(())
+        for block in blocks:
+            size = block.stop - block.start
+            rows_here = slice(rows.start + block.start, rows.start + block.stop)
+            student_block = student_logits[block]
+            teacher_block = projected[block]
+            if teacher_block.dtype != torch.float32:  # to float32 in a scratch block: the caller's buffer is ours
+                teacher_block = buffer("teacher float32", block_rows, torch.float32)[:size].copy_(teacher_block)
+            teacher_logits, _ = head_finish(teacher_block, frozen_teacher, in_place=True)
+            keep = None
+            if figures is not None and temperature == 1.0:  # the loss's own log-softmaxes are the figures' (T = 1)
+                keep = partial(figures.add_log_probs, rows_here)
+            elif figures is not None:
+                figures.add(rows_here, student_block, teacher_logits)
+            loss, _ = _chunk_loss_and_logit_grad(
+                student_block,
+                teacher_logits,
+                (scratch[0][:size], scratch[1][:size], scratch[2][:size]),
+                beta=float(beta),
+                temperature=float(temperature),
+                need_grad=need_grad,
+                keep=keep,
+            )
+            total += loss
+        return total, (student_logits if need_grad else None)
 
     return folded_head_loss(student_hidden, student_head, chunk_loss, chunk_size, normalizer)
