@@ -49,7 +49,11 @@ class _RowsIntoGradient:
     def __init__(self, weight: nn.Parameter) -> None:
         self._weight = weakref.ref(weight)
         self._shape = weight.shape
-        self._accumulator = weight.view_as(weight).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        view = weight.view_as(weight).grad_fn
+        accumulator = view.next_functions[0][0] if view is not None else None
+        if accumulator is None:
+            raise ValueError("the tied embedding's weight must require gradients")
+        self._accumulator: torch.autograd.graph.Node = accumulator
         self._accumulator.register_prehook(self._add)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -99,12 +103,12 @@ def sparse_tied_embedding_gradient(model: nn.Module) -> bool:
     if not callable(get_input) or not callable(get_output):
         return False
     embedding, head = get_input(), get_output()
-    weight = getattr(embedding, "weight", None)
+    found = getattr(embedding, "weight", None)
+    if type(embedding) is not nn.Embedding or head is None or not isinstance(found, nn.Parameter):
+        return False
+    weight = found
     if (
-        type(embedding) is not nn.Embedding
-        or head is None
-        or weight is None
-        or getattr(head, "weight", None) is not weight
+        getattr(head, "weight", None) is not weight
         or not weight.requires_grad
         or embedding.max_norm is not None
         or embedding.scale_grad_by_freq
@@ -112,6 +116,6 @@ def sparse_tied_embedding_gradient(model: nn.Module) -> bool:
     ):
         return False
     embedding.__class__ = RowsGradientEmbedding
-    embedding._rows_sink = _RowsIntoGradient(weight)
+    setattr(embedding, "_rows_sink", _RowsIntoGradient(weight))  # noqa: B010 - a plain attribute of the module
     weight.register_post_accumulate_grad_hook(_dense_grad)
     return True
