@@ -527,11 +527,13 @@ def _decode_step(model, token, mask, cache, i: int) -> None:
     """One KV-cache forward of one token per row at position 60 + i (60-token prompts)."""
     import torch
 
+    from lightning_gkd.ops.hf import cache_keyword
+
     model(
         input_ids=token,
         attention_mask=mask[:, : 61 + i],
         position_ids=torch.full((token.shape[0], 1), 60 + i),
-        cache=cache,
+        **{cache_keyword(model): cache},
         use_cache=True,
     )
 
@@ -545,6 +547,7 @@ def decode_profile(tokens: int = 12) -> dict:
 
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
     from lightning_gkd.ops.hf import float32_matmul_precision
+    from lightning_gkd.ops.sampling import returned_cache
     from lightning_gkd.samplers import KVCacheSampler
 
     tokenizer = build_chatml_tokenizer()
@@ -562,7 +565,9 @@ def decode_profile(tokens: int = 12) -> dict:
             prompts = torch.randint(3, len(tokenizer), (batch, 60))
             mask = torch.ones(batch, 60 + tokens + 4, dtype=torch.long)
             with torch.no_grad(), float32_matmul_precision("medium" if precision == "medium" else "highest"):
-                cache = decoder(input_ids=prompts, attention_mask=mask[:, :60], use_cache=True, logits_to_keep=1).cache
+                cache = returned_cache(
+                    decoder(input_ids=prompts, attention_mask=mask[:, :60], use_cache=True, logits_to_keep=1)
+                )
                 step = partial(_decode_step, decoder, prompts[:, -1:], mask, cache)
                 step(0)
                 start = time.perf_counter()

@@ -66,14 +66,22 @@ def test_real_shape_mode_reports_the_floor_the_decode_profile_and_each_lever(tmp
     floor = results["floor"][0]
     assert set(floor["parts"]) == {"sample", "teacher forward", "student forward + backward", "optimizer"}
     assert all(value > 0 for value in floor["parts"].values()) and floor["rates"]["copy GB/s"] > 0
-    assert set(results["decode"][0]) == {"highest@2", "highest@8", "medium@2", "medium@8"}
+    assert set(results["decode"][0]) == {
+        "highest@2",
+        "highest@8",
+        "medium@2",
+        "medium@8",
+        "bf16 weights@2",
+        "bf16 weights@8",
+    }
     levers = [key for key in results if key.startswith("levers:")]
-    assert levers[0] == "levers:none" and len(levers) == 6
+    assert levers[0] == "levers:none" and len(levers) == 7
     assert all(sum(results[key][0].values()) > 0 for key in levers)
     report = out.read_text()
     assert "x TRL DistillationTrainer (issue 21's target: <= 0.6x)" in report and "x the floor below" in report
     assert "| + fused AdamW |" in report and "| + tied embedding's gradient as its rows (= our defaults) |" in report
     assert "| medium | 2 |" in report and "Qwen2.5-0.5B's shape" in report
+    assert "| defaults + a bf16 sampling copy (opt-in) |" in report and "| bf16 weights | 2 |" in report
     rendered = tmp_path / "again.md"
     subprocess.run(
         [
