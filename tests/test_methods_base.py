@@ -2,9 +2,15 @@
 every method frees its gradients right after each optimizer step."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
+from helpers.gradient_probe import GradientsAtBatchStart, StepAsLightningDoes
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.data.toy.preference import addition_preference_rows
@@ -42,25 +48,6 @@ def test_datamodules_that_declare_no_format_and_matching_ones_pass(tokenizer, to
     check_data_format(GKDModule, chat)
     check_data_format(GKDModule, L.LightningDataModule())  # a user's own datamodule: not checked
     check_data_format(DPOModule, PreferenceDataModule(tokenizer, addition_preference_rows("train", 4)))
-
-
-class GradientsAtBatchStart(L.Callback):
-    """Records, as each training batch starts (before its sampling and forwards), whether the trained parameters
-    hold gradients."""
-
-    def __init__(self) -> None:
-        self.seen: list[bool] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        trained = [p for p in pl_module.parameters() if p.requires_grad]
-        self.seen.append(any(p.grad is not None for p in trained))
-
-
-class StepAsLightningDoes:
-    """Lightning's own ``optimizer_step`` (gradients left until the next closure zeroes them): the reference."""
-
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
-        L.LightningModule.optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure)
 
 
 def _method_and_data(kind, student, teacher, tokenizer, toy_rows, reference_step=False):
@@ -126,3 +113,32 @@ class LossRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+
+
+WORKER = Path(__file__).parent / "helpers" / "gradient_freeing_worker.py"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_gradients_are_freed_under_ddp_and_fsdp2(kind, tmp_path):
+    """DDP and FSDP2 (ModelParallelStrategy), 2 gloo processes, lmbda 1: on every rank the gradients are gone when the
+    next step starts sampling, and losses and trained weights equal Lightning's own step bit for bit."""
+    launcher = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")  # a clean launcher: Lightning starts rank 1
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(launcher)},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = tmp_path / "run"
+    command = [sys.executable, str(WORKER), str(out), kind]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        result = json.loads((out / f"rank{rank}.json").read_text())
+        assert result["world_size"] == 2
+        assert result["strategy"] == {"ddp": "DDPStrategy", "fsdp": "ModelParallelStrategy"}[kind]
+        assert result["grads_at_batch_start"] == [False, False, False]
+        assert result["reference_grads_at_batch_start"] == [False, True, True]  # Lightning's step: they linger
+        assert result["losses"] == result["reference_losses"] and len(result["losses"]) == 3
+        if rank == 0:
+            assert result["weights_compared"] > 0 and result["unequal"] == []

@@ -76,13 +76,40 @@ def test_frozen_models_take_bf16_under_32_true_only_where_bf16_is_fast(
 
 @pytest.mark.parametrize("frozen_dtype", ["float32", "bfloat16"])
 def test_frozen_dtype_forces_every_frozen_model(student, teacher, tokenizer, tmp_path, frozen_dtype):
-    # an nn.Module teacher fixes its own dtype under "auto"; a named frozen_dtype casts it anyway
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, frozen_dtype=frozen_dtype)
+    # a named frozen_dtype casts an nn.Module teacher in any dtype
+    module = GKDModule(student, teacher.to(torch.float16), tokenizer, lmbda=0.0, frozen_dtype=frozen_dtype)
     fit_one_step(module, tokenizer, tmp_path, "32-true")
     assert {p.dtype for p in module.teacher.parameters()} == {getattr(torch, frozen_dtype)}
-    auto = GKDModule(student, teacher.to(torch.float32), tokenizer, lmbda=0.0)
-    fit_one_step(auto, tokenizer, tmp_path, "32-true")
-    assert {p.dtype for p in auto.teacher.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_treats_a_float32_module_teacher_like_one_loaded_from_a_folder(
+    student, teacher, tokenizer, teacher_dir, tmp_path, monkeypatch, caplog, fast
+):
+    """The Python API (an nn.Module teacher) runs the teacher in the dtype the CLI (a folder) gives it, and says so
+    once; a module in another dtype than float32 keeps it (its dtype was chosen)."""
+    monkeypatch.setattr(precision_module, "bf16_matmul_is_fast", lambda device: fast)
+    expected = torch.bfloat16 if fast else torch.float32
+    from_folder = GKDModule(student, teacher_dir, tokenizer, lmbda=0.0)
+    fit_one_step(from_folder, tokenizer, tmp_path, "32-true")
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        from_module = GKDModule(student, teacher.to(torch.float32), tokenizer, lmbda=0.0)
+        trainer = fit_one_step(from_module, tokenizer, tmp_path, "32-true")
+        trainer.validate(from_module, ChatDataModule(tokenizer, addition_rows("val", 4), batch_size=4, max_length=64))
+    assert {p.dtype for p in from_module.teacher.parameters()} == {expected}
+    assert {p.dtype for p in from_folder.teacher.parameters()} == {expected}
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("The teacher runs in")]
+    if fast:
+        assert said == [
+            "The teacher runs in bfloat16 (its weights were float32; it is never trained): frozen_dtype='auto' under "
+            "precision '32-true' on cpu. frozen_dtype='float32' keeps it float32."
+        ]
+    else:
+        assert said == []  # nothing changed, nothing to say
+    chosen = GKDModule(student, teacher.to(torch.float16), tokenizer, lmbda=0.0)
+    fit_one_step(chosen, tokenizer, tmp_path, "32-true")
+    assert {p.dtype for p in chosen.teacher.parameters()} == {torch.float16}
 
 
 def test_dpo_reference_in_bf16_trains_the_float32_policy(student, tokenizer, teacher_dir, tmp_path, monkeypatch):

@@ -58,7 +58,8 @@ def test_real_shape_mode_reports_the_floor_the_decode_profile_and_each_lever(tmp
     profile per matmul precision and the cumulative lever breakdown, all rendered."""
     out = tmp_path / "real.md"
     command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--tiny", "--shape", "real", "--reps", "1"]
-    command += ["--steps", "4", "--warmup", "4", "--configs", "ours", "trl_distill", "--lmbdas", "1", "--out", str(out)]
+    command += ["--steps", "4", "--warmup", "4", "--lmbdas", "1", "--out", str(out)]
+    command += ["--configs", "ours", "ours_fp32", "ours_cli", "trl_distill"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
@@ -82,6 +83,12 @@ def test_real_shape_mode_reports_the_floor_the_decode_profile_and_each_lever(tmp
     assert "| + fused AdamW |" in report and "| + tied embedding's gradient as its rows (= our defaults) |" in report
     assert "| medium | 2 |" in report and "Qwen2.5-0.5B's shape" in report
     assert "| defaults + a bf16 sampling copy (opt-in) |" in report and "| bf16 weights | 2 |" in report
+    # the ways in (issue 38): Python API, the command on folders, float32 against TRL, time to the first step
+    cli = results["ours_cli@1.0"][0]
+    assert cli["steps"] == 4 and cli["peak_rss_mb"] > cli["baseline_rss_mb"] > 0 and cli["first_step_seconds"] > 0
+    assert results["ours@1.0"][0]["first_step_seconds"] > results["ours@1.0"][0]["models_seconds"] > 0
+    assert "The ways in (lmbda 1): the Python API with its defaults" in report and "(target: <= 0.9x)" in report
+    assert "| ours, the lightning-gkd command (models from folders) | 1 |" in report
     rendered = tmp_path / "again.md"
     subprocess.run(
         [

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -145,7 +146,7 @@ class CausalLMModule(L.LightningModule):
         self.nonfinite_guard = NonFiniteGuard(nonfinite)  # checks the policy before any model loads
         check_frozen_dtype(frozen_dtype)
         #: dtype of the frozen models (see ``models.precision.frozen_model_dtype``); "auto" spares models whose
-        #: dtype was chosen (an nn.Module, a spec's init_kwargs.dtype), a dtype name casts every frozen model.
+        #: dtype was chosen (a spec's init_kwargs.dtype, an nn.Module not in float32), a dtype name casts every one.
         self.frozen_dtype = frozen_dtype
         self.nonfinite = nonfinite
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -174,12 +175,14 @@ class CausalLMModule(L.LightningModule):
         self.token_normalizer = StepTokenNormalizer(loss_normalization)
         self._checked_datamodule: L.LightningDataModule | None = None
         self._frozen_dtype_open: set[str] = set()  # frozen models whose source did not choose a dtype
+        self._frozen_dtype_logged: set[str] = set()  # frozen models whose cast was logged (once per module)
         self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
-        """Load a frozen helper model. Unless its dtype was chosen (an ``nn.Module``, or a spec with
-        ``init_kwargs.dtype`` other than ``auto``), it takes ``frozen_dtype``'s dtype when fitting starts: with
-        "auto", the trainer's 16-bit precision, or bfloat16 under 32-bit where the hardware multiplies bf16 fast."""
+        """Load a frozen helper model. Unless its dtype was chosen (a spec with ``init_kwargs.dtype`` other than
+        ``auto``, or an ``nn.Module`` in another dtype than float32), it takes ``frozen_dtype``'s dtype when fitting
+        starts: with "auto", the trainer's 16-bit precision, or bfloat16 under 32-bit where the hardware multiplies
+        bf16 fast. A float32 ``nn.Module`` passed in is cast in place like a model loaded from a folder."""
         self.model_sources[role] = describe_source(source)
         if not dtype_chosen(source):
             self._frozen_dtype_open.add(role)
@@ -290,6 +293,7 @@ class CausalLMModule(L.LightningModule):
         for name, model in self.frozen_models().items():
             chosen = self.frozen_dtype == "auto" and name not in self._frozen_dtype_open
             if dtype is not None and not chosen and not is_quantized(model):
+                self._log_frozen_cast(name, model, dtype)
                 model.to(dtype)
         if stage != "fit":
             return
@@ -299,6 +303,22 @@ class CausalLMModule(L.LightningModule):
             self.check_datamodule(datamodule)
         self.nonfinite_guard.watch({self.model_role: self.model, **self.frozen_models()})
         ignore_frozen_eval_warning(self)  # Lightning's "N module(s) in eval mode": exactly our frozen models' N
+
+    def _log_frozen_cast(self, name: str, model: nn.Module, dtype: torch.dtype) -> None:
+        """Say once per frozen model which dtype it runs in when that changes it, and how to keep its own."""
+        before = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if name in self._frozen_dtype_logged or before == {dtype}:
+            return
+        self._frozen_dtype_logged.add(name)
+        was = ", ".join(sorted(str(d).removeprefix("torch.") for d in before))
+        now = str(dtype).removeprefix("torch.")
+        message = f"The {name} runs in {now} (its weights were {was}; it is never trained)"
+        if self.frozen_dtype != "auto":
+            rank_zero_info(f"{message}: frozen_dtype={self.frozen_dtype!r}.")
+            return
+        where = f"precision {self.trainer.precision!r} on {self.trainer.strategy.root_device}"
+        keep = f" frozen_dtype='{was}' keeps it {was}." if len(before) == 1 else ""
+        rank_zero_info(f"{message}: frozen_dtype='auto' under {where}.{keep}")
 
     def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
         """The data checks that depend on this module's settings (a datamodule with ``check_completions``, as

@@ -68,8 +68,8 @@ class GKDModule(OnPolicyModule):
     factories such as ``functools.partial(torch.optim.AdamW, lr=1e-4)`` (Hydra: ``_partial_: true``); the scheduler
     steps every optimizer step. ``nonfinite``: ``"raise"`` (default) stops on a non-finite loss naming the step and
     the model with non-finite logits; ``"skip"`` skips such batches with a warning. ``frozen_dtype``: the teacher's
-    dtype ("auto": bfloat16 where the hardware multiplies bf16 fast, unless the teacher's dtype was chosen; see
-    ``lightning_gkd.models.precision``).
+    dtype ("auto": bfloat16 where the hardware multiplies bf16 fast, unless the teacher's dtype was chosen: a spec's
+    ``init_kwargs.dtype``, or an ``nn.Module`` not in float32; see ``lightning_gkd.models.precision``).
     """
 
     cross_tokenizer_supported = True  # a teacher with another tokenizer takes the cross-tokenizer loss

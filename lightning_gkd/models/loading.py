@@ -261,9 +261,11 @@ def check_tokenizer_fits(tokenizer: Any, model_vocab_size: int | None, *, role: 
 
 
 def dtype_chosen(source: ModelSource) -> bool:
-    """Whether a model source fixes its own dtype: a built module, or a spec with a dtype other than ``auto``."""
+    """Whether a model source fixes its own dtype: a spec with a dtype other than ``auto``, or a built module in
+    another dtype than float32. A float32 module is what ``from_pretrained`` and ``from_config`` give by default,
+    so it is treated like a folder loaded with ``dtype: auto``."""
     if isinstance(source, nn.Module):
-        return True
+        return {p.dtype for p in source.parameters() if p.is_floating_point()} != {torch.float32}
     if isinstance(source, Mapping):
         init_kwargs = source.get("init_kwargs") or {}
         dtype = init_kwargs.get("dtype", init_kwargs.get("torch_dtype"))
