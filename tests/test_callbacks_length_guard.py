@@ -17,8 +17,9 @@ import pytest
 import torch
 from helpers.eos_boost import boost_eos
 from helpers.hydra_compose import compose_train
+from helpers.launch import clean_env
 from lightning.pytorch.loggers import CSVLogger
-from test_training_ddp import TESTS, TIMEOUT, clean_env
+from test_training_ddp import TESTS, TIMEOUT
 
 import lightning_gkd.callbacks.length_guard as length_guard
 import lightning_gkd.methods.base as base

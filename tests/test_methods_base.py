@@ -3,7 +3,6 @@ every method frees its gradients right after each optimizer step."""
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 from helpers.gradient_probe import GradientsAtBatchStart, StepAsLightningDoes
+from helpers.launch import clean_env
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.data.toy.preference import addition_preference_rows
@@ -123,15 +123,9 @@ WORKER = Path(__file__).parent / "helpers" / "gradient_freeing_worker.py"
 def test_gradients_are_freed_under_ddp_and_fsdp2(kind, tmp_path):
     """DDP and FSDP2 (ModelParallelStrategy), 2 gloo processes, lmbda 1: on every rank the gradients are gone when the
     next step starts sampling, and losses and trained weights equal Lightning's own step bit for bit."""
-    launcher = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")  # a clean launcher: Lightning starts rank 1
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(launcher)},
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(WORKER.parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
     out = tmp_path / "run"
     command = [sys.executable, str(WORKER), str(out), kind]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in (0, 1):
         result = json.loads((out / f"rank{rank}.json").read_text())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.launch import clean_env
 from helpers.tiny_registry import build_tiny, tiny_config
 from test_methods_gkd import fit  # the shared tiny GKD fit
 from torch import nn
@@ -162,15 +162,9 @@ def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows,
 def test_two_processes_train_to_the_same_weights(kind, tmp_path):
     """DDP and FSDP2 (ModelParallelStrategy), 2 gloo processes, fused AdamW: the same trained weights with the rows
     gradient (the default) as with torch's dense path."""
-    launcher = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")  # a clean launcher: Lightning starts rank 1
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(launcher)},
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(WORKER.parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
     out = tmp_path / "run"
     command = [sys.executable, str(WORKER), str(out), kind]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((out / "result.json").read_text())
     strategy = {"ddp": "DDPStrategy", "fsdp": "ModelParallelStrategy"}[kind]

@@ -337,7 +337,7 @@ def test_two_ranks_one_engine_each_same_flips_disjoint_prompts_and_hf_equal_loss
     import sys
     from pathlib import Path
 
-    from test_training_ddp import clean_env
+    from helpers.launch import clean_env
 
     out = tmp_path / "run"
     worker = Path(__file__).parent / "helpers" / "vllm_ddp_worker.py"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.cache_build_worker import BATCH_SIZE, MAX_LENGTH, ROWS, TOP_K, clean_env, settings
+from helpers.cache_build_worker import BATCH_SIZE, MAX_LENGTH, ROWS, TOP_K, settings
+from helpers.launch import clean_env
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig

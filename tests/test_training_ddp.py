@@ -7,14 +7,13 @@ references; tests/helpers/sharded_sampling_worker.py is started once per rank. T
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers.fake_vllm_server import FakeVLLMServer
+from helpers.launch import clean_env
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
@@ -22,42 +21,6 @@ from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
 TESTS = Path(__file__).parent
 pytestmark = pytest.mark.multiprocess
 TIMEOUT = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher's variables (Lightning then starts rank 1 itself), one thread per
-    process, the repository importable, and a free port."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(
-            (
-                "SLURM_",
-                "LOCAL_RANK",
-                "NODE_RANK",
-                "GROUP_RANK",
-                "WORLD_SIZE",
-                "MASTER_",
-                "RANK",
-                "LOCAL_WORLD_SIZE",
-                "TORCHELASTIC_",
-            )
-        )
-    }
-    env.update(
-        OMP_NUM_THREADS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
-        **extra,
-    )
-    return env
 
 
 @pytest.fixture(scope="module")

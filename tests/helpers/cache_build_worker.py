@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -32,25 +31,6 @@ ROWS, TOP_K, MAX_LENGTH, BATCH_SIZE, SHARD_SIZE = 96, 20, 64, 8, 16
 
 def settings() -> dict:
     return {"top_k": TOP_K, "max_length": MAX_LENGTH, "batch_size": BATCH_SIZE, "shard_size": SHARD_SIZE}
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without a launcher's variables (Lightning then starts rank 1 itself), one thread per
-    process, the repository importable, and a free port."""
-    launcher = ("SLURM_", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "MASTER_", "RANK", "TORCHELASTIC_")
-    env = {key: value for key, value in os.environ.items() if not key.startswith(launcher)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = str(Path(__file__).parents[2])
-    env.update(
-        OMP_NUM_THREADS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]),
-        **extra,
-    )
-    return env
 
 
 class KillAfterFirstShard(L.Callback):
