@@ -233,7 +233,8 @@ def test_on_policy_training_with_the_served_teacher_equals_the_in_process_one(
     else:
         build = partial(OPDModule, kl_coef=0.5)
     common = {"max_new_tokens": 6, "optimizer": partial(torch.optim.AdamW, lr=1e-2), "metrics": {}}
-    local = build(copy_of(student), teacher, tokenizer, **common)
+    # the in-process teacher in float32, as the server runs it (auto would make it bf16 on a CPU with fast bf16)
+    local = build(copy_of(student), teacher, tokenizer, frozen_dtype="float32", **common)
     fit(local, tokenizer, toy_rows, tmp_path / "local")
     remote = build(copy_of(student), served_spec(fake, folder), tokenizer, **common)
     assert remote.teacher is None and isinstance(remote.teacher_source, HiddenServerTeacher)
