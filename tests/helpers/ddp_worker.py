@@ -71,6 +71,8 @@ class Recorded(GKDModule):
     with its loss."""
 
     def __init__(self, *args, **kwargs) -> None:
+        # a float32 teacher: the equalities compare batch splits, and bf16 products' rounding depends on the split
+        kwargs.setdefault("frozen_dtype", "float32")
         super().__init__(*args, **kwargs)
         self.flips: list[list] = []
         self.sampled: list[list[list[int]]] = []

@@ -54,6 +54,8 @@ class Recorded(GKDModule):
     """GKDModule that records the batches it trains on, its losses and the gradient norms around clipping."""
 
     def __init__(self, *args, **kwargs) -> None:
+        # a float32 teacher: the equalities compare batch splits, and bf16 products' rounding depends on the split
+        kwargs.setdefault("frozen_dtype", "float32")
         super().__init__(*args, **kwargs)
         self.trained: list[dict] = []
         self.clipping: list[tuple[float, float]] = []

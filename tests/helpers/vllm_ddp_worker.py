@@ -66,6 +66,7 @@ def make(tokenizer, sampler=None) -> RecordedVLLM:
         optimizer=SGD,
         seed=SEED,
         sampler=sampler,
+        frozen_dtype="float32",  # the replay runs outside a fit (no cast): float32 on both sides
     )
 
 
