@@ -175,7 +175,6 @@ class CausalLMModule(L.LightningModule):
         self.token_normalizer = StepTokenNormalizer(loss_normalization)
         self._checked_datamodule: L.LightningDataModule | None = None
         self._frozen_dtype_open: set[str] = set()  # frozen models whose source did not choose a dtype
-        self._frozen_dtype_logged: set[str] = set()  # frozen models whose cast was logged (once per module)
         self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
 
     def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
@@ -305,11 +304,11 @@ class CausalLMModule(L.LightningModule):
         ignore_frozen_eval_warning(self)  # Lightning's "N module(s) in eval mode": exactly our frozen models' N
 
     def _log_frozen_cast(self, name: str, model: nn.Module, dtype: torch.dtype) -> None:
-        """Say once per frozen model which dtype it runs in when that changes it, and how to keep its own."""
+        """Say which dtype a frozen model runs in when that changes it, and how to keep its own (once: after the
+        cast a later stage's setup finds it in ``dtype`` already)."""
         before = {p.dtype for p in model.parameters() if p.is_floating_point()}
-        if name in self._frozen_dtype_logged or before == {dtype}:
+        if before == {dtype}:
             return
-        self._frozen_dtype_logged.add(name)
         was = ", ".join(sorted(str(d).removeprefix("torch.") for d in before))
         now = str(dtype).removeprefix("torch.")
         message = f"The {name} runs in {now} (its weights were {was}; it is never trained)"
