@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers.*
 
 from helpers.gradient_probe import GradientsAtBatchStart, StepAsLightningDoes  # noqa: E402
+from helpers.launch import two_process_trainer  # noqa: E402
 from lightning_gkd import ChatDataModule, GKDModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer  # noqa: E402
 from lightning_gkd.data.toy import addition_rows  # noqa: E402
@@ -39,8 +40,6 @@ class Losses(L.Callback):
 
 
 def fit(out: Path, kind: str, reference: bool) -> dict:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     tokenizer = build_chatml_tokenizer()
     data = ChatDataModule(tokenizer, addition_rows("train", 16), batch_size=2, max_length=64, seed=0)
     L.seed_everything(0)
@@ -56,21 +55,8 @@ def fit(out: Path, kind: str, reference: bool) -> dict:
         optimizer=partial(torch.optim.AdamW, lr=1e-2),
         seed=0,
     )
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp" else "ddp"
     probe, losses = GradientsAtBatchStart(), Losses()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-        callbacks=[probe, losses],
-    )
+    trainer = two_process_trainer(out, kind, STEPS, callbacks=[probe, losses])
     trainer.fit(module, datamodule=data)
     state = module._full_state_dict if kind == "fsdp" else module.model.state_dict()
     return {

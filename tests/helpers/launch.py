@@ -40,3 +40,25 @@ def clean_env(**extra: str) -> dict[str, str]:
         **extra,
     )
     return env
+
+
+def two_process_trainer(out: Path, kind: str, max_steps: int, **kwargs: object):
+    """A Lightning Trainer of 2 CPU processes (gloo) under DDP (``kind`` "ddp") or FSDP2 ("fsdp":
+    ``ModelParallelStrategy``), no validation, logging, checkpoints or bars: the workers' fits."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp" else "ddp"
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        **kwargs,
+    )

@@ -19,7 +19,10 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_gkd import ChatDataModule, GKDModule
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers.*
+
+from helpers.launch import two_process_trainer  # noqa: E402
+from lightning_gkd import ChatDataModule, GKDModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
@@ -28,8 +31,6 @@ STEPS = 3
 
 
 def fit(out: Path, kind: str, rows_gradient: bool) -> tuple[dict[str, torch.Tensor], dict]:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     tokenizer = build_chatml_tokenizer()
     data = ChatDataModule(tokenizer, addition_rows("train", 16), batch_size=2, max_length=64, seed=0)
     L.seed_everything(0)
@@ -39,19 +40,7 @@ def fit(out: Path, kind: str, rows_gradient: bool) -> tuple[dict[str, torch.Tens
     made = type(embedding).__name__
     if not rows_gradient:
         embedding.__class__ = nn.Embedding  # torch's dense path
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp" else "ddp"
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-    )
+    trainer = two_process_trainer(out, kind, STEPS)
     trainer.fit(module, datamodule=data)
     state = module._full_state_dict if kind == "fsdp" else module.model.state_dict()
     optimizer = trainer.optimizers[0]
