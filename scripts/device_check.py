@@ -3,7 +3,7 @@ measures what only a GPU can tell (docs/developing.md, "A prepared GPU check").
 
     bash scripts/device_wheels.sh                   # here, with network: wheels into device_wheels/ (git-ignored)
     python scripts/device_check.py --setup          # on the GPU machine: install them offline, then run every part
-    python scripts/device_check.py --dry-run        # anywhere: the same code paths on CPU at toy sizes (2-4 minutes)
+    python scripts/device_check.py --dry-run        # anywhere: the same code paths on CPU at toy sizes (~1 minute)
 
 Parts (each timed and guarded: one failing prints its traceback and the rest still run):
 
@@ -15,6 +15,9 @@ Parts (each timed and guarded: one failing prints its traceback and the rest sti
 * ``sampler``        our KVCacheSampler's decode tokens/s vs Hugging Face ``generate`` on the 0.5B-shaped student
 * ``bench_trl``      scripts/bench.py's real-shape worker on the GPU: ours vs TRL's DistillationTrainer (lambda 1),
                      seconds a step, tokens/s and MFU (model FLOPs over the GPU's bf16 peak); skipped without trl
+* ``step_profile``   one on-policy GKD step with bench_trl's settings, in-process: synchronised seconds of each
+                     phase, host-device syncs a step and where, torch.profiler's top operators
+* ``step_profile_cpu_built``  the same with the models built on the CPU, as the bench worker builds them
 * ``fsdp``           GKD for a few steps under FSDP2 on one device (Lightning's ModelParallelStrategy, as trainer=fsdp)
 * ``teacher_cache``  ``lightning-gkd-cache`` with ``trainer=gpu`` (bf16-mixed): top-k and bf16 hidden-state caches
 
@@ -37,7 +40,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "device_wheels"
 #: Dense bf16 peak of the GPU, TFLOP/s, for MFU (NVIDIA's data sheets; the SXM parts).
 BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
-PARTS = ("default_job", "methods", "lean_memory", "sampler", "bench_trl", "fsdp", "teacher_cache")
+PARTS = (
+    "default_job",
+    "methods",
+    "lean_memory",
+    "sampler",
+    "bench_trl",
+    "step_profile",
+    "step_profile_cpu_built",
+    "fsdp",
+    "teacher_cache",
+)
 
 
 class Skipped(Exception):
@@ -362,6 +375,8 @@ class Check:
                 "s_per_step": seconds,
                 "tokens_per_s": tokens / seconds,
                 "mfu": None if peak is None else flops / seconds / peak,
+                "first_step_s": result["first_step_seconds"],
+                "models_s": result["models_seconds"],
             }
         out["ours_over_trl"] = out["ours"]["s_per_step"] / out["trl_distill"]["s_per_step"]
         if peak is None:
@@ -404,6 +419,143 @@ class Check:
             return None
         name = torch.cuda.get_device_name()
         return next((tf * 1e12 for key, tf in BF16_PEAK_TFLOPS.items() if key in name), None)
+
+    def step_profile_cpu_built(self) -> dict[str, Any]:
+        """``step_profile`` with the models built on the CPU and moved by Lightning, as scripts/bench.py's worker
+        (and a user's script) does."""
+        return self.step_profile(build_on_cpu=True)
+
+    def step_profile(self, build_on_cpu: bool = False) -> dict[str, Any]:
+        """Where one on-policy GKD step's time goes, with bench_trl's settings (lambda 1, beta 0.5, temperature
+        0.9, the bench's batch and sampled tokens): synchronised seconds of sampling, the teacher's forward, the
+        student's forward + loss, backward and the optimizer step (means over the timed steps), the number of
+        host-device synchronisations in one step (torch.cuda.set_sync_debug_mode), and torch.profiler's top
+        operators of one step by self device time and by self CPU time."""
+        import warnings
+
+        import lightning as L
+        import torch
+
+        from lightning_gkd import ChatDataModule, GKDModule
+        from lightning_gkd.samplers import KVCacheSampler
+        from lightning_gkd.training.optimizers import adamw
+
+        bench, tokenizer = self.bench, self.tokenizer()
+        warmup, timed, profiled = 2, 3, 1
+        steps = warmup + timed + profiled
+        rows = bench.bench_rows(bench.BATCH * (steps + 1), answer_tokens=bench.NEW_TOKENS)
+        if build_on_cpu:
+            student, teacher = bench.build_models(tokenizer)
+        else:
+            student, teacher = self.model(bench.STUDENT, 0, tokenizer), self.model(bench.TEACHER, 1, tokenizer)
+        module = GKDModule(
+            student,
+            teacher,
+            tokenizer,
+            lmbda=1.0,
+            beta=0.5,
+            temperature=0.9,
+            max_new_tokens=bench.NEW_TOKENS,
+            optimizer=partial(adamw, lr=1e-5),
+            seed=0,
+            sampler=KVCacheSampler,
+        )
+        phases: list[dict[str, float]] = []
+        check = self
+
+        def timed_call(name: str, fn: Callable) -> Callable:
+            @wraps(fn)  # the signature stays visible: the lean path checks forward's parameters (logits_to_keep)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                check.synchronize()
+                start = time.perf_counter()
+                result = fn(*args, **kwargs)
+                check.synchronize()
+                if phases:
+                    phases[-1][name] = phases[-1].get(name, 0.0) + time.perf_counter() - start
+                return result
+
+            return call
+
+        class Phases(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                check.synchronize()
+                self.start = time.perf_counter()
+                phases.append({})
+
+            def on_before_backward(self, trainer, pl_module, loss):
+                check.synchronize()
+                self.backward = time.perf_counter()
+                phases[-1]["forward_and_loss_total"] = self.backward - self.start
+
+            def on_after_backward(self, trainer, pl_module):
+                check.synchronize()
+                self.backward_end = time.perf_counter()
+                phases[-1]["backward"] = self.backward_end - self.backward
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                check.synchronize()
+                end = time.perf_counter()
+                phases[-1]["optimizer_and_logging"] = end - self.backward_end
+                phases[-1]["step"] = end - self.start
+                if len(phases) == warmup + timed:  # the next step is the profiled one
+                    if check.device == "cuda":
+                        torch.cuda.set_sync_debug_mode("warn")
+                    self.caught = warnings.catch_warnings(record=True)
+                    self.records = self.caught.__enter__()
+                    warnings.simplefilter("always")
+                    self.profile = torch.profiler.profile()
+                    self.profile.__enter__()
+                elif len(phases) == steps and hasattr(self, "profile"):
+                    self.profile.__exit__(None, None, None)
+                    if check.device == "cuda":
+                        torch.cuda.set_sync_debug_mode(0)
+                    self.caught.__exit__(None, None, None)
+
+        trainer = self.lightning_trainer(steps, [Phases()])
+        wrapped = {"done": False}
+
+        class Wrap(L.Callback):
+            def on_train_start(self, trainer, pl_module):
+                if not wrapped["done"]:
+                    pl_module.sampler.sample = timed_call("sampling", pl_module.sampler.sample)
+                    pl_module.teacher.forward = timed_call("teacher_forward", pl_module.teacher.forward)
+                    wrapped["done"] = True
+
+        trainer.callbacks.append(Wrap())
+        datamodule = ChatDataModule(tokenizer, rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH)
+        trainer.fit(module, datamodule=datamodule)
+        means = {
+            key: sum(p.get(key, 0.0) for p in phases[warmup : warmup + timed]) / timed
+            for key in ("step", "forward_and_loss_total", "sampling", "teacher_forward", "backward")
+        }
+        means["optimizer_and_logging"] = sum(p["optimizer_and_logging"] for p in phases[warmup : warmup + timed])
+        means["optimizer_and_logging"] /= timed
+        means["student_forward_and_loss"] = means["forward_and_loss_total"] - means["sampling"]
+        means["student_forward_and_loss"] -= means["teacher_forward"]
+        out: dict[str, Any] = {"batch": bench.BATCH, "new_tokens": bench.NEW_TOKENS, "mean_s": means}
+        out["lean_taken"] = module.lean_path.enabled  # the timing wrappers must not hide forward's signature
+        phases_cb = next(c for c in trainer.callbacks if isinstance(c, Phases))
+        if hasattr(phases_cb, "profile"):
+            sync_sites: dict[str, int] = {}
+            for record in phases_cb.records:
+                if "synchroniz" in str(record.message):
+                    site = f"{Path(record.filename).name}:{record.lineno}"
+                    sync_sites[site] = sync_sites.get(site, 0) + 1
+            if self.device == "cuda":  # torch.cuda.set_sync_debug_mode reports them
+                out["syncs_in_profiled_step"] = sum(sync_sites.values())
+                out["sync_sites"] = dict(sorted(sync_sites.items(), key=lambda kv: -kv[1])[:12])
+            averages = phases_cb.profile.key_averages()
+
+            def top(attribute: str) -> list[tuple[str, int, float]]:
+                ranked = sorted(averages, key=lambda e: -getattr(e, attribute, 0.0))[:15]
+                return [(e.key, e.count, round(getattr(e, attribute, 0.0) / 1e3, 2)) for e in ranked]
+
+            out["top_self_device_ms"] = top("self_device_time_total")
+            out["top_self_cpu_ms"] = top("self_cpu_time_total")
+            out["device_busy_ms"] = round(sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e3, 1)
+            out["profiled_step_s"] = phases[-1]["step"]
+        del module, student, teacher
+        return out
 
     def fsdp(self) -> dict[str, Any]:
         """GKD (lambda 1) under FSDP2 on one device, in its own process (it starts a process group)."""
@@ -541,6 +693,14 @@ def render(report: dict[str, Any]) -> str:
             row = b[name]
             mfu = "—" if row["mfu"] is None else f"{row['mfu']:.1%}"
             lines.append(f"| {name} | {row['s_per_step']:.3f} | {row['tokens_per_s']:.0f} | {mfu} |")
+    for name in ("step_profile", "step_profile_cpu_built"):
+        if get.get(name):
+            prof = get[name]
+            syncs = prof.get("syncs_in_profiled_step", "—")
+            title = f"`{name}`, batch {prof['batch']}, {prof['new_tokens']} sampled tokens, {syncs} host syncs a step"
+            lines += ["", f"Where an on-policy step goes ({title}):", ""]
+            lines += ["| phase | seconds (mean) |", "|---|---|"]
+            lines += [f"| {phase} | {fmt(seconds)} |" for phase, seconds in prof["mean_s"].items()]
     if get.get("teacher_cache"):
         c = get["teacher_cache"]
         lines += ["", f"Teacher cache build ({c['teacher']} teacher, {c['rows']} toy rows):", ""]
@@ -554,13 +714,15 @@ def render(report: dict[str, Any]) -> str:
 
 
 def setup() -> None:
-    """Install device_wheels/ (scripts/device_wheels.sh) and this checkout without network access."""
+    """Install every wheel in device_wheels/ (scripts/device_wheels.sh) without network access or dependency
+    resolution (the image's own packages stay), then this checkout, editable, with the image's setuptools."""
     if not WHEELS.is_dir():
         raise SystemExit(f"{WHEELS} is missing: run `bash scripts/device_wheels.sh` where pip can reach an index.")
-    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS)]
-    wanted = ["hydra-core", "omegaconf", "datasets", "rich"]
-    subprocess.run([*pip, *wanted], check=True)
-    subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    subprocess.run([*pip, *sorted(str(wheel) for wheel in WHEELS.glob("*.whl"))], check=True)
+    editable = subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT)])
+    if editable.returncode != 0:  # the parts import the checkout through PYTHONPATH: the console scripts are a nicety
+        print(f"pip install -e {ROOT} failed ({editable.returncode}); the parts run from the checkout", flush=True)
     importlib.invalidate_caches()  # this process imports the new packages next
 
 
@@ -588,7 +750,6 @@ def main() -> None:
         print(json.dumps(check.fsdp_worker()))
         return
     started = time.perf_counter()
-    parts = {name: run_part(check, name) for name in args.parts}
     import lightning
     import transformers
 
@@ -597,7 +758,7 @@ def main() -> None:
     meta = {
         "command": ("python scripts/device_check.py " + " ".join(sys.argv[1:])).strip(),
         "date": time.strftime("%Y-%m-%d"),
-        "seconds": time.perf_counter() - started,
+        "seconds": 0.0,
         "device": device,
         "dry_run": args.dry_run,
         "python": platform.python_version(),
@@ -606,11 +767,18 @@ def main() -> None:
         "lightning": lightning.__version__,
         "trl": trl or None,
     }
-    report = {"meta": meta, "parts": parts}
-    (args.out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "device_check.md").write_text(render(report))
+    report: dict[str, Any] = {"meta": meta, "parts": {}}
+    for name in args.parts:
+        report["parts"][name] = run_part(check, name)
+        meta["seconds"] = time.perf_counter() - started
+        write_report(report, args.out)  # after each part: a run stopped at a time limit keeps what it measured
     print(render(report))
     print(f"wrote {args.out / 'device_check.json'} and device_check.md")
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    (out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "device_check.md").write_text(render(report))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,17 @@ import pytest
 pytestmark = pytest.mark.slow  # a script smoke run
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = {"default_job", "methods", "lean_memory", "sampler", "bench_trl", "fsdp", "teacher_cache"}
+PARTS = {
+    "default_job",
+    "methods",
+    "lean_memory",
+    "sampler",
+    "bench_trl",
+    "step_profile",
+    "step_profile_cpu_built",
+    "fsdp",
+    "teacher_cache",
+}
 
 
 def test_dry_run_runs_every_part_and_writes_the_report(tmp_path):
@@ -55,6 +65,15 @@ def test_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     bench = r["bench_trl"]
     assert bench["ours"]["mfu"] is None and bench["trl_distill"]["tokens_per_s"] > 0
     assert bench["ours_over_trl"] == pytest.approx(bench["ours"]["s_per_step"] / bench["trl_distill"]["s_per_step"])
+    for name in ("step_profile", "step_profile_cpu_built"):
+        profile = r[name]
+        means = profile["mean_s"]
+        phases = ("sampling", "teacher_forward", "student_forward_and_loss", "backward", "optimizer_and_logging")
+        assert all(means[phase] > 0 for phase in phases), means
+        assert sum(means[phase] for phase in phases) == pytest.approx(means["step"], rel=0.1)
+        assert profile["lean_taken"] and "syncs_in_profiled_step" not in profile  # syncs are counted on CUDA only
+        assert profile["top_self_cpu_ms"] and profile["profiled_step_s"] > 0
+    assert "| sampling | " in (out / "device_check.md").read_text()
     cache = r["teacher_cache"]
     assert cache["topk"]["tokens"] == cache["hidden_bf16"]["tokens"] > 0  # the same rows, two signals
     assert (out / "cache_hidden_bf16" / "head.safetensors").is_file()
