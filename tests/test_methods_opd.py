@@ -8,6 +8,7 @@ model loads. Plain Lightning Trainer, real collation, tiny models."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import math
 from functools import partial
@@ -33,6 +34,7 @@ from lightning_gkd.ops.opd import policy_gradient_distillation_loss
 from lightning_gkd.ops.sparse_kd import sampled_kl_loss
 from lightning_gkd.samplers import KVCacheSampler
 from lightning_gkd.teachers import CacheTeacher, LocalTeacher, supervised_positions
+from lightning_gkd.teachers.server import ServerSampler, ServerTeacher
 
 #: exact float32 sampling: the sampler's log-probs then match the training forward's to ~1e-6 (w = 1 on fresh samples)
 EXACT_SAMPLER = partial(KVCacheSampler, matmul_precision="highest")
@@ -419,3 +421,31 @@ def test_a_served_teacher_gives_the_local_teachers_rewards_and_trains(toy, tmp_p
     rewards = by_step(rows, "train/opd/reward")
     assert sorted(rewards) == [0, 1] and all(math.isfinite(v) and v < 0 for v in rewards.values())
     assert fake.count("/v1/completions") > 0
+
+
+def test_a_served_sampler_with_raw_log_probs_is_refused_unless_the_weights_are_off(toy, tmp_path):
+    """A sampler on the teacher server (off-policy samples, so the importance weights matter): vLLM's default raw
+    log-probs are not those of temperature 0.7, so OPD refuses before a step; processed ones train."""
+    student, teacher, tokenizer = toy
+    sampling = {"max_new_tokens": 6, "temperature": 0.7, "eos_token_id": tokenizer.eos_token_id}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        with FakeVLLMServer(teacher, tokenizer, logprobs_mode=mode) as fake:
+            served = ServerTeacher(fake.url, top_k=1, retries=2, backoff=0.01)
+            sampler = ServerSampler(served, pad_token_id=tokenizer.pad_token_id, **sampling)
+            module = make_module(copy.deepcopy(student), teacher, tokenizer, sampler=sampler, max_new_tokens=6)
+            if mode == "raw_logprobs":
+                with pytest.raises(ValueError, match=r"returns raw log-probs.*--logprobs-mode processed_logprobs"):
+                    fit(module, tokenizer, tmp_path / mode, max_steps=1)
+                assert module.global_step == 0
+                module = make_module(
+                    copy.deepcopy(student),
+                    teacher,
+                    tokenizer,
+                    sampler=sampler,
+                    max_new_tokens=6,
+                    importance_weights=False,
+                )
+            rows = fit(module, tokenizer, tmp_path / f"{mode}-fit", max_steps=1)
+            assert module.global_step == 1 and fake.count("/v1/completions") > 1
+            weights = by_step(rows, "train/opd/is_weight_mean")
+            assert weights and all(math.isfinite(value) for value in weights.values())

@@ -17,7 +17,7 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import asset_path
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.sampling import generate_completions, sampling_logits
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.http import TeacherRequestError
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
@@ -311,3 +311,29 @@ def test_the_samplers_greedy_equals_hf_greedy(toy, fake, batch):
     with pytest.raises(ValueError, match="max_model_len=64"):
         sampler.greedy(None, batch["prompts"], batch["prompt_attention_mask"], max_new_tokens=60)
     sampler.close()
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_the_sampler_probes_whether_its_log_probs_are_those_it_sampled_from(mode, toy, batch):
+    model, _ = toy
+    prompts, mask = batch["prompts"], batch["prompt_attention_mask"]
+    with FakeVLLMServer(*toy, logprobs_mode=mode) as fake:
+        plain = ServerSampler(teacher_for(fake), max_new_tokens=4, temperature=1.0, eos_token_id=2)
+        assert plain.sampled_logprobs_problem() is None  # temperature 1, no top-k/top-p: raw is what it samples
+        assert fake.count("/v1/completions") == 0  # ... known without asking
+        sampler = ServerSampler(teacher_for(fake), max_new_tokens=8, temperature=0.7, top_k=5, eos_token_id=2)
+        problem = sampler.sampled_logprobs_problem()
+        assert sampler.sampled_logprobs_problem() == problem and fake.count("/v1/completions") == 1  # probed once
+        if mode == "raw_logprobs":
+            assert "returns raw log-probs" in problem and "--logprobs-mode raw_logprobs" in problem
+            assert "temperature=0.7, top_k=5, top_p=1.0" in problem
+            return
+        assert problem is None
+        out = sampler.sample(None, prompts, mask, seed=3)
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"]).logits[:, :-1].float()
+    flat = sampling_logits(logits.reshape(-1, logits.shape[-1]), temperature=0.7, top_k=5, top_p=1.0)
+    processed = flat.log_softmax(-1).reshape(logits.shape).gather(-1, out["input_ids"][:, 1:, None]).squeeze(-1)
+    keep = out["labels"][:, 1:] != -100
+    assert keep.sum() > 0 and (processed[keep] > -20).all()  # every sampled token is inside the top 5
+    torch.testing.assert_close(out["sampled_logprobs"][:, 1:][keep], processed[keep], atol=1e-4, rtol=0)

@@ -24,7 +24,7 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import asset_path
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.sampling import generate_completions, sampling_logits
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
 
@@ -101,8 +101,10 @@ def test_the_sampler_writes_the_teachers_greedy_completions_and_repeats_its_samp
         greedy = sampler.greedy(None, prompts, mask, max_new_tokens=8)
         first = sampler.sample(None, prompts, mask, seed=3)
         again = sampler.sample(None, prompts, mask, seed=3)
+        problem = sampler.sampled_logprobs_problem()  # the probe finds vLLM's default mode
     finally:
         sampler.close()
+    assert problem is not None and "returns raw log-probs" in problem
     reference = generate_completions(
         model, prompts, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, do_sample=False
     )
@@ -116,6 +118,31 @@ def test_the_sampler_writes_the_teachers_greedy_completions_and_repeats_its_samp
     raw = logits.float().log_softmax(-1).gather(-1, first["input_ids"][:, 1:, None]).squeeze(-1)
     keep = first["labels"][:, 1:] != -100
     torch.testing.assert_close(first["sampled_logprobs"][:, 1:][keep], raw[keep], atol=1e-4, rtol=0)
+
+
+def test_a_server_with_processed_logprobs_passes_the_probe_and_returns_them(toy, batch, tmp_path):
+    """``--logprobs-mode processed_logprobs``: the sampled tokens' log-probs under temperature 0.7 and top-k 5."""
+    model, _ = toy
+    arguments = [
+        *("--model", TEACHER, "--dtype", "float32", "--max-logprobs", "20", "--logprobs-mode", "processed_logprobs"),
+        *("--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager"),
+    ]
+    prompts, mask = batch["prompts"], batch["prompt_attention_mask"]
+    with vllm_server(arguments, tmp_path / "server.log") as (url, _):
+        sampler = ServerSampler(
+            ServerTeacher(url, top_k=20), max_new_tokens=8, temperature=0.7, top_k=5, eos_token_id=2, pad_token_id=0
+        )
+        try:
+            assert sampler.sampled_logprobs_problem() is None
+            out = sampler.sample(None, prompts, mask, seed=3)
+        finally:
+            sampler.close()
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"]).logits[:, :-1].float()
+    flat = sampling_logits(logits.reshape(-1, logits.shape[-1]), temperature=0.7, top_k=5, top_p=1.0)
+    processed = flat.log_softmax(-1).reshape(logits.shape).gather(-1, out["input_ids"][:, 1:, None]).squeeze(-1)
+    keep = out["labels"][:, 1:] != -100
+    torch.testing.assert_close(out["sampled_logprobs"][:, 1:][keep], processed[keep], atol=1e-4, rtol=0)
 
 
 def gkd_module(teacher, tokenizer, **kwargs):

@@ -25,7 +25,7 @@ from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf import resolve_eos_token_id
 from lightning_gkd.ops.opd import Baseline, check_advantage_options
 from lightning_gkd.rollouts import ToolCallParser
-from lightning_gkd.samplers import Sampler, SamplerFactory
+from lightning_gkd.samplers import Sampler, SamplerFactory, sampled_logprobs_problem
 from lightning_gkd.teachers import CacheTeacher
 from lightning_gkd.teachers.spec import TeacherSource, teacher_plan
 from lightning_gkd.training.normalization import LossNormalization
@@ -201,6 +201,7 @@ class OPDModule(OnPolicyModule):
             tool_parser=tool_parser,
         )
         self.beta, self.loss_temperature, self.sparse_loss = beta, loss_temperature, sparse_loss
+        self.importance_weights = importance_weights
         #: The policy-gradient loss a training step takes (``lightning_gkd.losses.opd``).
         self.loss: DistillationLoss = policy_gradient_loss(
             self.teacher_sources,
@@ -224,6 +225,17 @@ class OPDModule(OnPolicyModule):
 
     def loss_objects(self) -> list[Any]:
         return [self.loss, self.validation_loss]
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        problem = sampled_logprobs_problem(self.sampler) if self.importance_weights else None
+        if problem is not None:
+            raise ValueError(
+                f"OPD's importance weights p_S / p_sampler need each sampled token's log-prob under the distribution "
+                f"it was sampled from, but {problem}. Restart the server with --logprobs-mode processed_logprobs, "
+                "or sample at temperature 1 without top_k / top_p, or train without the weights: "
+                "importance_weights=False (Hydra: method.importance_weights=false)."
+            )
 
     def training_loss(self, batch: dict[str, Any]) -> LossOutput:
         """The OPD loss on a batch of the student's samples (the class docstring), with ``opd/*`` logs."""

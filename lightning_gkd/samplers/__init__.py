@@ -4,7 +4,13 @@ teacher). ``Sampler`` is the protocol the methods call; ``KVCacheSampler`` (our 
 ``sampler=vllm``); ``SpeculativeKDSampler`` lets the teacher correct the student's proposals (``sampler=skd``).
 Another engine implements the same ``sample`` and is passed as ``GKDModule(sampler=...)``."""
 
-from lightning_gkd.samplers.base import Sampler, SamplerFactory, build_sampler, check_sampler
+from lightning_gkd.samplers.base import (
+    Sampler,
+    SamplerFactory,
+    build_sampler,
+    check_sampler,
+    sampled_logprobs_problem,
+)
 from lightning_gkd.samplers.kv_cache import KVCacheSampler
 from lightning_gkd.samplers.skd import SpeculativeKDSampler
 from lightning_gkd.samplers.vllm import VLLMSampler
@@ -17,4 +23,5 @@ __all__ = [
     "VLLMSampler",
     "build_sampler",
     "check_sampler",
+    "sampled_logprobs_problem",
 ]

@@ -18,7 +18,9 @@ class Sampler(Protocol):
     every optimizer step, ``close()`` at teardown, and ``greedy(model, prompts, prompt_attention_mask, *,
     max_new_tokens)`` for validation generations (same output contract as ``sample``). A sampler that reads the
     teacher has ``bind_teachers(sources)`` (the method's teachers by name, once they are built); one that reports
-    figures has ``last_stats()`` (name → float of its last call, logged as ``train/sampler/<name>``).
+    figures has ``last_stats()`` (name → float of its last call, logged as ``train/sampler/<name>``). One whose
+    ``sampled_logprobs`` may not be those of the distribution it sampled from (a served engine's raw log-probs) has
+    ``sampled_logprobs_problem()``: None when they are, else why not (``sampled_logprobs_problem`` below).
     """
 
     def sample(
@@ -70,3 +72,10 @@ def check_sampler(sampler: Any, teachers: Any = None) -> None:
     check_teachers = getattr(target, "check_teachers", None)
     if callable(check_teachers) and teachers is not None:
         check_teachers(teachers)
+
+
+def sampled_logprobs_problem(sampler: Any) -> str | None:
+    """Why ``sampler``'s ``sampled_logprobs`` are not the log-probs of the distribution it sampled from, or None
+    when they are (every in-process sampler and ``VLLMSampler``; a served sampler answers for its server)."""
+    problem = getattr(sampler, "sampled_logprobs_problem", None)
+    return problem() if callable(problem) else None

@@ -189,10 +189,12 @@ class ServerSampler:
     Each row's request seed is ``derive_seed(seed, row)``, so a seed gives the same samples again (on the same
     server and model). ``sampled_logprobs`` are the server's log-probs of the sampled tokens: under vLLM's default
     ``--logprobs-mode raw_logprobs`` that is the teacher's full softmax at temperature 1 (before ``temperature``,
-    ``top_k``, ``top_p``), not the distribution sampled from; start the server with ``--logprobs-mode
-    processed_logprobs`` for the latter. The server needs its tokenizer (vLLM formats log-probs with it; not
-    ``--skip-tokenizer-init``). Generation stops at ``eos_token_id`` (the student's; the server's own EOS
-    is ignored) and rows are padded with ``pad_token_id`` after it.
+    ``top_k``, ``top_p``), not the distribution sampled from; a server started with ``--logprobs-mode
+    processed_logprobs`` returns the latter. ``sampled_logprobs_problem`` says which (one probe request) for a
+    consumer that needs the sampled distribution's log-probs (OPD's importance weights). The server needs its
+    tokenizer (vLLM formats log-probs with it; not ``--skip-tokenizer-init``). Generation stops at
+    ``eos_token_id`` (the student's; the server's own EOS is ignored) and rows are padded with ``pad_token_id``
+    after it.
     """
 
     def __init__(
@@ -211,6 +213,47 @@ class ServerSampler:
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.eos_token_id: EosTokenId = eos_token_id
         self.pad_token_id = pad_token_id
+        self._processed_logprobs: bool | None = None  # the server's --logprobs-mode, once probed
+
+    def sampled_logprobs_problem(self) -> str | None:
+        """None when ``sampled_logprobs`` are the log-probs of the distribution the server samples from, else why
+        not. They are at temperature 1 without top-k / top-p (the raw softmax is then that distribution), and with
+        any options on a server that returns processed log-probs (``--logprobs-mode processed_logprobs``). The mode
+        is probed once: one token at ``top_k=1``, whose processed log-prob is exactly 0 (the only token left) and
+        whose raw log-prob is the teacher's full-softmax log-prob of its most likely token, below 0."""
+        if self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0:
+            return None
+        if self._processed_logprobs is None:
+            self._processed_logprobs = self._probe_processed_logprobs()
+        if self._processed_logprobs:
+            return None
+        return (
+            f"the teacher server at {self.teacher.url} returns raw log-probs (the teacher's softmax at temperature 1; "
+            f"vLLM's default --logprobs-mode raw_logprobs), not those of the distribution it samples from "
+            f"(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p})"
+        )
+
+    def _probe_processed_logprobs(self) -> bool:
+        server = self.teacher.server
+        body = {
+            "model": server.name(),
+            "prompt": [self.pad_token_id],
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "seed": 0,
+        }
+        logprobs = (server.client.post("/v1/completions", body)["choices"][0].get("logprobs") or {}).get(
+            "token_logprobs"
+        )
+        if not logprobs:
+            raise ValueError(f"The teacher server at {self.teacher.url} returned no log-probs; is it a vLLM server?")
+        return abs(float(logprobs[0])) < 1e-4
 
     def sample(
         self, model: nn.Module | None, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int

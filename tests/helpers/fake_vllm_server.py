@@ -29,7 +29,9 @@ class FakeVLLMServer:
     """Serves ``model`` (its ``vocab_size`` unless given) as ``name`` on 127.0.0.1, a free port.
 
     ``served``: the model names ``/v1/models`` lists (default ``[name]``); ``tokenize``: text → ids for
-    ``/tokenize`` (default ``tokenizer``'s); ``max_logprobs``/``max_model_len``: the server's limits."""
+    ``/tokenize`` (default ``tokenizer``'s); ``max_logprobs``/``max_model_len``: the server's limits;
+    ``logprobs_mode``: vLLM's ``--logprobs-mode`` for the sampled tokens' log-probs (``raw_logprobs``: the full
+    softmax at temperature 1; ``processed_logprobs``: the distribution sampled from)."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class FakeVLLMServer:
         tokenize: Callable[[str, bool], list[int]] | None = None,
         eos_token_id: int | None = 2,
         normalize: bool = False,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
         self.served = served if served is not None else [name]
@@ -52,6 +55,7 @@ class FakeVLLMServer:
         self.tokenize = tokenize or (lambda text, special: tokenizer(text, add_special_tokens=special)["input_ids"])
         self.eos_token_id = eos_token_id
         self.normalize = normalize
+        self.logprobs_mode = logprobs_mode
         self.requests: list[tuple[str, str]] = []
         self._fail: list[int] = []  # statuses of the next failing requests
         self._drop = 0
@@ -288,13 +292,15 @@ class FakeVLLMServer:
         ids, tokens, logprobs = list(prompt), [], []
         for _ in range(max_tokens):
             raw = self._log_probs(ids)[-1]
+            processed = raw
             if temperature < 1e-5:
                 token = int(raw.argmax())
             else:
                 logits = sampling_logits(raw[None], temperature=temperature, top_k=max(top_k, 0), top_p=top_p)
                 token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+                processed = logits[0].log_softmax(-1)
             tokens.append(token)
-            logprobs.append(float(raw[token]))
+            logprobs.append(float((processed if self.logprobs_mode == "processed_logprobs" else raw)[token]))
             ids.append(token)
             if token in self._stops(body):
                 break
