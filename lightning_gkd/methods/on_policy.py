@@ -273,7 +273,7 @@ class OnPolicyModule(CausalLMModule):
         """With a served teacher under several processes: every rank raises ``TeacherUnavailable`` when any rank's
         teacher failed in this step (``training.teacher_outage.stop_ranks_together``; one small all-reduce)."""
         if self.teacher_can_be_unavailable:
-            stop_ranks_together(failure, self.trainer.strategy)
+            stop_ranks_together(failure, self.trainer)
 
     def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
         super().check_datamodule(datamodule)

@@ -22,24 +22,23 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gkd.teachers.base import TeacherUnavailable
 from lightning_gkd.training.checkpoint_io import inside_accumulation_window, resume_checkpoint_path
 
 
-def stop_ranks_together(failure: TeacherUnavailable | None, strategy: Strategy) -> None:
+def stop_ranks_together(failure: TeacherUnavailable | None, trainer: L.Trainer) -> None:
     """Under several processes: raise ``TeacherUnavailable`` on every rank when the teacher was unavailable to any
     rank in this step (``failure``: this rank's, None when its teacher answered). One all-reduce of
     ``world_size`` flags; the failures' messages are gathered only when there are some. In one process it does
     nothing: the caller re-raises its own failure."""
-    world_size = strategy.world_size
+    world_size = trainer.world_size
     if world_size < 2:
         return
-    flags = torch.zeros(world_size, device=strategy.root_device)
-    flags[strategy.global_rank] = float(failure is not None)
-    failed = [rank for rank, flag in enumerate(strategy.reduce(flags, reduce_op="sum").tolist()) if flag]
+    flags = torch.zeros(world_size, device=trainer.strategy.root_device)
+    flags[trainer.global_rank] = float(failure is not None)
+    failed = [rank for rank, flag in enumerate(trainer.strategy.reduce(flags, reduce_op="sum").tolist()) if flag]
     if not failed:
         return
     messages: list[str | None] = [None] * world_size
