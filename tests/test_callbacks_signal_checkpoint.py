@@ -1,5 +1,7 @@
 """SIGTERM / SIGUSR1 during training: the step finishes, a checkpoint is saved, the run stops cleanly (status 0),
-and resuming from that checkpoint continues to max_steps."""
+and resuming from that checkpoint continues to max_steps. Ctrl-C (SIGINT) likewise (status 130), and a second one
+aborts. The tests that send SIGINT give the process receiving it Python's default handler: a test run started as a
+background job of a script inherits SIGINT ignored, and the callback leaves an ignored SIGINT ignored (it logs so)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -18,8 +21,16 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_gkd import ChatDataModule, GKDModule
-from lightning_gkd.callbacks.signal_checkpoint import SignalCheckpoint
+from lightning_gkd.callbacks.signal_checkpoint import SignalCheckpoint, ctrl_c_notice
 from lightning_gkd.training.checkpoint_io import SafeCheckpointIO
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's default SIGINT handler (KeyboardInterrupt) for the test, whatever this process inherited."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 class SendSignal(L.Callback):
@@ -56,7 +67,7 @@ def fit(student, teacher, tokenizer, rows, tmp_path, callbacks, max_steps, ckpt_
     "signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["SIGTERM", "SIGUSR1", "SIGINT"]
 )
 def test_signal_saves_a_checkpoint_at_a_step_boundary_and_resume_continues(
-    student, teacher, tokenizer, toy_rows, tmp_path, signum, caplog, capsys
+    student, teacher, tokenizer, toy_rows, tmp_path, signum, caplog, capsys, default_sigint
 ):
     saver = SignalCheckpoint(tmp_path / "checkpoints")
     handlers_before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
@@ -93,7 +104,9 @@ class SendTwice(L.Callback):
             raise AssertionError("the second Ctrl-C did not abort at once")
 
 
-def test_a_second_ctrl_c_aborts_at_once_without_saving(student, teacher, tokenizer, toy_rows, tmp_path, capsys):
+def test_a_second_ctrl_c_aborts_at_once_without_saving(
+    student, teacher, tokenizer, toy_rows, tmp_path, capsys, default_sigint
+):
     saver = SignalCheckpoint(tmp_path / "checkpoints")
     with pytest.raises(SystemExit) as aborted:  # Lightning's KeyboardInterrupt handling: exit status 1
         fit(student, teacher, tokenizer, toy_rows, tmp_path, [saver, SendTwice(at_step=2)], max_steps=6)
@@ -101,6 +114,48 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(student, teacher, tokeniz
     assert saver.saved_path is None and not (tmp_path / "checkpoints" / "last.ckpt").exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after fit
     assert "Press Ctrl-C again to abort at once" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_the_callback_logs_once_whether_ctrl_c_stops_the_run(
+    student, teacher, tokenizer, toy_rows, tmp_path, caplog, inherited
+):
+    handler = signal.SIG_IGN if inherited == "ignored" else signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        caplog.set_level("INFO")
+        saver = SignalCheckpoint(tmp_path / "checkpoints")
+        fit(student, teacher, tokenizer, toy_rows, tmp_path, [saver], max_steps=1)
+        fit(student, teacher, tokenizer, toy_rows, tmp_path / "again", [saver], max_steps=1)
+        assert signal.getsignal(signal.SIGINT) == handler  # an ignored SIGINT stays ignored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    notices = [r.getMessage() for r in caplog.records if "Ctrl-C" in r.getMessage()]
+    assert notices == [ctrl_c_notice(handler, os.getpid())]  # once, though two fits
+    if inherited == "ignored":
+        assert notices[0].startswith("Ctrl-C will not stop this run: SIGINT is ignored in this process")
+        assert f"send SIGTERM: kill -TERM {os.getpid()}" in notices[0] and "( trap - INT; cmd ) &" in notices[0]
+    else:
+        assert notices[0] == "Ctrl-C stops the run after the current training step with a checkpoint to resume from."
+
+
+@pytest.mark.slow
+def test_the_ctrl_c_tests_pass_when_started_with_sigint_ignored():
+    """The in-process Ctrl-C tests run in a pytest started as a script's background job would be: SIGINT ignored."""
+    tests = [
+        f"{__file__}::test_signal_saves_a_checkpoint_at_a_step_boundary_and_resume_continues[SIGINT]",
+        f"{__file__}::test_a_second_ctrl_c_aborts_at_once_without_saving",
+        f"{__file__}::test_the_callback_logs_once_whether_ctrl_c_stops_the_run",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=Path(__file__).parents[1],  # the repository root: this checkout's package
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 def test_a_signal_before_the_first_step_saves_nothing(student, teacher, tokenizer, toy_rows, tmp_path):

@@ -1,13 +1,20 @@
 """GKDModule against teachers other than one full in-process model: a local teacher's top-k (the sparse loss end
 to end), several teachers routed by a data column, the settings each kind refuses before any model loads, and a
-teacher that stays down (checkpoint, resume, no step trained twice). Plain Lightning Trainer, real collation."""
+teacher that stays down (checkpoint, resume, no step trained twice; under DDP for one rank only: every rank stops
+together). Plain Lightning Trainer, real collation."""
 
 import csv
+import json
+import subprocess
+import sys
+import time
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from helpers.launch import clean_env
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule
@@ -207,3 +214,39 @@ def test_a_teacher_outage_saves_a_checkpoint_and_the_resumed_run_trains_no_step_
     assert before + after == pytest.approx(logged(tmp_path / "whole", "train/loss"), rel=1e-5)
     final = dict(whole.student.named_parameters())
     assert all(torch.allclose(p, final[n], atol=1e-6) for n, p in resumed.student.named_parameters())
+
+
+@pytest.mark.multiprocess
+def test_a_teacher_server_down_for_one_ddp_rank_stops_every_rank_together(tmp_path):
+    """Two CPU ranks (tests/helpers/teacher_outage_ddp_worker.py), each with its own teacher server; rank 1's stops
+    after step 2. Rank 1 alone cannot stop: rank 0 would wait in backward's gradient all-reduce until the process
+    group's timeout (30 s there, 30 minutes by default). The ranks agree after each step's teacher calls: both raise
+    TeacherUnavailable naming rank 1, the checkpoint is written once at step 2, and the resume hint printed once."""
+    out = tmp_path / "run"
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "helpers" / "teacher_outage_ddp_worker.py"), str(out)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    seconds = time.perf_counter() - started
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in ranks:
+        assert rank["world_size"] == 2
+        assert rank["error"] == "TeacherUnavailable", rank  # not the gloo timeout of a rank left waiting
+        assert rank["message"].startswith("rank 1 of 2: The teacher server at http://127.0.0.1:")
+        assert "rank 0 of 2" not in rank["message"]  # rank 0's server answered
+        assert "all 2 ranks stopped together" in rank["message"]
+        assert rank["global_step"] == 2 and rank["seconds"] < 30  # stopped at once, not after the timeout
+    saved = out / "checkpoints" / "last.ckpt"
+    assert ranks[0]["saved"] == ranks[1]["saved"] == str(saved)
+    assert torch.load(saved, weights_only=True)["global_step"] == 2
+    assert list(out.rglob("*.ckpt")) == [saved]
+    logs = done.stdout + done.stderr
+    assert logs.count("The teacher server is unavailable (rank 1 of 2:") == 1, logs[-4000:]
+    assert logs.count(f"resume with ckpt_path={saved}") == 1
+    assert seconds < 200

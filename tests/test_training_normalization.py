@@ -1,27 +1,34 @@
 """lightning_gkd.training.normalization: with gradient accumulation and uneven token counts, an optimizer step's
 update is the gradient of the token mean over all its micro-batches (one big batch's), for GKD on dataset
 completions and on its own samples, and for SFT; ``loss_normalization="micro_batch"`` keeps each micro-batch's
-mean (the old, differently weighted objective). A plain Lightning Trainer, real collation."""
+mean (the old, differently weighted objective). Under 16-mixed (fp16 autocast, a GradScaler; on CPU here) the
+unscaled gradients are that token mean, and a step that overflows is skipped without its token counts leaking into the
+next. A plain Lightning Trainer, real collation."""
 
 import copy
 import csv
 from functools import partial
+from itertools import pairwise
 
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
 from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.ops.losses import IGNORE_INDEX
 
 
 class RecordingSGD(torch.optim.SGD):
-    """SGD with lr 0 that records the gradients it is handed (after Lightning's and our scaling, after clipping)."""
+    """SGD (lr 0 unless given) that records the gradients it is handed (after Lightning's and our scaling, after
+    clipping; under 16-mixed after the GradScaler's unscaling, and only for the steps it does not skip)."""
 
-    def __init__(self, params, record: list) -> None:
-        super().__init__(params, lr=0.0)
+    def __init__(self, params, record: list, lr: float = 0.0) -> None:
+        super().__init__(params, lr=lr)
         self.record = record
 
     def step(self, closure=None):
@@ -141,3 +148,114 @@ def test_the_option_is_checked():
 
     with pytest.raises(ValueError, match="loss_normalization must be 'step' or 'micro_batch', got 'token'"):
         StepTokenNormalizer("token")  # type: ignore[arg-type]
+
+
+class ScalerSteps(L.Callback):
+    """Per optimizer step: the weights at its start and the GradScaler's scale after it. Makes step ``overflow_at``
+    overflow: after its first micro-batch's backward one gradient entry is inf, as an fp16 overflow leaves it."""
+
+    def __init__(self, overflow_at: int) -> None:
+        self.overflow_at = overflow_at
+        self.weights: list[dict] = []
+        self.scales: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.weights.append({k: v.detach().clone() for k, v in pl_module.model.state_dict().items()})
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == self.overflow_at and len(self.weights) == self.overflow_at + 1:
+            next(pl_module.model.parameters()).grad.view(-1)[0] = float("inf")
+            self.overflow_at = -1  # once
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+
+def test_16_mixed_unscaled_gradients_are_the_float32_token_mean_and_an_overflow_step_is_skipped(
+    student, tokenizer, tmp_path
+):
+    """precision 16-mixed: fp16 autocast and a GradScaler (here on CPU: Lightning's MixedPrecision plugin with
+    device "cpu", the path trainer.precision=16-mixed takes on a GPU with device "cuda"). Three steps of two
+    micro-batches (4 rows each, a short-answer one and a long-answer one: uneven token counts); step 1 overflows.
+    (a) Steps 0 and 2 hand the optimizer, after unscaling and the step normalisation, the float32 gradient of the
+    token mean over the step's 8 rows, from the weights the step started with (to fp16 accuracy; the per-micro-batch
+    mean, another objective, is farther off). (b) Step 1 is skipped: weights unchanged, scale halved, and its token
+    counts do not leak into step 2 (whose gradient is its own rows' token mean)."""
+    by_length = sorted(addition_rows("train", 64), key=lambda row: len(row["answer"]))
+    short, long = by_length[:12], by_length[-12:]
+    rows = [row for k in range(3) for row in short[4 * k : 4 * k + 4] + long[4 * k : 4 * k + 4]]
+    grads: list = []
+    module = SFTModule(copy.deepcopy(student), tokenizer, optimizer=partial(RecordingSGD, record=grads, lr=0.5))
+    steps = ScalerSteps(overflow_at=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # (Lightning's default, 2**16, overflows step 0 here)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[steps],
+    )
+    datamodule = ChatDataModule(tokenizer, rows, batch_size=4, max_length=64, shuffle=False)
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 3 and len(steps.weights) == 3
+    with trainer.precision_plugin.forward_context():  # the steps' forwards ran in fp16
+        assert module.model(**datamodule.collator(rows[:1])).logits.dtype == torch.float16
+
+    # (b) the overflow step: skipped by the scaler (the optimizer never saw it), weights unchanged, scale halved
+    assert steps.scales == [2.0**8, 2.0**7, 2.0**7]
+    assert len(grads) == 2  # steps 0 and 2
+    assert all(torch.equal(steps.weights[1][n], w) for n, w in steps.weights[2].items())
+    assert not all(torch.equal(steps.weights[0][n], w) for n, w in steps.weights[1].items())  # step 0 did train
+
+    # (a) steps 0 and 2: the float32 token-mean gradient over the step's rows, from its starting weights
+    with open(tmp_path / "metrics.csv") as handle:
+        logged = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(handle) if r.get("train/loss")}
+    for recorded, step in zip(grads, (0, 2), strict=True):
+        micro = [datamodule.collator(rows[8 * step + 4 * m : 8 * step + 4 * m + 4]) for m in (0, 1)]
+        counts = [int((batch["labels"] != IGNORE_INDEX).sum()) for batch in micro]
+        assert counts[0] != counts[1]
+        reference = SFTModule(copy.deepcopy(student), tokenizer)
+        reference.model.load_state_dict(steps.weights[step])
+        names, params = zip(*reference.model.named_parameters(), strict=True)
+        losses = [reference.completion_loss(batch).loss for batch in micro]
+        token_mean = (losses[0] * counts[0] + losses[1] * counts[1]) / sum(counts)
+        want = dict(zip(names, torch.autograd.grad(token_mean, params, retain_graph=True), strict=True))
+        other = dict(zip(names, torch.autograd.grad((losses[0] + losses[1]) / 2, params), strict=True))
+        got = {name: recorded[id(p)] for name, p in module.model.named_parameters()}
+        assert relative_difference(got, want) < 2e-3  # measured 3e-4 and 5e-4: fp16 rounding
+        assert relative_difference(other, want) > 2e-2  # measured 7e-2 and 8e-2
+        assert logged[step] == pytest.approx(float(token_mean), rel=1e-3)
+
+
+def test_16_mixed_with_the_fused_adamw_skips_an_overflow_step(student, tokenizer):
+    """The default optimizer (AdamW, fused) unscales and checks for inf inside its own step, so under 16-mixed
+    Lightning hands it still-scaled gradients, which the step normalisation scales first (a linear factor: the
+    same update). An overflowing step is skipped there too: weights unchanged, scale halved."""
+    module = SFTModule(copy.deepcopy(student), tokenizer)
+    steps = ScalerSteps(overflow_at=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))],
+        logger=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[steps],
+    )
+    trainer.fit(module, datamodule=ChatDataModule(tokenizer, uneven_rows(12), batch_size=4, max_length=64))
+    assert _optimizer_handles_unscaling(trainer.optimizers[0])  # the fused kernel's own unscaling path
+    assert steps.scales == [2.0**8, 2.0**7, 2.0**7]
+    unchanged = [all(torch.equal(a[k], b[k]) for k in a) for a, b in pairwise(steps.weights)]
+    assert unchanged == [False, True]  # step 0 trained, step 1 (the overflow) did not
+    final = module.model.state_dict()
+    assert not all(torch.equal(steps.weights[2][k], final[k]) for k in final)  # step 2 trained again

@@ -3,6 +3,7 @@ stop cleanly; a second Ctrl-C aborts at once."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -15,6 +16,23 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 SIGINT_EXIT_STATUS = 130  # the shell's "stopped by Ctrl-C": `lightning-gkd ... && next-step` does not go on
+
+
+def ctrl_c_notice(handler: Any, pid: int) -> str:
+    """What Ctrl-C does to a run whose SIGINT handler was ``handler`` before fit (process ``pid``)."""
+    if handler is signal.default_int_handler or handler == signal.SIG_DFL:
+        return "Ctrl-C stops the run after the current training step with a checkpoint to resume from."
+    if handler == signal.SIG_IGN:
+        return (
+            "Ctrl-C will not stop this run: SIGINT is ignored in this process (inherited: a background job of a "
+            "script, `cmd &` or `nohup cmd &`, starts with SIGINT ignored). To stop it after the current step "
+            f"with a checkpoint, send SIGTERM: kill -TERM {pid}. To have Ctrl-C work, start it in the foreground, or "
+            "in a script as `( trap - INT; cmd ) &` or after `set -m`."
+        )
+    return (
+        f"Ctrl-C is left to the SIGINT handler installed before fit ({handler!r}); SIGTERM stops the run after "
+        "the current step with a checkpoint."
+    )
 
 
 class SignalCheckpoint(L.Callback):
@@ -31,7 +49,9 @@ class SignalCheckpoint(L.Callback):
     step; a validation due at that step is cut short, as with SIGTERM); a second one raises ``KeyboardInterrupt``
     at once (Lightning then shuts down without saving). The handler is installed only in the main thread and only
     over Python's default one (a deliberately ignored SIGINT stays ignored), and the previous handler is restored
-    after fit.
+    after fit. Once per callback, rank zero logs whether Ctrl-C stops the run this way: a process started as a
+    background job of a script (``cmd &`` without job control, ``nohup cmd &``) inherits SIGINT ignored, and then
+    Ctrl-C cannot stop it at all; the message says to send SIGTERM instead, or how to start it with Ctrl-C working.
 
     Resume with ``trainer.fit(..., ckpt_path=saved_path)`` (Hydra: ``ckpt_path=<path>`` or ``ckpt_path=last``).
     ``lightning-gkd`` prints the path and exits with status 0 after SIGTERM/SIGUSR1, 130 after Ctrl-C. The default
@@ -48,6 +68,7 @@ class SignalCheckpoint(L.Callback):
         self._stepped = False
         self._previous_sigint: Any = None
         self._announce = True  # global rank zero prints the Ctrl-C notice
+        self._told_ctrl_c = False  # whether Ctrl-C handling is active was logged
 
     def _route_sigusr1(self) -> None:
         # Installed after Lightning registered its handlers (which happens after on_fit_start); Lightning's
@@ -72,6 +93,9 @@ class SignalCheckpoint(L.Callback):
             self._sigint_pending = False
             self._announce = trainer.is_global_zero
             signal.signal(signal.SIGINT, self._on_sigint)
+        if not self._told_ctrl_c:
+            self._told_ctrl_c = True
+            rank_zero_info(ctrl_c_notice(current, os.getpid()))
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is None or threading.current_thread() is not threading.main_thread():

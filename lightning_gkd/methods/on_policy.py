@@ -26,10 +26,10 @@ from lightning_gkd.ops.sampling import eos_ids, validate_sampling_args
 from lightning_gkd.rollouts import MultiTurnRollout, ToolCallParser, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, greedy_engine_turn, greedy_turn
 from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler
-from lightning_gkd.teachers import LocalTeacher
+from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable
 from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
 from lightning_gkd.training.sampler_shutdown import SamplerShutdown
-from lightning_gkd.training.teacher_outage import TeacherOutage
+from lightning_gkd.training.teacher_outage import TeacherOutage, stop_ranks_together
 
 Source = Literal["dataset", "student", "teacher"]  # where a batch's completions come from
 # salts that keep the coin flip's, the sampler's and the group shuffle's random streams apart
@@ -260,9 +260,20 @@ class OnPolicyModule(CausalLMModule):
     def configure_callbacks(self) -> list[L.Callback]:
         # an interrupted fit calls no module hook: this callback stops the engines then (SIGTERM, errors)
         callbacks: list[L.Callback] = [SamplerShutdown()] if callable(getattr(self.sampler, "close", None)) else []
-        if any(not isinstance(source, LocalTeacher) for source in self.teacher_sources.values()):
+        if self.teacher_can_be_unavailable:
             callbacks.append(TeacherOutage())  # a teacher server that stays down: checkpoint, resume hint
         return callbacks
+
+    @property
+    def teacher_can_be_unavailable(self) -> bool:
+        """Whether a teacher lives outside the process (a server), so a step can raise ``TeacherUnavailable``."""
+        return any(not isinstance(source, LocalTeacher) for source in self.teacher_sources.values())
+
+    def stop_ranks_together(self, failure: TeacherUnavailable | None) -> None:
+        """With a served teacher under several processes: every rank raises ``TeacherUnavailable`` when any rank's
+        teacher failed in this step (``training.teacher_outage.stop_ranks_together``; one small all-reduce)."""
+        if self.teacher_can_be_unavailable:
+            stop_ranks_together(failure, self.trainer)
 
     def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
         super().check_datamodule(datamodule)
@@ -389,9 +400,15 @@ class OnPolicyModule(CausalLMModule):
 
     # -- the step -------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
-        source, batch = self.training_batch(batch, batch_idx)
-        batch = {**batch, STUDENT_SAMPLES: source == "student"}  # the losses' sample figures (losses.base)
-        step_loss = self.finish_training_step(self.training_loss(batch), batch)
+        try:  # every call to a teacher server of this step: its samples (seq_kd) and its signal
+            source, batch = self.training_batch(batch, batch_idx)
+            batch = {**batch, STUDENT_SAMPLES: source == "student"}  # the losses' sample figures (losses.base)
+            out = self.training_loss(batch)
+        except TeacherUnavailable as failure:
+            self.stop_ranks_together(failure)
+            raise
+        self.stop_ranks_together(None)  # before backward's gradient all-reduce, which a stopped rank never joins
+        step_loss = self.finish_training_step(out, batch)
         if step_loss is None:
             return None
         self._batches += 1

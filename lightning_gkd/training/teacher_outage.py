@@ -6,6 +6,13 @@ training step, before the batch is trained on. Lightning then calls callbacks' `
 finished every earlier batch and none of this one, so a checkpoint saved here resumes at this batch (the loader
 resumes after the batches whose step ran). Inside a gradient-accumulation window the earlier micro-batches'
 gradients are not in any checkpoint: nothing is saved then, and the message points at the last regular checkpoint.
+
+Under several processes a server can fail for one rank only (each node has its own, or one rank's connection
+breaks). That rank would stop while the others wait in the step's next collective (DDP's gradient all-reduce in
+backward) until the process-group timeout. ``stop_ranks_together`` makes the ranks agree first: one all-reduce of a
+per-rank flag after each step's teacher calls, and when any rank failed, every rank raises ``TeacherUnavailable``
+naming the ranks and their errors. Every rank then reaches ``on_exception`` together, which
+``Trainer.save_checkpoint`` needs (rank 0 writes, every rank waits at its barrier); the hint is printed by rank 0.
 """
 
 from __future__ import annotations
@@ -14,10 +21,32 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gkd.teachers.base import TeacherUnavailable
 from lightning_gkd.training.checkpoint_io import inside_accumulation_window, resume_checkpoint_path
+
+
+def stop_ranks_together(failure: TeacherUnavailable | None, trainer: L.Trainer) -> None:
+    """Under several processes: raise ``TeacherUnavailable`` on every rank when the teacher was unavailable to any
+    rank in this step (``failure``: this rank's, None when its teacher answered). One all-reduce of
+    ``world_size`` flags; the failures' messages are gathered only when there are some. In one process it does
+    nothing: the caller re-raises its own failure."""
+    world_size = trainer.world_size
+    if world_size < 2:
+        return
+    flags = torch.zeros(world_size, device=trainer.strategy.root_device)
+    flags[trainer.global_rank] = float(failure is not None)
+    failed = [rank for rank, flag in enumerate(trainer.strategy.reduce(flags, reduce_op="sum").tolist()) if flag]
+    if not failed:
+        return
+    messages: list[str | None] = [None] * world_size
+    torch.distributed.all_gather_object(messages, None if failure is None else str(failure))
+    causes = "; ".join(f"rank {rank} of {world_size}: {messages[rank]}" for rank in failed)
+    raise TeacherUnavailable(f"{causes}; all {world_size} ranks stopped together, before this step's update") from (
+        failure
+    )
 
 
 class TeacherOutage(L.Callback):

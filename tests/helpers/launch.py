@@ -42,13 +42,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def two_process_trainer(out: Path, kind: str, max_steps: int, **kwargs: object):
+def two_process_trainer(out: Path, kind: str, max_steps: int, *, timeout_s: float | None = None, **kwargs: object):
     """A Lightning Trainer of 2 CPU processes (gloo) under DDP (``kind`` "ddp") or FSDP2 ("fsdp":
-    ``ModelParallelStrategy``), no validation, logging, checkpoints or bars: the workers' fits."""
-    import lightning as L
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    ``ModelParallelStrategy``), no validation, logging, checkpoints or bars: the workers' fits. ``timeout_s``: the
+    process group's timeout (a collective one rank never joins fails after it; default Lightning's 30 minutes)."""
+    from datetime import timedelta
 
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp" else "ddp"
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **timeout)
+        if kind == "fsdp"
+        else DDPStrategy(**timeout)
+    )
     return L.Trainer(
         accelerator="cpu",
         devices=2,
