@@ -24,7 +24,6 @@ from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
 from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.models.loading import load_frozen_causal_lm
 from lightning_gkd.teachers.cache import (
     check_signal,
     data_fingerprint,
@@ -33,7 +32,7 @@ from lightning_gkd.teachers.cache import (
     teacher_identity,
 )
 from lightning_gkd.teachers.cache_build import CacheBuildReport, build_teacher_cache_report
-from lightning_gkd.teachers.teacher_completions import cached_teacher_completions, teacher_completion_rows
+from lightning_gkd.teachers.teacher_completions import build_teacher_completions
 
 
 def check_cache_config(cache: DictConfig) -> None:
@@ -64,7 +63,7 @@ def run(cfg: DictConfig) -> CacheBuildReport:
     teacher: Any = OmegaConf.to_container(cfg.model.teacher, resolve=True)
     rows = fit_rows(datamodule)  # training, then validation rows: both losses read the cache
     if cfg.cache.get("completions", "dataset") == "teacher":
-        rows = ChainedRows([teacher_completions(cfg, teacher, datamodule), *rows.parts[1:]])
+        rows = ChainedRows([teacher_completions(cfg, teacher, datamodule, trainer), *rows.parts[1:]])
     report = build_teacher_cache_report(
         teacher,
         datamodule.tokenizer,
@@ -83,33 +82,27 @@ def run(cfg: DictConfig) -> CacheBuildReport:
     return report
 
 
-def teacher_completions(cfg: DictConfig, teacher: Any, datamodule: Any) -> Sequence[Mapping[str, Any]]:
+def teacher_completions(cfg: DictConfig, teacher: Any, datamodule: Any, trainer: Any) -> Sequence[Mapping[str, Any]]:
     """Offline SeqKD (``cache.completions=teacher``): the training rows with the teacher's completions, written to
-    ``<cache.path>/completions.jsonl`` once (reused on a rerun) and read back as training will read them."""
-    settings = {
-        "teacher": teacher_identity(teacher),
-        "data_fingerprint": data_fingerprint(datamodule.train_rows),
-        "max_length": datamodule.max_length,
-        "max_new_tokens": cfg.cache.max_new_tokens,
-        "temperature": cfg.cache.temperature,
-        "seed": cfg.seed,
-    }
-
-    def make() -> Sequence[Mapping[str, Any]]:
-        model = load_frozen_causal_lm(teacher, role="teacher", trust_remote_code=bool(teacher.get("trust_remote_code")))
-        return teacher_completion_rows(
-            model,
-            datamodule.tokenizer,
-            datamodule.train_rows,
-            max_length=datamodule.max_length,
-            max_new_tokens=cfg.cache.max_new_tokens,
-            temperature=cfg.cache.temperature,
-            seed=cfg.seed,
-            batch_size=cfg.cache.batch_size,
-        )
-
-    path = cached_teacher_completions(cfg.cache.path, settings, make)
-    print(f"teacher completions: {path} (train with data.train_data={path})", flush=True)
+    ``<cache.path>/completions.jsonl`` on the ``trainer=`` devices, in parts of ``cache.shard_size`` rows dealt to
+    the ranks (a rerun writes only the missing parts, or reuses the file), and read back as training will read them."""
+    path = build_teacher_completions(
+        teacher,
+        datamodule.tokenizer,
+        datamodule.train_rows,
+        cfg.cache.path,
+        {"teacher": teacher_identity(teacher), "data_fingerprint": data_fingerprint(datamodule.train_rows)},
+        trainer=trainer,
+        max_length=datamodule.max_length,
+        max_new_tokens=cfg.cache.max_new_tokens,
+        temperature=cfg.cache.temperature,
+        seed=cfg.seed,
+        batch_size=cfg.cache.batch_size,
+        shard_size=cfg.cache.shard_size,
+        trust_remote_code=bool(teacher.get("trust_remote_code", False)),
+    )
+    if trainer.is_global_zero:
+        print(f"teacher completions: {path} (train with data.train_data={path})", flush=True)
     return load_rows(str(path), name="teacher completions")
 
 

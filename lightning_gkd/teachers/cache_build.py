@@ -64,9 +64,9 @@ from lightning_gkd.teachers.cache import (
     write_shard,
 )
 from lightning_gkd.teachers.local import LocalTeacher
-from lightning_gkd.teachers.teacher_completions import COMPLETIONS_FILE, SETTINGS_FILE
+from lightning_gkd.teachers.teacher_completions import COMPLETIONS_FILE, PARTS_DIR, SETTINGS_FILE
 
-COMPLETION_FILES = (COMPLETIONS_FILE, SETTINGS_FILE, COMPLETIONS_FILE + ".tmp")
+COMPLETION_FILES = (COMPLETIONS_FILE, SETTINGS_FILE, COMPLETIONS_FILE + ".tmp", PARTS_DIR)
 #: tokens of the first row that prove a teacher's head before a hidden-state build (``TeacherCacheModule``)
 PROBE_TOKENS = 8
 

@@ -1,0 +1,86 @@
+"""Offline SeqKD completions (``build_teacher_completions``) with 2 CPU processes (gloo DDP) for
+tests/test_teachers_teacher_completions.py.
+
+    python tests/helpers/completions_build_worker.py <folder> [--kill-after-first-part]
+
+Lightning's DDP launcher starts rank 1 by re-running this script. ``--kill-after-first-part``: each rank SIGKILLs
+itself once it has written its first part (rank 1 first waits for rank 0's, so the folder ends up with exactly parts
+0 and 1 whichever rank is faster). Otherwise rank 0 writes ``<folder>.result.json`` (the world size, the parts this
+run wrote).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.teachers.teacher_completions import PARTS_DIR, build_teacher_completions, part_name
+
+#: what the single-process reference of the test uses too
+ROWS, MAX_LENGTH, MAX_NEW_TOKENS, TEMPERATURE, BATCH_SIZE, SHARD_SIZE = 40, 64, 6, 0.8, 4, 8
+
+
+def arguments() -> dict:
+    return {
+        "max_length": MAX_LENGTH,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "temperature": TEMPERATURE,
+        "seed": 3,
+        "batch_size": BATCH_SIZE,
+        "shard_size": SHARD_SIZE,
+    }
+
+
+class KillAfterFirstPart(L.Callback):
+    def __init__(self, folder: Path) -> None:
+        self.parts = folder / PARTS_DIR
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        rank, world = trainer.global_rank, trainer.world_size
+        if not any((self.parts / part_name(p)).is_file() for p in range(rank, 64, world)):
+            return
+        deadline = time.monotonic() + 120
+        while rank and not (self.parts / part_name(0)).is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    folder = Path(sys.argv[1])
+    kill = "--kill-after-first-part" in sys.argv[2:]
+    torch.set_num_threads(1)
+    teacher = asset_path("toy/teacher")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[KillAfterFirstPart(folder)] if kill else [],
+    )
+    before = {p.name for p in (folder / PARTS_DIR).glob("part-*.jsonl")}
+    rows = addition_rows("train")[:ROWS]
+    path = build_teacher_completions(
+        str(teacher), load_tokenizer(teacher), rows, folder, {"teacher": "toy"}, trainer=trainer, **arguments()
+    )
+    if trainer.is_global_zero:
+        written = sorted({p.name for p in (folder / PARTS_DIR).glob("part-*.jsonl")} - before)
+        result = {"world_size": trainer.world_size, "written": written, "path": str(path)}
+        folder.with_name(folder.name + ".result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
