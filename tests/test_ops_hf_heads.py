@@ -45,6 +45,7 @@ EXACT = {
     "falcon_h1": {},
     "zamba2": {},
     "gptj": {},  # rotary on part of a head
+    "bart": {},  # the decoder stack of an encoder-decoder family
 }
 #: image-text-to-text classes whose text path the lean path takes on a text-only batch
 CONDITIONAL_GENERATION = ["llama4", "mllama"]

@@ -22,6 +22,13 @@ SMALL = {
     "mamba_d_ssm": 64,
     "mamba_d_state": 16,
     "mamba_chunk_size": 16,
+    # the decoder stacks of encoder-decoder families (BART, Marian, Pegasus, Whisper, ...), used as causal LMs
+    "decoder_layers": 2,
+    "decoder_ffn_dim": 128,
+    "decoder_attention_heads": 2,
+    "encoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "encoder_attention_heads": 2,
 }
 #: vision towers shrunk for the image-text-to-text classes whose text path the lean path takes (the causal-LM
 #: classes of these families ignore the vision config)
