@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from helpers.tiny_registry import build_tiny, causal_lm_types, tiny_config
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_gkd import GKDModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
@@ -31,7 +32,23 @@ EXACT = {
     "llama": {},
     "qwen2": {},
     "mistral": {},
+    # get_decoder() returns the model itself: the decoder comes from hf._DECODER_PATHS
+    "llama4": {},
+    "llama4_text": {},
+    "mllama": {},
+    "fuyu": {},  # a vision projection feeding the decoder (hf._INPUT_SIDE_PATHS)
+    # sizes the tiny builder keeps consistent (helpers.tiny_registry.consistent_sizes)
+    "deepseek_v3": {},  # multi-head latent attention, grouped expert routing
+    "minicpm3": {},
+    "mamba2": {},  # heads * head width = expand * hidden
+    "bamba": {},
+    "falcon_h1": {},
+    "zamba2": {},
+    "gptj": {},  # rotary on part of a head
+    "bart": {},  # the decoder stack of an encoder-decoder family
 }
+#: image-text-to-text classes whose text path the lean path takes on a text-only batch
+CONDITIONAL_GENERATION = ["llama4", "mllama"]
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -53,13 +70,16 @@ def with_large_logits(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> 
     return model
 
 
-def build_pair(model_type: str, **overrides):
+def build_pair(model_type: str, strict: bool = False, auto_class=AutoModelForCausalLM, **overrides):
+    """Student and teacher of ``model_type`` built tiny; a skip when they cannot be, unless ``strict``."""
     try:
         config = tiny_config(model_type, len(TOKENIZER), **overrides)
         data = batch()
-        student = with_large_logits(build_tiny(config, seed=0), data)
-        teacher = with_large_logits(build_tiny(config, seed=1), data)
+        student = with_large_logits(build_tiny(config, seed=0, auto_class=auto_class), data)
+        teacher = with_large_logits(build_tiny(config, seed=1, auto_class=auto_class), data)
     except Exception as error:  # not buildable tiny and offline from its default config
+        if strict:
+            raise
         log.warning("skipping %s: %s: %s", model_type, type(error).__name__, str(error)[:200])
         pytest.skip(f"{model_type} cannot be built tiny offline: {type(error).__name__}: {str(error)[:200]}")
     return student, teacher, data
@@ -86,14 +106,17 @@ def assert_same(lean_loss, lean_grads, full_loss, full_grads):
         assert difference <= RTOL * scale + 1e-9, (name, difference, scale)
 
 
-def run_parity(model_type: str, **overrides) -> bool:
-    """True when the lean path was exact, False when it fell back (with its warning); fails otherwise."""
-    student, teacher, data = build_pair(model_type, **overrides)
+def run_parity(model_type: str, strict: bool = False, auto_class=AutoModelForCausalLM, **overrides) -> bool:
+    """True when the lean path was exact, False when it fell back (with its warning); fails otherwise. A model that
+    cannot be built tiny or run is a skip, unless ``strict``."""
+    student, teacher, data = build_pair(model_type, strict, auto_class, **overrides)
     try:
         # forward KL: with large logits the JSD saturates at ln 2 and its gradients vanish; the KL keeps O(1) ones
         module = GKDModule(student, teacher, TOKENIZER, beta=0.0, max_new_tokens=4)
         full_loss, full_grads, _ = losses_and_grads(module, data, lean=False)
     except Exception as error:  # the model's own forward rejects our calling convention
+        if strict:
+            raise
         pytest.skip(f"{model_type}: its forward fails on a left-padded batch: {type(error).__name__}: {error}")
     lean_loss, lean_grads, fallback = losses_and_grads(module, data, lean=True)
     if fallback:
@@ -111,7 +134,13 @@ def test_lean_loss_equals_the_models_own_logits_or_falls_back_with_a_warning(mod
 
 @pytest.mark.parametrize("model_type", sorted(EXACT))
 def test_the_described_heads_take_the_exact_lean_path(model_type):
-    assert run_parity(model_type, **EXACT[model_type]), f"{model_type} fell back to full logits"
+    assert run_parity(model_type, strict=True, **EXACT[model_type]), f"{model_type} fell back to full logits"
+
+
+@pytest.mark.parametrize("model_type", CONDITIONAL_GENERATION)
+def test_image_text_to_text_classes_take_the_exact_lean_path_on_text(model_type):
+    exact = run_parity(model_type, strict=True, auto_class=AutoModelForImageTextToText)
+    assert exact, f"{model_type} (image-text-to-text class) fell back to full logits"
 
 
 def test_the_head_description_reads_each_familys_transform():

@@ -195,6 +195,39 @@ class _CausalLMCore(Protocol):
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
 
+#: Classes whose ``get_decoder()`` does not return the text decoder (the module whose output is the final, normed
+#: hidden states), by class name: the attribute path from the model to it. Their ``base_model_prefix`` names an
+#: attribute they do not have (``language_model``), so transformers' default returns the model itself.
+_DECODER_PATHS: dict[str, str] = {
+    "Llama4ForCausalLM": "model",
+    "Llama4ForConditionalGeneration": "language_model.model",
+    "MllamaForCausalLM": "model",
+}
+#: Modules that only feed the decoder's input (a vision tower and its projector), by class name: their parameters are
+#: not between the decoder and the head, so :func:`check_head_parameters` does not count them against the head.
+_INPUT_SIDE_PATHS: dict[str, tuple[str, ...]] = {
+    "FuyuForCausalLM": ("model.vision_embed_tokens",),
+    "Llama4ForConditionalGeneration": ("vision_model", "multi_modal_projector"),
+    "MllamaForConditionalGeneration": ("model.vision_model", "model.multi_modal_projector"),
+}
+
+
+def _submodule(core: _CausalLMCore, path: str) -> nn.Module:
+    module: Any = core
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    if not isinstance(module, nn.Module):
+        raise LeanForwardUnsupported(f"{type(core).__name__} has no module at .{path}")
+    return module
+
+
+def _decoder(core: _CausalLMCore) -> nn.Module:
+    """The text decoder of the unwrapped causal LM ``core``: the path in ``_DECODER_PATHS`` for its class, else its
+    ``get_decoder()``. :func:`check_output_head` proves that its output and the head give the model's logits."""
+    path = _DECODER_PATHS.get(type(core).__name__)
+    return core.get_decoder() if path is None else _submodule(core, path)
+
+
 def _causal_lm(model: nn.Module) -> _CausalLMCore:
     core = unwrap(model)
     for attribute in ("get_decoder", "get_output_embeddings"):
@@ -272,13 +305,16 @@ def check_head_parameters(model: nn.Module) -> None:
     """The static part of :func:`check_output_head`, which needs no forward (a model on the meta device will do):
     raises ``LeanForwardUnsupported`` naming the model class when its output projection is not a plain ``nn.Linear``
     (:func:`output_head`) or when it has parameters outside its decoder and that projection (a head MLP, a learned
-    scale: the head does more than the description says)."""
+    scale: the head does more than the description says). Modules that only feed the decoder's input (a vision tower
+    and its projector, ``_INPUT_SIDE_PATHS``) are not counted."""
     output_head(model)
     core = _causal_lm(model)
     projection = core.get_output_embeddings()
     assert projection is not None  # output_head checked it is an nn.Linear
     # anything trainable between the decoder and the projection (a head MLP, a learned scale) is not described
-    covered = {id(p) for p in core.get_decoder().parameters()} | {id(p) for p in projection.parameters()}
+    covered = {id(p) for p in _decoder(core).parameters()} | {id(p) for p in projection.parameters()}
+    for path in _INPUT_SIDE_PATHS.get(type(core).__name__, ()):
+        covered |= {id(p) for p in _submodule(core, path).parameters()}
     outside = [name for name, p in core.named_parameters() if id(p) not in covered]
     if outside:
         raise LeanForwardUnsupported(
@@ -349,7 +385,7 @@ def final_hidden_states(
         ``(N, H)`` hidden states of the ``N = positions.sum()`` selected positions, in row-major order (the order
         of ``tensor[positions]``).
     """
-    decoder = _causal_lm(model).get_decoder()
+    decoder = _decoder(_causal_lm(model))
     captured: dict[str, torch.Tensor] = {}
 
     def capture(module: nn.Module, args: Any, output: Any) -> None:
