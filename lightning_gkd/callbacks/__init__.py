@@ -10,11 +10,13 @@
 - ``SampleTable`` (in ``default``): greedy samples and teacher agreement every few steps.
 - ``LengthGuard`` (in ``default``): the student's greedy completion lengths and EOS rate against the teacher's at
   each validation (on-policy methods); warns, or stops, when they collapse.
+- ``LastStepValidation`` (in ``default``): validate at ``max_steps`` too, when the interval does not fall on it.
 - ``HFExportCallback`` (hf_export): a Hugging Face export beside each checkpoint.
 """
 
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
 from lightning_gkd.callbacks.hf_export import HFExportCallback
+from lightning_gkd.callbacks.last_step_validation import LastStepValidation
 from lightning_gkd.callbacks.learning_rate import LearningRateLogger
 from lightning_gkd.callbacks.length_guard import LengthGuard
 from lightning_gkd.callbacks.print_metrics import PrintMetricsCallback
@@ -25,6 +27,7 @@ from lightning_gkd.callbacks.step_progress import StepProgressBar
 __all__ = [
     "HFExportCallback",
     "HeldOutEvaluation",
+    "LastStepValidation",
     "LearningRateLogger",
     "LengthGuard",
     "PrintMetricsCallback",
