@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import huggingface_hub
@@ -324,3 +325,17 @@ def test_ddp_ranks_resume_the_same_run_into_its_folder(tmp_path):
     assert (runs / "a" / "resumes" / "b" / "train_ddp_process_1.log").is_file()  # rank 1 ran in b, now moved
     record = json.loads((runs / "a" / "run.json").read_text())
     assert (record["status"], record["global_step"], len(record["resumes"])) == ("finished", 4, 1)
+
+
+def test_the_printed_config_of_a_resume_shows_the_run_folder_it_continues_in(tmp_path, capsys, monkeypatch):
+    from lightning_gkd.cli.train import build
+
+    monkeypatch.setenv("COLUMNS", "500")  # rich wraps at the terminal's width
+    run_dir = fake_run(tmp_path, "a", ["method.beta=0.0"], status="stopped", step=2, mtime=1000)
+    cfg = compose_in(tmp_path, "b", ["method.beta=0.0", "ckpt_path=last", "print_config=true"])
+    with open_dict(cfg):
+        cfg.pop("hydra", None)  # as @hydra.main hands it over
+    build(cfg)
+    printed = capsys.readouterr().out
+    assert re.search(rf"output_dir: {re.escape(str(run_dir))}\s", printed), printed
+    assert str(tmp_path.joinpath(*RUNS, "b")) not in printed.split("resuming from", 1)[-1]

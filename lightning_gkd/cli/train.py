@@ -95,6 +95,8 @@ def build(cfg: DictConfig) -> Run:
     """Check what can be checked before any model loads, then instantiate data, method, trainer and callbacks."""
     # ckpt_path=last (checked against the run's record), and a resume continues in the checkpoint's run folder
     ckpt_path, record = plan_resume(cfg)
+    if cfg.get("print_config"):  # after plan_resume: a resume prints the run folder it continues in
+        print_config(cfg)
     if cfg.get("push_to_hub"):
         if not cfg.get("export"):
             raise ValueError("push_to_hub=true uploads the exported student: set export=true.")
@@ -191,8 +193,6 @@ def finish(cfg: DictConfig, run: Run, result: dict[str, Any]) -> dict[str, Any]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says (build -> fit -> finish); return the final metrics and where the student went."""
     check_logger_packages(cfg.get("logger"))  # logger=wandb|mlflow without its package: before any model loads
-    if cfg.get("print_config"):
-        print_config(cfg)
     L.seed_everything(cfg.seed, workers=True)
     # Both restored after the run (tests, notebooks); quiet_run drops the warnings and bars a run expects.
     with float32_matmul_precision(cfg.get("float32_matmul_precision")), quiet_run():
