@@ -94,3 +94,22 @@ def test_a_run_with_a_real_student_warns_before_training(tmp_path, own_models):
 
     with pytest.warns(UserWarning, match=r"is not one of the toy models, but these values are tuned for the toy task"):
         run(compose_train(tmp_path, [*_real(own_models), *FAST, "callbacks=none", "export=false"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "precision"),
+    [
+        ([], "32-true"),
+        (["trainer=gpu"], "bf16-mixed"),
+        (["trainer=ddp"], "32-true"),
+        (["experiment=hub_gpu", "trainer=ddp"], "bf16-mixed"),  # the preset's precision holds under another trainer
+        (["experiment=hub_gpu", "trainer=fsdp"], "bf16-mixed"),
+        (["experiment=hub_gpu_dpo", "trainer=cpu"], "bf16-mixed"),
+        (["experiment=hub_gpu", "precision=32-true"], "32-true"),
+        (["trainer=ddp", "precision=bf16-true"], "bf16-true"),
+        (["experiment=hub_gpu", "trainer=ddp", "trainer.precision=16-mixed"], "16-mixed"),  # the trainer's key wins
+    ],
+)
+def test_precision_is_its_own_choice_apart_from_the_trainer(tmp_path, overrides, precision):
+    cfg = compose_train(tmp_path, overrides)
+    assert cfg.trainer.precision == precision
