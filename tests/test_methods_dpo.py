@@ -298,3 +298,28 @@ def test_unusable_setups_fail_with_a_clear_message(student, tokenizer, toy_rows,
     loader = PreferenceDataModule(tokenizer, pairs["train"], batch_size=4).train_dataloader()
     with pytest.raises(ValueError, match="precompute_ref_logps=True reads the data from the datamodule"):
         trainer.fit(precomputing, train_dataloaders=loader)
+
+
+def test_named_validation_sets_log_each_sets_statistics(student, tokenizer):
+    """PreferenceDataModule(val_data={name: rows}): one loader per set; DPOModule logs val/<name>/... for each,
+    equal to validating that set alone."""
+    sets = {"easy": addition_preference_rows("val", 6), "hard": addition_preference_rows("test", 10)[4:]}
+    train = addition_preference_rows("train", 8)
+    module = make_module(student, tokenizer, metrics={})
+
+    def validate(val_data) -> dict[str, float]:
+        data = PreferenceDataModule(tokenizer, train, val_data, batch_size=4, val_batch_size=16, max_length=64)
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        results = trainer.validate(module, datamodule=data, verbose=False)
+        return {key: float(value) for result in results for key, value in result.items()}
+
+    named = validate(sets)
+    keys = {"loss", "rewards/accuracies", "rewards/margins", "logps/chosen"}
+    for name, rows in sets.items():
+        alone = validate(rows)
+        for key in keys:
+            assert named[f"val/{name}/{key}"] == pytest.approx(alone[f"val/{key}"], rel=1e-5), (name, key)
+    assert named["val/easy/logps/chosen"] != pytest.approx(named["val/hard/logps/chosen"])
+    assert not any(key.startswith("val/loss") for key in named)
+    with pytest.raises(ValueError, match="val_data names must be non-empty strings without '/'"):
+        PreferenceDataModule(tokenizer, train, {"a/b": sets["easy"]})

@@ -6,12 +6,10 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import datasets
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat_tokens import (  # tokenize_chat, left_pad: also imported from here
@@ -267,8 +265,6 @@ class ChatDataModule(RowsDataModule):
         self.test_source, self.test_split = test_data, test_split
         self.assistant_turns, self.truncate_prompts = assistant_turns, truncate_prompts
         self.formatting_func = resolve_formatting_func(formatting_func)
-        #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
-        self.val_names: list[str] | None = _val_names(val_data)
         #: Row columns the collators carry into batches (``carry_columns``); ``carry_prompt_messages``.
         self.columns: list[str] = []
         self.carries_prompt_messages = False
@@ -282,17 +278,9 @@ class ChatDataModule(RowsDataModule):
             truncate_prompts=truncate_prompts,
         )
         self.val_collator = self._val_collator("val_data")
-        # val_rows: the only (or the first named) validation set
-        self.val_sets: dict[str, Sequence[Mapping[str, Any]]] | None = None  # name -> rows, when named
         self.test_rows: Sequence[Mapping[str, Any]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
-        if self.val_rows is None and self.val_names is not None:
-            named = cast(Mapping[str, DataSource], self.val_source)  # val_names is set only for a mapping
-            self.val_sets = {
-                name: self._load(named[name], self.val_split, f"val_data[{name!r}]") for name in self.val_names
-            }
-            self.val_rows = self.val_sets[self.val_names[0]]
         super().setup(stage)
         if self.test_rows is None and self.test_source is not None:
             # held-out rows are generated from with the evaluator's own max_length, not collated with ours
@@ -391,28 +379,5 @@ class ChatDataModule(RowsDataModule):
             first_turn_prompts=self.first_turn_prompts,
         )
 
-    def val_dataloader(self) -> DataLoader | list:
-        """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets."""
-        self.setup("validate")
-        if self.val_rows is None:
-            return []
-        if self.val_sets is None:
-            return self.val_loader(self.val_rows, self.val_collator)
-        return [
-            self.val_loader(rows, self._val_collator(f"val_data[{name!r}]")) for name, rows in self.val_sets.items()
-        ]
-
-
-def _val_names(val_data: Any) -> list[str] | None:
-    """The names of several validation sets (``val_data`` a plain dict of name -> source), else None."""
-    if not isinstance(val_data, Mapping) or isinstance(val_data, (datasets.DatasetDict, datasets.Dataset)):
-        return None
-    if not val_data:
-        raise ValueError("val_data is an empty dict; give {name: source, ...} with at least one set, or None.")
-    bad = [name for name in val_data if not isinstance(name, str) or not name or "/" in name]
-    if bad:
-        raise ValueError(
-            f"val_data names must be non-empty strings without '/' (they become metric names "
-            f"val/<name>/loss), got {bad!r}."
-        )
-    return list(val_data)
+    def val_collator_for(self, name: str | None) -> ChatMLCollator:
+        return self.val_collator if name is None else self._val_collator(f"val_data[{name!r}]")

@@ -216,7 +216,9 @@ class PreferenceDataModule(RowsDataModule):
     Args:
         tokenizer: a tokenizer (or a folder / hub id to load one from); conversational rows need a chat template.
         train_data, val_data: a ``datasets.Dataset``, a list of dicts, a local ``.json``/``.jsonl``/``.parquet``
-            file or dataset folder, or a hub dataset id. Rows hold ``prompt``, ``chosen``, ``rejected`` as plain
+            file or dataset folder, or a hub dataset id. ``val_data`` may also be a dict ``{name: source}`` of
+            several validation sets: one loader each (in order, listed in ``val_names``), and ``DPOModule`` logs
+            ``val/<name>/loss``, ``val/<name>/rewards/accuracies``, ... per set. Rows hold ``prompt``, ``chosen``, ``rejected`` as plain
             strings or as message lists (``prompt``: the conversation so far; ``chosen``/``rejected``: one
             assistant message each), or pre-tokenized ``prompt_input_ids``/``chosen_input_ids``/
             ``rejected_input_ids`` (used untouched). Optional ``ref_chosen_logps``/``ref_rejected_logps``: reference
@@ -248,7 +250,7 @@ class PreferenceDataModule(RowsDataModule):
         self,
         tokenizer: PreTrainedTokenizerBase | str,
         train_data: DataSource,
-        val_data: DataSource | None = None,
+        val_data: DataSource | Mapping[str, DataSource] | None = None,
         *,
         batch_size: int = 8,
         val_batch_size: int | None = None,

@@ -8,6 +8,7 @@ import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import datasets
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
@@ -77,7 +78,11 @@ class RowsDataModule(L.LightningDataModule):
         self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
         self.length_check_rows = length_check_rows
         self.train_rows: Sequence[Mapping[str, Any]] | None = None
+        #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
+        self.val_names: list[str] | None = named_val_sets(val_data)
+        # val_rows: the only (or the first named) validation set
         self.val_rows: Sequence[Mapping[str, Any]] | None = None
+        self.val_sets: dict[str, Sequence[Mapping[str, Any]]] | None = None  # name -> rows, when named
 
     def _load(self, source: Any, split: str, name: str) -> Sequence[Mapping[str, Any]]:
         raise NotImplementedError
@@ -85,6 +90,12 @@ class RowsDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is None:
             self.train_rows = self._load(self.train_source, self.train_split, "train_data")
+        if self.val_rows is None and self.val_names is not None:
+            self.val_sets = {
+                name: self._load(self.val_source[name], self.val_split, f"val_data[{name!r}]")
+                for name in self.val_names
+            }
+            self.val_rows = self.val_sets[self.val_names[0]]
         if self.val_rows is None and self.val_source is not None:
             self.val_rows = self._load(self.val_source, self.val_split, "val_data")
 
@@ -103,10 +114,18 @@ class RowsDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader | list:
+        """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets (the
+        methods then log ``val/<name>/...`` per set)."""
         self.setup("validate")
         if self.val_rows is None:
             return []
-        return self.val_loader(self.val_rows, self.collator)
+        if self.val_sets is None:
+            return self.val_loader(self.val_rows, self.val_collator_for(None))
+        return [self.val_loader(rows, self.val_collator_for(name)) for name, rows in self.val_sets.items()]
+
+    def val_collator_for(self, name: str | None) -> Callable[[list[Any]], Any]:
+        """The collator of validation set ``name`` (None: the only one): the training collator by default."""
+        return self.collator
 
     def val_loader(self, rows: Sequence[Mapping[str, Any]], collator: Callable[[list[Any]], Any]) -> DataLoader:
         """A plain loader over ``rows`` in order, ``val_batch_size`` rows a batch."""
@@ -146,3 +165,18 @@ def fit_rows(datamodule: Any) -> ChainedRows:
     val_sets = getattr(datamodule, "val_sets", None)
     val = list(val_sets.values()) if val_sets else [datamodule.val_rows] if datamodule.val_rows is not None else []
     return ChainedRows([datamodule.train_rows or [], *val])
+
+
+def named_val_sets(val_data: Any) -> list[str] | None:
+    """The names of several validation sets (``val_data`` a plain dict of name -> source), else None."""
+    if not isinstance(val_data, Mapping) or isinstance(val_data, (datasets.DatasetDict, datasets.Dataset)):
+        return None
+    if not val_data:
+        raise ValueError("val_data is an empty dict; give {name: source, ...} with at least one set, or None.")
+    bad = [name for name in val_data if not isinstance(name, str) or not name or "/" in name]
+    if bad:
+        raise ValueError(
+            f"val_data names must be non-empty strings without '/' (they become metric names "
+            f"val/<name>/loss), got {bad!r}."
+        )
+    return list(val_data)

@@ -347,9 +347,15 @@ class DPOModule(CausalLMModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         stats = self.preference_step(batch, "val")
         pairs = batch["input_ids"].shape[0] // 2
+        prefix = self.val_prefix(dataloader_idx)  # val/, or val/<name>/ for named validation sets
         for name, value in stats.items():
             self.log(
-                f"val/{name}", value, prog_bar=name in ("loss", "rewards/accuracies"), sync_dist=True, batch_size=pairs
+                f"{prefix}{name}",
+                value,
+                prog_bar=name in ("loss", "rewards/accuracies"),
+                sync_dist=True,
+                batch_size=pairs,
+                add_dataloader_idx=self.val_names() is None,
             )
         # greedy completions of the prompts, scored against the chosen completions (the first half's labels)
         self.collect_generations({**batch, "labels": batch["labels"][:pairs]}, dataloader_idx)
