@@ -339,3 +339,36 @@ def test_the_printed_config_of_a_resume_shows_the_run_folder_it_continues_in(tmp
     printed = capsys.readouterr().out
     assert re.search(rf"output_dir: {re.escape(str(run_dir))}\s", printed), printed
     assert str(tmp_path.joinpath(*RUNS, "b")) not in printed.split("resuming from", 1)[-1]
+
+
+def test_a_resume_continues_the_mlflow_run_it_started(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first_dir = tmp_path / "outputs" / "runs" / "a"
+    run(compose_run(tmp_path, "a", ["trainer.max_steps=2", "logger=mlflow"]))
+    run_id = json.loads((first_dir / "run.json").read_text())["tracking"]["mlflow"]
+    run(compose_run(tmp_path, "b", ["trainer.max_steps=4", "logger=mlflow", "ckpt_path=last"]))
+    assert f"continuing the mlflow run {run_id}" in capsys.readouterr().out
+    client = MlflowClient(f"file:{first_dir / 'mlruns'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "lightning-gkd"]
+    (mlflow_run,) = client.search_runs([experiment.experiment_id])  # one run, not one per launch
+    assert mlflow_run.info.run_id == run_id
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0, 1, 2, 3]
+    assert json.loads((first_dir / "run.json").read_text())["tracking"] == {"mlflow": run_id}
+
+
+def test_a_resume_points_wandb_and_mlflow_at_the_recorded_runs_unless_an_id_is_given(tmp_path):
+    from lightning_gkd.cli.trainer_setup import logger_entries
+    from lightning_gkd.training.run_record import continue_tracking_runs
+
+    cfg = compose_in(tmp_path, "b", ["logger=[csv,wandb,mlflow]"])
+    record = {"tracking": {"wandb": "abc123", "mlflow": "0f9e"}}
+    continued = continue_tracking_runs(logger_entries(cfg.logger), record)
+    assert continued == ["wandb run abc123", "mlflow run 0f9e"]
+    assert (cfg.logger.wandb.id, cfg.logger.wandb.resume, cfg.logger.mlflow.run_id) == ("abc123", "allow", "0f9e")
+    given = compose_in(tmp_path, "c", ["logger=wandb", "+logger.wandb.id=mine"])
+    assert continue_tracking_runs(logger_entries(given.logger), record) == []
+    assert given.logger.wandb.id == "mine"
+    assert continue_tracking_runs(logger_entries(cfg.logger), None) == []

@@ -24,7 +24,7 @@ from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
 from lightning_gkd.cli.hub import check_push_settings, push_folder
 from lightning_gkd.cli.sweep import in_multirun, record_job
 from lightning_gkd.cli.toy_defaults import warn_toy_defaults
-from lightning_gkd.cli.trainer_setup import check_logger_packages, close_loggers, prepare_trainer
+from lightning_gkd.cli.trainer_setup import check_logger_packages, close_loggers, logger_entries, prepare_trainer
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.model_card import describe_data
 from lightning_gkd.losses.cross_tokenizer_plan import check_cross_tokenizer_config
@@ -35,7 +35,13 @@ from lightning_gkd.teachers.base import TeacherUnavailable
 from lightning_gkd.training.checkpoint_io import use_safe_checkpoint_io
 from lightning_gkd.training.quiet import quiet_run
 from lightning_gkd.training.resume import checkpoint_step, continue_csv_logs, fold_launch_folder, plan_resume
-from lightning_gkd.training.run_record import RunRecord
+from lightning_gkd.training.run_record import (
+    RunRecord,
+    continue_tracking_runs,
+    is_rank_zero,
+    read_record,
+    tracking_ids,
+)
 
 
 @rank_zero_only
@@ -113,6 +119,10 @@ def build(cfg: DictConfig) -> Run:
     )
     if hasattr(module, "check_datamodule"):
         module.check_datamodule(datamodule)
+    if ckpt_path and record is not None and cfg.get("logger"):  # a resume continues its MLflow / W&B runs
+        for continued in continue_tracking_runs(logger_entries(cfg.logger), read_record(record.run_dir)):
+            if is_rank_zero():
+                print(f"continuing the {continued} (from {record.path})", flush=True)
     logger = prepare_trainer(cfg)  # val_check_interval/log_every_n_steps clamped to max_steps; the loggers
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=instantiate_callbacks(cfg.get("callbacks")), logger=logger)
     use_safe_checkpoint_io(trainer)  # weights-only loading, atomic checkpoint writes, clear errors
@@ -126,6 +136,7 @@ def fit(run: Run) -> dict[str, Any]:
     started = time.perf_counter()
     if run.record is not None:
         run.record.started()
+        run.record.tracking_runs(tracking_ids(run.trainer.loggers))  # a resume continues these runs
     if run.ckpt_path:  # resuming into a run folder: its metrics.csv continues
         continue_csv_logs(run.trainer.loggers, checkpoint_step(run.ckpt_path))
     status = "interrupted"  # a second Ctrl-C (Lightning exits) unless one of the outcomes below

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -222,8 +222,56 @@ class RunRecord:
         self._data = data
         write_json_atomically(self.path, data)
 
+    def tracking_runs(self, ids: Mapping[str, str]) -> None:
+        """Record the tracking services' run ids (``{"mlflow": run_id, "wandb": id}``) so a resume continues them."""
+        if not is_rank_zero() or not self._data or not ids:
+            return
+        self._data.setdefault("tracking", {}).update(ids)
+        write_json_atomically(self.path, self._data)
+
     def ended(self, status: str, global_step: int) -> None:
         if not is_rank_zero() or not self._data:
             return
         self._data.update(status=status, finished=status == "finished", global_step=global_step, updated=_now())
         write_json_atomically(self.path, self._data)
+
+
+#: The logger classes whose runs a resume continues, by the key their id has in run.json's ``tracking``.
+TRACKED_LOGGERS = {"MLFlowLogger": "mlflow", "WandbLogger": "wandb"}
+
+
+def tracking_ids(loggers: Sequence[Any]) -> dict[str, str]:
+    """``{"mlflow": run_id, "wandb": id}`` of the tracking loggers among ``loggers`` (their runs start here on rank
+    zero if they had not)."""
+    ids: dict[str, str] = {}
+    for logger in loggers:
+        kind = TRACKED_LOGGERS.get(type(logger).__name__)
+        if kind == "mlflow":
+            run_id = logger.run_id
+        elif kind == "wandb":
+            run_id = logger.experiment.id if is_rank_zero() else None
+        else:
+            continue
+        if run_id:
+            ids[kind] = str(run_id)
+    return ids
+
+
+def continue_tracking_runs(logger_entries: Mapping[str, Any], record: Mapping[str, Any] | None) -> list[str]:
+    """Point the configured MLflow / W&B loggers (``logger_entries``: name -> config, changed in place) at the runs
+    ``record`` (an earlier ``run.json``) holds, unless a run id is set already; returns what it continued."""
+    ids = (record or {}).get("tracking") or {}
+    continued = []
+    for name, entry in logger_entries.items():
+        kind = TRACKED_LOGGERS.get(str(entry.get("_target_", "")).rsplit(".", 1)[-1])
+        if kind is None or kind not in ids:
+            continue
+        key = "run_id" if kind == "mlflow" else "id"
+        if entry.get(key):
+            continue
+        with open_dict(entry):
+            entry[key] = ids[kind]
+            if kind == "wandb":
+                entry["resume"] = "allow"
+        continued.append(f"{name} run {ids[kind]}")
+    return continued
