@@ -390,8 +390,8 @@ def weights_fingerprint(source: Any) -> str | None:
             sample = flat[:: max(1, flat.numel() // 1024)].float().cpu().numpy().tobytes()
             hasher.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype}\n".encode() + sample)
         return hasher.hexdigest()
-    name = describe_source(source)
-    folder = Path(name).expanduser() if name else None
+    described = describe_source(source)
+    folder = Path(described).expanduser() if described else None
     if folder is None or not folder.is_dir():
         return None
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
