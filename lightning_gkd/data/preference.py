@@ -218,8 +218,8 @@ class PreferenceDataModule(RowsDataModule):
         train_data, val_data: a ``datasets.Dataset``, a list of dicts, a local ``.json``/``.jsonl``/``.parquet``
             file or dataset folder, or a hub dataset id. ``val_data`` may also be a dict ``{name: source}`` of
             several validation sets: one loader each (in order, listed in ``val_names``), and ``DPOModule`` logs
-            ``val/<name>/loss``, ``val/<name>/rewards/accuracies``, ... per set. Rows hold ``prompt``, ``chosen``, ``rejected`` as plain
-            strings or as message lists (``prompt``: the conversation so far; ``chosen``/``rejected``: one
+            ``val/<name>/loss``, ``val/<name>/rewards/accuracies``, ... per set. Rows hold ``prompt``,
+            ``chosen``, ``rejected`` as plain strings or as message lists (``prompt``: the conversation so far; ``chosen``/``rejected``: one
             assistant message each), or pre-tokenized ``prompt_input_ids``/``chosen_input_ids``/
             ``rejected_input_ids`` (used untouched). Optional ``ref_chosen_logps``/``ref_rejected_logps``: reference
             log-probs computed elsewhere.
