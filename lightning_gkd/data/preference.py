@@ -220,8 +220,8 @@ class PreferenceDataModule(RowsDataModule):
             several validation sets: one loader each (in order, listed in ``val_names``), and ``DPOModule`` logs
             ``val/<name>/loss``, ``val/<name>/rewards/accuracies``, ... per set. Rows hold ``prompt``,
             ``chosen``, ``rejected`` as plain strings or as message lists (``prompt``: the conversation so far;
-            ``chosen``/``rejected``: one assistant message each), or pre-tokenized ``prompt_input_ids``/``chosen_input_ids``/
-            ``rejected_input_ids`` (used untouched). Optional ``ref_chosen_logps``/``ref_rejected_logps``: reference
+            ``chosen``/``rejected``: one assistant message each), or pre-tokenized ``prompt_input_ids``/
+            ``chosen_input_ids``/``rejected_input_ids`` (used untouched). Optional ``ref_chosen_logps``/``ref_rejected_logps``: reference
             log-probs computed elsewhere.
         batch_size: pairs per training batch (the model sees ``2 * batch_size`` sequences); ``val_batch_size``
             defaults to it.
