@@ -221,8 +221,8 @@ class PreferenceDataModule(RowsDataModule):
             ``val/<name>/loss``, ``val/<name>/rewards/accuracies``, ... per set. Rows hold ``prompt``,
             ``chosen``, ``rejected`` as plain strings or as message lists (``prompt``: the conversation so far;
             ``chosen``/``rejected``: one assistant message each), or pre-tokenized ``prompt_input_ids``/
-            ``chosen_input_ids``/``rejected_input_ids`` (used untouched). Optional ``ref_chosen_logps``/``ref_rejected_logps``: reference
-            log-probs computed elsewhere.
+            ``chosen_input_ids``/``rejected_input_ids`` (used untouched). Optional ``ref_chosen_logps``/
+            ``ref_rejected_logps``: reference log-probs computed elsewhere.
         batch_size: pairs per training batch (the model sees ``2 * batch_size`` sequences); ``val_batch_size``
             defaults to it.
         max_length: prompt + completion longer than this is cut to ``max_length`` tokens, by ``truncation_mode``.
