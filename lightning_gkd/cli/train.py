@@ -53,6 +53,8 @@ def print_config(cfg: DictConfig) -> None:
 
     tree = rich.tree.Tree("config", guide_style="dim")
     for key, value in cfg.items():
+        if key == "hydra":  # Hydra's own node (a config composed with return_hydra_config; @hydra.main drops it)
+            continue
         if isinstance(value, DictConfig):
             tree.add(str(key)).add(rich.syntax.Syntax(OmegaConf.to_yaml(value, resolve=True), "yaml"))
         else:
