@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -33,18 +34,19 @@ def settings() -> dict:
     return {"top_k": TOP_K, "max_length": MAX_LENGTH, "batch_size": BATCH_SIZE, "shard_size": SHARD_SIZE}
 
 
-class KillAfterFirstShard(L.Callback):
-    """SIGKILL this rank once one of its shards (``s % world_size == rank`` in a fresh build) is on disk."""
+class KillAfterFirstFile(L.Callback):
+    """SIGKILL this rank once one of its files (``file(s)`` for ``s % world_size == rank`` in a fresh build) is on
+    disk; rank 1 first waits for rank 0's ``file(0)``, so exactly files 0 and 1 are left whichever rank is faster."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, file: Callable[[int], Path]) -> None:
+        self.file = file
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         rank, world = trainer.global_rank, trainer.world_size
-        if not any((self.folder / shard_name(s)).is_file() for s in range(rank, 64, world)):
+        if not any(self.file(s).is_file() for s in range(rank, 64, world)):
             return
         deadline = time.monotonic() + 120
-        while rank and not (self.folder / shard_name(0)).is_file() and time.monotonic() < deadline:
+        while rank and not self.file(0).is_file() and time.monotonic() < deadline:
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -63,7 +65,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[KillAfterFirstShard(folder)] if kill else [],
+        callbacks=[KillAfterFirstFile(lambda s: folder / shard_name(s))] if kill else [],
     )
     report = build_teacher_cache_report(
         teacher, load_tokenizer(teacher), addition_rows("train")[:ROWS], folder, trainer=trainer, **settings()

@@ -12,19 +12,19 @@ run wrote).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
 import torch
 
-from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import asset_path
-from lightning_gkd.teachers.teacher_completions import PARTS_DIR, build_teacher_completions, part_name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers.*
+
+from helpers.cache_build_worker import KillAfterFirstFile  # noqa: E402
+from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
+from lightning_gkd.data.toy import addition_rows  # noqa: E402
+from lightning_gkd.models.tiny import asset_path  # noqa: E402
+from lightning_gkd.teachers.teacher_completions import PARTS_DIR, build_teacher_completions, part_name  # noqa: E402
 
 #: what the single-process reference of the test uses too
 ROWS, MAX_LENGTH, MAX_NEW_TOKENS, TEMPERATURE, BATCH_SIZE, SHARD_SIZE = 40, 64, 6, 0.8, 4, 8
@@ -41,20 +41,6 @@ def arguments() -> dict:
     }
 
 
-class KillAfterFirstPart(L.Callback):
-    def __init__(self, folder: Path) -> None:
-        self.parts = folder / PARTS_DIR
-
-    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        rank, world = trainer.global_rank, trainer.world_size
-        if not any((self.parts / part_name(p)).is_file() for p in range(rank, 64, world)):
-            return
-        deadline = time.monotonic() + 120
-        while rank and not (self.parts / part_name(0)).is_file() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def main() -> None:
     folder = Path(sys.argv[1])
     kill = "--kill-after-first-part" in sys.argv[2:]
@@ -69,7 +55,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[KillAfterFirstPart(folder)] if kill else [],
+        callbacks=[KillAfterFirstFile(lambda p: folder / PARTS_DIR / part_name(p))] if kill else [],
     )
     before = {p.name for p in (folder / PARTS_DIR).glob("part-*.jsonl")}
     rows = addition_rows("train")[:ROWS]
