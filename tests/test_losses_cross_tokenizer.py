@@ -294,7 +294,9 @@ def test_the_teacher_tokenizer_comes_from_the_teachers_folder(student, tokenizer
 
     # no tokenizer in the folder: the student's is assumed, and the vocabulary sizes then disagree
     bpe_teacher.save_pretrained(tmp_path / "bare")
-    message = rf"Student vocabulary size 259 differs from the teacher's {len(bpe_tokenizer)}\. .*"
+    message = (
+        rf"Student vocabulary size 259 differs from the teacher's {len(bpe_tokenizer)}, and its tokenizer is not.*"
+    )
     with pytest.raises(ValueError, match=message + r"model\.teacher\.tokenizer=<folder or hub id>.*enabled=always"):
         make_module(student, str(tmp_path / "bare"), tokenizer)
     bare_spec = {"name_or_path": str(tmp_path / "bare"), "tokenizer": str(tmp_path / "with_tokenizer")}

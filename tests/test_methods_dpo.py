@@ -323,3 +323,28 @@ def test_named_validation_sets_log_each_sets_statistics(student, tokenizer):
     assert not any(key.startswith("val/loss") for key in named)
     with pytest.raises(ValueError, match="val_data names must be non-empty strings without '/'"):
         PreferenceDataModule(tokenizer, train, {"a/b": sets["easy"]})
+
+
+def test_a_reference_padded_to_more_rows_compares_log_probs_over_the_shared_rows(tokenizer, pairs, tmp_path):
+    """A policy and a reference over one tokenizer with different vocabulary rows (the reference's folder holds the
+    tokenizer): the statistics equal those of the models truncated to the rows both have; a reference whose
+    tokenizer is not known is refused."""
+    from helpers.padded_vocab import pad_vocabulary, truncated_copy
+
+    from lightning_gkd.models.loading import vocab_size
+    from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
+
+    policy = pad_vocabulary(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), 264, seed=2, scale=3.0)
+    reference = pad_vocabulary(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=5), 272, seed=3, scale=3.0)
+    reference.save_pretrained(tmp_path / "reference")
+    tokenizer.save_pretrained(tmp_path / "reference")
+    with pytest.raises(ValueError, match="policy's vocabulary has 264 rows and the reference's 272, and the refer"):
+        make_module(copy.deepcopy(policy), tokenizer, reference=copy.deepcopy(reference))
+    ours = make_module(copy.deepcopy(policy), tokenizer, reference=str(tmp_path / "reference"), beta=0.2)
+    assert vocab_size(ours.reference) == 264
+    truncated = make_module(copy.deepcopy(policy), tokenizer, reference=truncated_copy(reference, 264), beta=0.2)
+    batch = batch_of(tokenizer, pairs["train"][:4])
+    with torch.no_grad():
+        got, want = ours.preference_step(batch), truncated.preference_step(batch)
+    for name in ("loss", "rewards/chosen", "rewards/margins", "logps/rejected"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_gkd.models.loading import check_same_vocab, freeze, load_causal_lm, resolve_dtype
+from lightning_gkd.models.loading import freeze, load_causal_lm, resolve_dtype, shared_vocab_rows
 from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
 
 
@@ -72,10 +72,12 @@ def test_freeze_makes_a_fixed_function(tokenizer):
     assert all(m.attention_dropout == 0.0 for m in frozen.modules() if hasattr(m, "attention_dropout"))
 
 
-def test_vocab_mismatch_names_both_sizes(student):
-    other = load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": 300}})
-    with pytest.raises(ValueError, match="Student vocabulary size 259 differs from the teacher's 300"):
-        check_same_vocab(student, other)
+def test_shared_vocab_rows_is_the_fewest_rows_and_refuses_a_model_short_of_the_tokenizer(tokenizer):
+    assert len(tokenizer) == 259
+    assert shared_vocab_rows(tokenizer, {"student": 264, "teacher": 272, "other": None}) == 264
+    assert shared_vocab_rows(tokenizer, {"student": None}) is None
+    with pytest.raises(ValueError, match="The teacher's vocabulary has 200 rows but the tokenizer .* has 259 tokens"):
+        shared_vocab_rows(tokenizer, {"student": 259, "teacher": 200})
 
 
 def test_disable_dropout_also_zeroes_functional_dropout_rates():
@@ -148,3 +150,41 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_training(token
     # The module says so at construction instead of an IndexError in the sanity check.
     with pytest.raises(ValueError, match=r"has 262 tokens but the model's vocabulary has 259"):
         SFTModule(student, bigger)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma2"])
+def test_limit_output_rows_is_the_truncated_model_and_keeps_the_parameters(family, tmp_path):
+    """Across a tied head (qwen2), an untied one (llama) and a soft-capped one (gemma2): logits, the lean path's head
+    and greedy decoding equal the model truncated to the rows; names, shapes and the tie stay; a save reloads."""
+    from helpers.padded_vocab import pad_vocabulary, truncated_copy
+    from helpers.tiny_registry import build_tiny, tiny_config
+
+    from lightning_gkd.models.loading import limit_output_rows, vocab_size
+    from lightning_gkd.ops.hf import check_output_head, hidden_states_and_head
+
+    model = pad_vocabulary(build_tiny(tiny_config(family, 64), seed=0), 80, seed=1, scale=3.0).eval()
+    reference = truncated_copy(model, 70).eval()
+    shapes = {name: p.shape for name, p in model.state_dict().items()}
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert limit_output_rows(model, 70) and not limit_output_rows(model, 70)
+    assert vocab_size(model) == 70 and {n: p.shape for n, p in model.state_dict().items()} == shapes
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+        check_output_head(model, ids, mask)  # the lean path's description holds for the limited head
+        positions = torch.ones_like(ids, dtype=torch.bool)
+        hidden, head = hidden_states_and_head(model, ids, mask, positions)
+        assert head.weight.shape[0] == 70
+        torch.testing.assert_close(head.logits(hidden), reference(input_ids=ids).logits.reshape(-1, 70))
+    model.save_pretrained(tmp_path / "saved")
+    assert load_causal_lm(str(tmp_path / "saved")).get_output_embeddings().weight.shape[0] == 80
+
+
+def test_limit_output_rows_refuses_a_head_it_cannot_cut(student):
+    from lightning_gkd.models.loading import limit_output_rows
+
+    student.lm_head = torch.nn.Sequential(student.lm_head)
+    with pytest.raises(ValueError, match="its output projection is Sequential, not a plain nn.Linear"):
+        limit_output_rows(student, 200)

@@ -71,6 +71,34 @@ def test_greedy_completions_masks_and_labels_equal_the_kv_cache_samplers(family,
     assert sampler.syncs == 1  # the engine started from the model's weights: one load, no re-sync (frozen)
 
 
+def test_a_student_limited_to_the_shared_rows_samples_only_from_them(tokenizer, toy_batch):
+    """A student padded past its teachers' rows (``limit_output_rows``): the engine serves the whole matrix, and the
+    sampler allows the shared ids only: greedy equals the HF greedy of the truncated student, although the padded
+    rows would win otherwise."""
+    from helpers.padded_vocab import pad_vocabulary, truncated_copy
+
+    from lightning_gkd.models.loading import limit_output_rows
+
+    model = pad_vocabulary(vllm_tiny("qwen2", tokenizer, seed=3), 272, seed=4, scale=6.0)
+    sampler = VLLMSampler(tokenizer, max_new_tokens=8, max_model_len=96)
+    try:
+        unlimited = sampler.greedy(model, toy_batch["prompts"], toy_batch["prompt_attention_mask"], max_new_tokens=8)
+        assert int(unlimited["input_ids"].max()) >= 264  # the padded rows win without the limit
+    finally:
+        sampler.close()
+    reference = hf_greedy(truncated_copy(model, 264), tokenizer, toy_batch, 8)
+    limit_output_rows(model, 264)
+    sampler = VLLMSampler(tokenizer, max_new_tokens=8, max_model_len=96)
+    try:
+        ours = sampler.greedy(model, toy_batch["prompts"], toy_batch["prompt_attention_mask"], max_new_tokens=8)
+    finally:
+        sampler.close()
+    assert int(ours["input_ids"].max()) < 264
+    for key in KEYS:
+        assert torch.equal(ours[key], reference[key]), key
+    torch.testing.assert_close(ours["sampled_logprobs"], reference["sampled_logprobs"], atol=1e-4, rtol=0)
+
+
 def test_the_toy_student_greedy_matches_and_samples_follow_the_sampling_distribution(tokenizer, toy_batch):
     """The shipped toy student (head size 32); samples with temperature, top-k and top-p: each token's log-prob is
     the one of the restricted, renormalised distribution it was drawn from; same seed, same samples."""

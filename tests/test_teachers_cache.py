@@ -169,7 +169,7 @@ def test_the_reader_refuses_what_does_not_match(tmp_path, built, tokenizer, rows
     other.chat_template = tokenizer.chat_template + " "
     with pytest.raises(ValueError, match=rf"{built}.*fingerprint {fingerprint}.*has [0-9a-f]{{32}}"):
         cache.check(other, vocab_size=len(tokenizer))
-    with pytest.raises(ValueError, match="token id 2[0-9]{2}, outside the student's vocabulary of 200"):
+    with pytest.raises(ValueError, match=r"top-k over token ids \[0, 259\), but this run compares the ids \[0, 200\)"):
         cache.check(tokenizer, vocab_size=200)
     with pytest.raises(ValueError, match=r"top_k=21 but .* holds k=20"):
         CacheTeacher(built, top_k=21)
@@ -572,7 +572,7 @@ def test_hidden_cache_refusals(tmp_path, hidden_built, built, tokenizer, rows, t
     other.chat_template = tokenizer.chat_template + " "
     with pytest.raises(ValueError, match=rf"{hidden_built} was built with a tokenizer of fingerprint"):
         cache.check(other, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match="head over 259 tokens, but the student's vocabulary has 260"):
+    with pytest.raises(ValueError, match="head over 259 tokens, but the run compares 260 token ids"):
         cache.check(tokenizer, vocab_size=260)
     cache.check_datamodule(ChatDataModule(tokenizer, rows, max_length=MAX_LENGTH))
     with pytest.raises(ValueError, match=r"max_length=64, the data has max_length=48.*cache.signal=hidden"):
@@ -731,3 +731,50 @@ def test_the_data_fingerprint_samples_large_data_and_counts_every_row():
         changed = list(small)
         changed[i] = base[20]
         assert data_fingerprint(changed) != data_fingerprint(small)
+
+
+def test_a_cache_of_a_teacher_padded_further_covers_the_students_rows(tmp_path, tokenizer, rows):
+    """Qwen2.5-7B (152,064 rows) cached for 0.5B (151,936) over one tokenizer: with ``vocab_rows`` the top-k is taken
+    over the ids both have and renormalised there (the truncated teacher's, exactly); a cache over all the teacher's
+    rows is refused for that student, naming the option; the CLI takes the student's rows by default."""
+    from helpers.padded_vocab import pad_vocabulary, truncated_copy
+    from omegaconf import OmegaConf
+
+    from lightning_gkd.cli.cache_teacher import cache_vocab_rows
+
+    padded = pad_vocabulary(load_frozen_causal_lm(TEACHER, role="teacher"), 272, seed=3, scale=3.0)
+    shared = 264
+    with one_thread():
+        manifest = build_teacher_cache(
+            copy.deepcopy(padded),
+            tokenizer,
+            rows[:8],
+            tmp_path / "cut",
+            top_k=TOP_K,
+            max_length=MAX_LENGTH,
+            vocab_rows=shared,
+        )  # the build limits the teacher it is given in place
+        build_teacher_cache(padded, tokenizer, rows[:8], tmp_path / "all", top_k=TOP_K, max_length=MAX_LENGTH)
+    assert manifest["vocab_rows"] == shared and manifest["max_token_id"] < shared
+    batch = ChatMLCollator(tokenizer, max_length=MAX_LENGTH)(rows[:8])
+    positions = supervised_positions(batch["labels"])
+    got = CacheTeacher(tmp_path / "cut").topk(batch, positions)
+    want = LocalTeacher(truncated_copy(padded, shared), top_k=TOP_K).topk(batch, positions)
+    assert torch.equal(got.ids, want.ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs.half().float(), rtol=2**-10, atol=1e-6)
+    CacheTeacher(tmp_path / "cut").check(tokenizer, vocab_size=shared)
+    with pytest.raises(ValueError, match=r"\[0, 272\), but this run compares the ids \[0, 264\).*cache.vocab_rows=264"):
+        CacheTeacher(tmp_path / "all").check(tokenizer, vocab_size=shared)
+
+    padded.save_pretrained(tmp_path / "teacher7b")
+    student = truncated_copy(padded, shared)
+    student.save_pretrained(tmp_path / "student05b")
+    cfg = OmegaConf.create(
+        {"cache": {"vocab_rows": None}, "model": {"student": {"name_or_path": str(tmp_path / "student05b")}}}
+    )
+    teacher_spec = {"name_or_path": str(tmp_path / "teacher7b")}
+    assert cache_vocab_rows(cfg, teacher_spec) == shared
+    cfg.cache.vocab_rows = 270
+    assert cache_vocab_rows(cfg, teacher_spec) == 270
+    cfg.cache.vocab_rows = None
+    assert cache_vocab_rows(cfg, {"name_or_path": str(tmp_path / "student05b")}) is None  # the teacher has fewer

@@ -12,7 +12,7 @@ Rerunning a stopped build with the same settings writes only the missing shards.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from hydra.utils import instantiate
@@ -24,6 +24,7 @@ from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
 from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.models.loading import source_vocab_size
 from lightning_gkd.teachers.cache import (
     check_signal,
     data_fingerprint,
@@ -77,9 +78,26 @@ def run(cfg: DictConfig) -> CacheBuildReport:
         shard_size=cfg.cache.shard_size,
         trainer=trainer,
         trust_remote_code=bool(teacher.get("trust_remote_code", False)),
+        vocab_rows=cache_vocab_rows(cfg, teacher),
     )
     print_report(report)
     return report
+
+
+def cache_vocab_rows(cfg: DictConfig, teacher: Any) -> int | None:
+    """``cache.vocab_rows``, else the student's vocabulary rows when they are fewer than the teacher's (one tokenizer,
+    padded differently: the cache then covers the ids the student has), else None (all the teacher's rows). Read
+    from the models' configs; no weights load."""
+    given = cfg.cache.get("vocab_rows")
+    if given is not None:
+        return int(given)
+    student = cfg.model.get("student")
+    spec = cast(dict[str, Any], OmegaConf.to_container(student, resolve=True)) if student else None
+    student_rows = source_vocab_size(spec, role="student") if spec else None
+    teacher_rows = source_vocab_size(teacher, role="teacher")
+    if student_rows is None or teacher_rows is None or student_rows >= teacher_rows:
+        return None
+    return student_rows
 
 
 def teacher_completions(cfg: DictConfig, teacher: Any, datamodule: Any, trainer: Any) -> Sequence[Mapping[str, Any]]:

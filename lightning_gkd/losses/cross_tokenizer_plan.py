@@ -163,6 +163,13 @@ def _load(source: Any, entry: TeacherEntry | None = None) -> PreTrainedTokenizer
     return load_tokenizer(str(source), revision=revision, trust_remote_code=bool(spec.get("trust_remote_code")))
 
 
+def names_same_tokenizer(entry: TeacherEntry, tokenizer: PreTrainedTokenizerBase) -> bool | None:
+    """Whether a local teacher entry names a tokenizer (its spec's or its model spec's ``tokenizer``, or tokenizer
+    files in its folder) with ``tokenizer``'s vocabulary; None when it names none."""
+    source = _model_spec_tokenizer(entry) or _implicit_tokenizer_source(entry)
+    return None if source is None else same_tokenizer(tokenizer, _load(source, entry))
+
+
 def same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> bool:
     """Whether two tokenizers share one vocabulary (the same token string at every id)."""
     return student is teacher or student.get_vocab() == teacher.get_vocab()

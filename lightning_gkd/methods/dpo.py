@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.losses.base import Logged, LossOutput
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
-from lightning_gkd.models.loading import ModelSource, check_same_vocab
+from lightning_gkd.models.loading import ModelSource, limit_output_rows, shared_vocab_rows, vocab_size
 from lightning_gkd.ops.hf import (
     accepts_logits_to_keep,
     eval_mode,
@@ -109,7 +109,7 @@ class DPOModule(CausalLMModule):
         )
         if reference is not None:
             self.reference = self.load_frozen(reference, role="reference", trust_remote_code=trust_remote_code)
-            check_same_vocab(self.model, self.reference, teacher_role="reference")
+            self._share_vocabulary(reference)
             self.frozen_names = ("reference",)
             self.reference_source = "model"
         elif is_peft_model(self.model):
@@ -128,6 +128,28 @@ class DPOModule(CausalLMModule):
         self.reference_logps_cache: dict[str, torch.Tensor] = {}  # split -> (num_rows, 2); NaN where not computed
         self._precomputing = False
         self.save_hyperparameters(ignore=["model", "reference", "tokenizer", "optimizer", "scheduler", "metrics"])
+
+    def _share_vocabulary(self, reference: ModelSource) -> None:
+        """The policy and the reference compare log-probs over the vocabulary rows both have (one tokenizer, padded
+        differently: ``teachers.spec.share_vocabulary``); a reference of another row count must name the policy's
+        tokenizer (tokenizer files in its folder)."""
+        from lightning_gkd.losses.cross_tokenizer_plan import names_same_tokenizer
+        from lightning_gkd.teachers.spec import TeacherEntry
+
+        policy_rows, reference_rows = vocab_size(self.model), vocab_size(self.reference)
+        if policy_rows == reference_rows or None in (policy_rows, reference_rows):
+            return
+        if names_same_tokenizer(TeacherEntry("local", {"model": reference}), self.tokenizer) is not True:
+            raise ValueError(
+                f"The policy's vocabulary has {policy_rows} rows and the reference's {reference_rows}, and the "
+                "reference's tokenizer is not known to be the policy's (its folder holds no tokenizer files, or "
+                "another tokenizer). DPO compares both models' log-probs of the same token ids: use a reference "
+                "from the policy's family (its folder with its tokenizer), or the policy itself (reference=null)."
+            )
+        shared = shared_vocab_rows(self.tokenizer, {"policy": policy_rows, "reference": reference_rows})
+        assert shared is not None
+        limit_output_rows(self.model, shared)
+        limit_output_rows(self.reference, shared)
 
     @property
     def policy(self) -> nn.Module:

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from lightning_gkd.ops.hf import SharedRangeHead, output_rows
+
 ModelSource: TypeAlias = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
 
 # "tokenizer": a teacher's tokenizer (cross-tokenizer distillation reads it; loading ignores it)
@@ -184,24 +186,57 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 def vocab_size(model: nn.Module) -> int | None:
-    """Rows of the output projection (the logits' last dim), falling back to ``config.vocab_size``."""
+    """Rows of the output projection (the logits' last dim; a head limited by ``limit_output_rows`` gives its
+    limit), falling back to ``config.vocab_size``."""
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
-    if head is not None and getattr(head, "weight", None) is not None:
-        return int(head.weight.shape[0])
+    rows = output_rows(head) if head is not None else None
+    if rows is not None:
+        return rows
     config = getattr(model, "config", None)
     return getattr(config, "vocab_size", None)
 
 
-def check_same_vocab(student: nn.Module, teacher: nn.Module, *, teacher_role: str = "teacher") -> None:
-    """Token-level distillation compares distributions over one vocabulary: sizes must match."""
-    student_size, teacher_size = vocab_size(student), vocab_size(teacher)
-    if student_size is not None and teacher_size is not None and student_size != teacher_size:
+def shared_vocab_rows(tokenizer: Any, rows: Mapping[str, int | None]) -> int | None:
+    """The token ids ``[0, V)`` that models over one tokenizer are compared on: ``V`` is the fewest output rows among
+    ``rows`` (role -> rows; None: not known), so models padded differently past the tokenizer (Qwen2.5-7B's 152,064
+    rows and 0.5B's 151,936 over 151,665 tokens) distil over the rows they share. Ids past the tokenizer are never a
+    label or a prompt token; a model's mass on them is dropped and its distribution renormalised over ``[0, V)``
+    (``limit_output_rows``). None when no size is known. ``ValueError`` when a model has fewer rows than the
+    tokenizer has tokens (ids would index past it), naming the role."""
+    tokens = len(tokenizer)
+    known = {role: int(size) for role, size in rows.items() if size is not None}
+    name = getattr(tokenizer, "name_or_path", "")
+    for role, size in known.items():
+        if size < tokens:
+            raise ValueError(
+                f"The {role}'s vocabulary has {size} rows but the tokenizer ({name!r}) has {tokens} tokens: ids "
+                f"{size} and up have no row in the {role}. Distilling over one tokenizer needs every model to "
+                f"cover it; give the {role} its own tokenizer (a cross-tokenizer teacher: Hydra "
+                f"model.teacher.tokenizer=<folder or hub id>), or use a {role} of the student's family."
+            )
+    return min(known.values()) if known else None
+
+
+def limit_output_rows(model: nn.Module, rows: int) -> bool:
+    """Make ``model`` give logits for token ids ``[0, rows)`` only (its head becomes a ``SharedRangeHead``: exactly
+    the model truncated to ``rows`` rows, its parameters untouched). Returns whether it changed anything. ValueError
+    when the head is not a plain ``nn.Linear`` (a custom or adapter-wrapped head cannot be limited)."""
+    current = vocab_size(model)
+    if current is None or current == rows:
+        return False
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if not isinstance(head, nn.Linear) or type(head) not in (nn.Linear, SharedRangeHead) or head.weight.shape[0] < rows:
         raise ValueError(
-            f"Student vocabulary size {student_size} differs from the {teacher_role}'s {teacher_size}. "
-            "Token-level distillation needs one shared tokenizer/vocabulary: pick a "
-            f"{teacher_role} from the student's model family, or resize the embeddings to match."
+            f"Cannot limit {type(model).__name__}'s output to the {rows} vocabulary rows it shares with the other "
+            f"models: its output projection is {type(head).__name__}, not a plain nn.Linear with at least {rows} "
+            "rows. Use models with the same vocabulary size, or resize this one's embeddings "
+            "(model.resize_token_embeddings) before passing it in."
         )
+    head.__class__ = SharedRangeHead
+    cast(SharedRangeHead, head).rows = rows
+    return True
 
 
 def source_vocab_size(source: ModelSource, *, role: str = "model") -> int | None:

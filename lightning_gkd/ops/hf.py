@@ -22,6 +22,7 @@ __all__ = [
     "EosTokenId",
     "LeanForwardUnsupported",
     "LogitHead",
+    "SharedRangeHead",
     "check_head_parameters",
     "check_output_head",
     "accepts_logits_to_keep",
@@ -33,6 +34,7 @@ __all__ = [
     "is_peft_model",
     "is_sharded",
     "output_head",
+    "output_rows",
     "output_weight",
     "position_ids_from_mask",
     "resolve_eos_token_id",
@@ -259,6 +261,13 @@ class LogitHead:
         capped = torch.tanh(z / self.softcap)
         return self.softcap * capped, self.scale * (1 - capped * capped)
 
+    def first_rows(self, rows: int) -> LogitHead:
+        """The head over token ids ``[0, rows)`` only: what a model whose projection has just those rows gives."""
+        if rows >= self.weight.shape[0]:
+            return self
+        bias = None if self.bias is None else self.bias[:rows]
+        return LogitHead(self.weight[:rows], bias, self.scale, self.softcap)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         projected = (hidden @ self.weight.t()).float()
         if self.bias is not None:
@@ -272,13 +281,44 @@ _MULTIPLY_FIELDS = ("logit_scale",)  # Cohere, Command-R: logits * logit_scale
 _DIVIDE_FIELDS = ("logits_scaling",)  # Granite: logits / logits_scaling
 
 
+class SharedRangeHead(nn.Linear):
+    """An output projection that gives logits for token ids ``[0, rows)`` only, ``rows`` at most its weight's rows:
+    the model then is exactly the model truncated to those rows, while its parameters (names, shapes, a tie to the
+    input embedding) stay as they are, so checkpoints and exports keep the full matrix. Rows past ``rows`` take no
+    gradient. ``models.loading.limit_output_rows`` turns a model's ``nn.Linear`` head into one (padded vocabularies
+    over one tokenizer)."""
+
+    rows: int
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[: self.rows]
+        return nn.functional.linear(input, self.weight[: self.rows], bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rows={self.rows}"
+
+
+def output_rows(projection: nn.Module) -> int | None:
+    """How many logits an output projection gives: ``rows`` for a :class:`SharedRangeHead`, else its weight's rows
+    (None without a weight)."""
+    if isinstance(projection, SharedRangeHead):
+        return projection.rows
+    weight = getattr(projection, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None
+
+
 def output_head(model: nn.Module) -> LogitHead:
-    """The model's head as a :class:`LogitHead`: its output projection (an ``nn.Linear``, bias allowed) and the
-    transforms its config names. :func:`check_output_head` proves once that they reproduce the model's logits."""
+    """The model's head as a :class:`LogitHead`: its output projection (an ``nn.Linear``, bias allowed; a
+    :class:`SharedRangeHead` gives its first ``rows`` rows) and the transforms its config names.
+    :func:`check_output_head` proves once that they reproduce the model's logits."""
     core = _causal_lm(model)
     head = core.get_output_embeddings()
     extra = {name for name, _ in head.named_parameters()} - {"weight", "bias"} if isinstance(head, nn.Module) else set()
-    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or extra:
+    if (
+        not isinstance(head, nn.Linear)
+        or type(head).forward not in (nn.Linear.forward, SharedRangeHead.forward)
+        or extra
+    ):
         raise LeanForwardUnsupported(f"output projection {type(head).__name__} is not a plain nn.Linear")
     config: Any = getattr(core, "config", None)
     get_text_config = getattr(config, "get_text_config", None)
@@ -293,7 +333,7 @@ def output_head(model: nn.Module) -> LogitHead:
     for name in _SOFTCAP_FIELDS:
         if (value := getattr(text, name, None)) is not None:
             softcap = float(value)
-    return LogitHead(head.weight, head.bias, scale, softcap)
+    return LogitHead(head.weight, head.bias, scale, softcap).first_rows(output_rows(head) or head.weight.shape[0])
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_gkd.models.loading import vocab_size
 from lightning_gkd.models.weights import check_weights_exportable, hf_weights
 from lightning_gkd.ops.hf import EosTokenId, resolve_eos_token_id, resolve_pad_token_id, unwrap
 from lightning_gkd.ops.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
@@ -176,6 +177,10 @@ class VLLMSampler:
         max_tokens = max_new_tokens or self.max_new_tokens
         vocab = int(getattr(unwrap(model).config, "vocab_size", 0) or 0)
         top_k = self.top_k if 0 < self.top_k < vocab or not vocab else 0  # >= vocab: off, as in KVCacheSampler
+        # a student limited to the vocabulary rows its teachers share (models.loading.limit_output_rows) samples
+        # from those rows only, as the KV-cache sampler does through the limited head
+        shared_rows = vocab_size(model)
+        allowed = list(range(shared_rows)) if shared_rows is not None and 0 < shared_rows < vocab else None
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_attention_mask.cpu(), strict=True)]
         self._check_lengths(rows, max_tokens)
         params = [
@@ -188,6 +193,7 @@ class VLLMSampler:
                 seed=None if greedy else derive_seed(seed, row) % (2**31),
                 stop_token_ids=stop_ids,
                 ignore_eos=not stop_ids,
+                allowed_token_ids=allowed,
                 logprobs=0,
                 detokenize=False,
                 skip_special_tokens=False,

@@ -613,6 +613,9 @@ class CacheTeacher(CacheReader):
                 f"top_k in [1, {self.k}], or rebuild the cache with {BUILD_COMMAND} cache.top_k={top_k}."
             )
         self.top_k = top_k
+        rows = self.manifest.get("vocab_rows")
+        #: The token ids ``[0, vocab_rows)`` the cached log-probs are normalised over (None: not recorded).
+        self.vocab_rows: int | None = None if rows is None else int(rows)
 
     def topk(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> TopKSignal:
         """The cached signal at the True ``positions`` ``(B, L)`` of ``batch`` (row-major), on its device. Raises
@@ -629,8 +632,17 @@ class CacheTeacher(CacheReader):
         )
 
     def check(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
-        """The student's tokenizer must be the one the cache was built with, and its vocabulary hold every id."""
+        """The student's tokenizer must be the one the cache was built with, its vocabulary hold every id, and the
+        cached log-probs be normalised over the ids the run compares (``vocab_size``: the rows the student and
+        teachers share)."""
         self.check_tokenizer(tokenizer)
+        if self.vocab_rows is not None and self.vocab_rows > vocab_size:
+            raise ValueError(
+                f"The teacher cache at {self.path} holds the teacher's top-k over token ids [0, {self.vocab_rows}), "
+                f"but this run compares the ids [0, {vocab_size}) the student's vocabulary has: its log-probs are "
+                f"normalised over rows the student lacks. Rebuild it with {BUILD_COMMAND} cache.vocab_rows="
+                f"{vocab_size} (or give model.student, whose rows it then takes)."
+            )
         if int(self.manifest["max_token_id"]) >= vocab_size:
             raise ValueError(
                 f"The teacher cache at {self.path} holds token id {self.manifest['max_token_id']}, outside the "
@@ -669,9 +681,7 @@ class HiddenCacheTeacher(CacheReader, HiddenStateTeacher):
         if self.vocab_size != vocab_size:
             raise ValueError(
                 f"The hidden-state teacher cache at {self.path} holds a teacher head over {self.vocab_size} tokens, "
-                f"but the student's vocabulary has {vocab_size}: the dense losses need the same vocabulary. Use a "
-                "student with the teacher's vocabulary size, or a top-k cache (cache.signal=topk), which needs only "
-                "that the student's vocabulary hold every cached id."
+                f"but the run compares {vocab_size} token ids: the dense losses need the same vocabulary."
             )
 
 

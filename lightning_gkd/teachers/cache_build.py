@@ -37,7 +37,13 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat import ChatMLCollator, prepare_tokenizer
 from lightning_gkd.data.rows import ROW_INDEX, RowDataset
-from lightning_gkd.models.loading import ModelSource, load_frozen_causal_lm, vocab_size
+from lightning_gkd.models.loading import (
+    ModelSource,
+    limit_output_rows,
+    load_frozen_causal_lm,
+    source_vocab_size,
+    vocab_size,
+)
 from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, output_head, unwrap
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.cache import (
@@ -203,11 +209,14 @@ class TeacherCacheModule(L.LightningModule):
         probe: Mapping[str, torch.Tensor] | None = None,
         trust_remote_code: bool = False,
         chunk_size: int = 256,
+        vocab_rows: int | None = None,
     ) -> None:
         super().__init__()
         check_signal(signal, hidden_dtype)
         self.signal, self.hidden_dtype = signal, hidden_dtype
         self.teacher = load_frozen_causal_lm(teacher, role="teacher", trust_remote_code=trust_remote_code)
+        if vocab_rows is not None:  # a student padded to fewer rows: the signal over the ids both have
+            limit_output_rows(self.teacher, vocab_rows)
         if signal == "topk":
             size = vocab_size(self.teacher)
             if size is not None and top_k > size:
@@ -398,6 +407,7 @@ def build_teacher_cache_report(
     shard_size: int = 1024,
     trainer: L.Trainer | Mapping[str, Any] | None = None,
     trust_remote_code: bool = False,
+    vocab_rows: int | None = None,
 ) -> CacheBuildReport:
     """Cache ``teacher``'s signal over ``rows`` (chat rows, collated as ``ChatMLCollator`` does at ``max_length``)
     into the folder ``path``, or resume a stopped build with the same settings (others are refused before the teacher
@@ -409,7 +419,10 @@ def build_teacher_cache_report(
     (``lightning_gkd.models.loading.load_causal_lm``). ``tokenizer``: the training run's (or its folder).
     ``batch_size``: rows per teacher forward (per rank); ``shard_size``: rows per shard file. ``trainer``: a
     ``lightning.Trainer`` (its devices, strategy and precision run the teacher) or its keyword arguments (default:
-    one process, 32-true).
+    one process, 32-true). ``vocab_rows``: the signal covers token ids ``[0, vocab_rows)`` only (the teacher's
+    distributions renormalised over them: a student whose vocabulary is padded to fewer rows than the teacher's over
+    the same tokenizer, as Qwen2.5-0.5B's 151,936 against 7B's 152,064); None: all the teacher's rows. The manifest
+    records the range (``vocab_rows``), and training checks it against the student's.
     """
     check_signal(signal, hidden_dtype)
     for name, value in (("top_k", top_k), ("batch_size", batch_size), ("shard_size", shard_size)):
@@ -417,6 +430,12 @@ def build_teacher_cache_report(
             raise ValueError(f"{name} must be >= 1, got {value}.")
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}.")
+    teacher_rows = source_vocab_size(teacher, role="teacher")
+    if vocab_rows is not None and (vocab_rows < 1 or teacher_rows is not None and vocab_rows > teacher_rows):
+        raise ValueError(
+            f"vocab_rows={vocab_rows}: the range must be within the teacher's {teacher_rows} vocabulary rows "
+            "(null: all of them)."
+        )
     if not len(rows):
         raise ValueError("No training rows to cache.")
     tokenizer = prepare_tokenizer(tokenizer)
@@ -426,6 +445,7 @@ def build_teacher_cache_report(
     settings = {  # what the cache is a function of: a resume must give the same
         "signal": signal,
         "k": None if hidden else top_k,
+        "vocab_rows": vocab_rows or teacher_rows,  # the ids the signal covers: [0, vocab_rows)
         "hidden_dtype": hidden_dtype if hidden else None,
         "teacher": teacher_identity(teacher),
         "precision": str(trainer.precision),
@@ -451,6 +471,7 @@ def build_teacher_cache_report(
         hidden_dtype=hidden_dtype,
         probe=probe,
         trust_remote_code=trust_remote_code,
+        vocab_rows=vocab_rows,
     )
     writer = ShardWriter(
         folder,
@@ -494,6 +515,7 @@ def build_teacher_cache(
     shard_size: int = 1024,
     trainer: L.Trainer | Mapping[str, Any] | None = None,
     trust_remote_code: bool = False,
+    vocab_rows: int | None = None,
 ) -> dict[str, Any]:
     """``build_teacher_cache_report(...).manifest``: the cache's manifest (see there for the arguments)."""
     return build_teacher_cache_report(
@@ -509,4 +531,5 @@ def build_teacher_cache(
         shard_size=shard_size,
         trainer=trainer,
         trust_remote_code=trust_remote_code,
+        vocab_rows=vocab_rows,
     ).manifest

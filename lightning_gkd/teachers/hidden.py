@@ -38,12 +38,19 @@ class HiddenStateTeacher:
     def __init__(self, head: LogitHead | None = None) -> None:
         self._head = head
         self._heads: dict[torch.device, LogitHead] = {}
+        self._row_limit: int | None = None
 
     @property
     def head(self) -> LogitHead:
         if self._head is None:
             self._head = self.load_head()
-        return self._head
+        return self._head if self._row_limit is None else self._head.first_rows(self._row_limit)
+
+    def limit_rows(self, rows: int) -> None:
+        """Give logits for token ids ``[0, rows)`` only (the head's first ``rows`` rows): a student with fewer
+        output rows over the same tokenizer (``teachers.spec.share_vocabulary``)."""
+        self._row_limit = rows
+        self._heads.clear()
 
     def load_head(self) -> LogitHead:
         raise NotImplementedError(f"{type(self).__name__} was built without a head and cannot load one.")

@@ -115,7 +115,10 @@ class ServerTeacher:
                 raise ValueError(
                     f"The teacher server at {self.url} (model {model!r}) accepts token id {vocab_size}: its "
                     f"vocabulary is larger than the student's {vocab_size} tokens, so its top-k could hold ids the "
-                    "student does not have."
+                    "student does not have, and its log-probs are normalised over rows the student lacks (a model "
+                    "padded to more rows over the same tokenizer, as Qwen2.5-7B against 0.5B). Serve it as a "
+                    "pooling server (teacher.signal=hidden: its head is cut to the shared rows here), cache it "
+                    "(lightning-gkd-cache takes the student's rows), or load it in-process (teacher=local)."
                 )
         self.vocab_size = vocab_size
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_gkd.models.loading import ModelSource, check_same_vocab, vocab_size
+from lightning_gkd.models.loading import ModelSource, limit_output_rows, shared_vocab_rows, vocab_size
 from lightning_gkd.teachers.base import SparseTeacher
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.local import LocalTeacher
@@ -201,32 +201,83 @@ def build_teachers(
 ) -> tuple[dict[str, Any], dict[str, nn.Module]]:
     """Each teacher's source by name, and the in-process models among them. ``load(source, role)`` loads a frozen
     model (role ``teacher``, or ``teacher.<name>`` under ``multi``); a remote teacher's ``check`` runs now, before
-    training: the server is up and serves the student's tokenizer, the cache was made with it. ``same_vocab``:
-    in-process teachers must have the student's vocabulary size (False: a cross-tokenizer teacher)."""
+    training: the server is up and serves the student's tokenizer, the cache was made with it.
+
+    ``same_vocab`` (False: a cross-tokenizer teacher, compared through its own tokenizer): the student and its
+    teachers share the student's tokenizer and are compared over the vocabulary rows they all have
+    (``share_vocabulary``), which the student and the teachers are limited to here."""
     sources: dict[str, Any] = {}
     models: dict[str, nn.Module] = {}
     for name, entry in plan.entries.items():
         if entry.kind == "local":
-            role = f"teacher.{name}" if name else "teacher"
-            models[name] = load(entry.settings["model"], role)
-            if same_vocab:
-                _check_same_vocab(student, models[name], role)
+            models[name] = load(entry.settings["model"], _role(name))
             sources[name] = LocalTeacher(models[name], top_k=entry.top_k)
-            continue
-        sources[name] = source = build_remote_teacher(entry)
+        else:
+            sources[name] = build_remote_teacher(entry)
+    rows = share_vocabulary(plan, sources, student, tokenizer) if same_vocab else vocab_size(student)
+    for source in sources.values():
         check = getattr(source, "check", None)
         if callable(check):
-            check(tokenizer, vocab_size(student))
+            check(tokenizer, rows)
     return sources, models
 
 
-def _check_same_vocab(student: nn.Module, teacher: nn.Module, role: str) -> None:
-    try:
-        check_same_vocab(student, teacher, teacher_role=role)
-    except ValueError as error:
-        raise ValueError(
-            f"{error} For a teacher with another tokenizer, give its tokenizer (Hydra: model.teacher.tokenizer=<folder "
-            "or hub id>, null takes the teacher's own folder; Python: GKDModule(teacher_tokenizer=...)): "
-            "cross_tokenizer=auto (the default) then distils across tokenizers; cross_tokenizer.enabled=always "
-            "forces that loss with the same tokenizer."
-        ) from None
+def _role(name: str) -> str:
+    return f"teacher.{name}" if name else "teacher"
+
+
+def signal_rows(source: Any) -> int | None:
+    """The vocabulary rows a teacher's distributions are over: an in-process model's output rows, a hidden-state
+    teacher's head rows, a top-k cache's recorded range; None when the source cannot tell (a top-k server)."""
+    if isinstance(source, LocalTeacher):
+        return vocab_size(source.model)
+    if isinstance(source, HiddenStateTeacher):
+        return source.vocab_size
+    rows = getattr(source, "vocab_rows", None)
+    return None if rows is None else int(rows)
+
+
+def share_vocabulary(plan: TeacherPlan, sources: Mapping[str, Any], student: nn.Module, tokenizer: Any) -> int | None:
+    """The token ids ``[0, V)`` the student and its teachers (one tokenizer) are compared on, ``V`` the fewest rows
+    among them (``models.loading.shared_vocab_rows``): models padded differently past the tokenizer (Qwen2.5-7B
+    and 0.5B) distil over the rows they share. The student, each in-process teacher and each hidden-state teacher's
+    head are limited to ``V`` here, so every loss, sampler and figure reads the truncated models. A local teacher
+    with another row count must be known to use the student's tokenizer (its spec's ``tokenizer``, or tokenizer
+    files in its folder): otherwise the sizes' difference is refused as another tokenizer's."""
+    student_rows = vocab_size(student)
+    rows = {"student": student_rows} | {_role(name): signal_rows(source) for name, source in sources.items()}
+    for name, source in sources.items():
+        size = rows[_role(name)]
+        if isinstance(source, LocalTeacher) and None not in (size, student_rows) and size != student_rows:
+            _check_padded_only(plan.entries[name], tokenizer, student_rows, size, _role(name))
+    shared = shared_vocab_rows(tokenizer, rows)
+    if shared is None:
+        return None
+    limit_output_rows(student, shared)
+    for source in sources.values():
+        if isinstance(source, LocalTeacher):
+            limit_output_rows(source.model, shared)
+        elif isinstance(source, HiddenStateTeacher):
+            source.limit_rows(shared)
+    return shared
+
+
+def _check_padded_only(entry: TeacherEntry, tokenizer: Any, student_rows: Any, teacher_rows: Any, role: str) -> None:
+    from lightning_gkd.losses.cross_tokenizer_plan import names_same_tokenizer
+
+    same = names_same_tokenizer(entry, tokenizer)
+    if same:
+        return
+    why = (
+        "its tokenizer is another one"
+        if same is False
+        else "its tokenizer is not known to be the student's (the teacher spec names none and its folder holds no "
+        "tokenizer files)"
+    )
+    raise ValueError(
+        f"Student vocabulary size {student_rows} differs from the {role}'s {teacher_rows}, and {why}. Models padded "
+        "differently over one tokenizer distil over the rows they share once that is known: name the teacher's "
+        "tokenizer (Hydra: model.teacher.tokenizer=<folder or hub id>; Python: teacher={'kind': 'local', 'model': "
+        "..., 'tokenizer': ...}). With another tokenizer, cross_tokenizer=auto (the default) distils across "
+        "tokenizers; cross_tokenizer.enabled=always forces that loss."
+    )
