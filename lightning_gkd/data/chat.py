@@ -92,7 +92,7 @@ class ChatMLCollator:
         pad_id = self.tokenizer.pad_token_id
         full = [chat.ids for chat in chats]
         labels = [chat.labels() for chat in chats]
-        prompts = [chat.ids[: chat.num_prompt_tokens] for chat in chats]
+        prompts = [chat.prompt() for chat in chats]
         if self.first_turn_prompts:
             prompts = [
                 self.tokenizer(

@@ -4,6 +4,8 @@ the preference collator build their batches from it."""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
@@ -23,12 +25,19 @@ class TokenizedChat:
     """One conversation as token ids; ``ids[:num_prompt_tokens]`` is the prompt, the rest the completion.
 
     ``earlier_turns``: ``(start, end)`` token ranges inside the prompt that are trained on too: the earlier
-    assistant turns, with ``assistant_turns="all"``.
+    assistant turns, with ``assistant_turns="all"``. ``prompt_ids``: what a model is prompted with to write the
+    completion, when the chat template renders that prompt (with its generation prompt) otherwise than the start of
+    the conversation (None: ``ids[:num_prompt_tokens]``, the usual case).
     """
 
     ids: list[int]
     num_prompt_tokens: int
     earlier_turns: tuple[tuple[int, int], ...] = ()
+    prompt_ids: list[int] | None = None
+
+    def prompt(self) -> list[int]:
+        """The ids a sampler continues: ``prompt_ids``, else the conversation's prompt tokens."""
+        return list(self.prompt_ids) if self.prompt_ids is not None else self.ids[: self.num_prompt_tokens]
 
     def labels(self) -> list[int]:
         """The ids of the completion and of ``earlier_turns``, ``IGNORE_INDEX`` elsewhere."""
@@ -43,7 +52,8 @@ class TokenizedChat:
         if cut == 0:
             return self
         turns = tuple((max(start - cut, 0), end - cut) for start, end in self.earlier_turns if end > cut)
-        return TokenizedChat(self.ids[cut:], self.num_prompt_tokens - cut, turns)
+        prompt = None if self.prompt_ids is None else self.prompt_ids[min(cut, len(self.prompt_ids) - 1) :]
+        return TokenizedChat(self.ids[cut:], self.num_prompt_tokens - cut, turns, prompt)
 
 
 def render_chat(
@@ -77,8 +87,15 @@ def tokenize_chat(
 
     If the last message is the assistant's, it is the completion (its end-of-turn tokens included) and the prompt
     is the template of the earlier messages with the generation prompt added; otherwise the row is prompt-only.
-    The boundary is found on the text (the prompt text must prefix the full text) and mapped to tokens through
+    The boundary is found on the text (where the prompt text prefixes the full text) and mapped to tokens through
     offsets, so prompt + completion tokens are exactly the tokens of the full conversation.
+
+    A template whose prompt is not a prefix of the conversation (it moves the system prompt, rewrites earlier turns,
+    or opens the generation prompt with text the rendered turn lacks, as an empty reasoning block) is trained on its
+    own render of the whole conversation (``_non_prefix_chat``): the completion is the last assistant turn's
+    ``{% generation %}`` block where the template marks them, else everything from the start of that turn's content
+    (where two renders with different contents part) to the end; the template's render of the prompt is kept as
+    ``prompt_ids`` for sampling.
     ``assistant_turns="all"`` also marks every earlier assistant turn (``earlier_turns``), found the same way:
     from the render of the messages before it with the generation prompt to the render through it.
     ``tools``: the tool schemas the template renders (a tool-calling conversation; its tool messages are never
@@ -89,18 +106,23 @@ def tokenize_chat(
     prompt_messages = list(messages[:-1]) if has_completion else list(messages)
     prompt_text = render_chat(tokenizer, prompt_messages, add_generation_prompt=True, tools=tools)
     full_text = render_chat(tokenizer, messages, tools=tools) if has_completion else prompt_text
-    if not full_text.startswith(prompt_text):
-        raise ValueError(
-            "The chat template renders the prompt (with the generation prompt) differently from the "
-            "start of the full conversation, so the completion cannot be located. Use a chat "
-            f"template whose prompt is a prefix of the conversation. Prompt ends {prompt_text[-60:]!r}, "
-            f"conversation has {full_text[len(prompt_text) - 60 : len(prompt_text)]!r} there."
+    spans = None
+    if full_text.startswith(prompt_text) and assistant_turns == "all":
+        try:
+            spans = _earlier_turn_spans(tokenizer, messages, full_text, tools)
+        except ValueError:
+            if not (has_completion and has_generation_blocks(tokenizer)):  # else the template's masks locate them
+                raise
+    elif full_text.startswith(prompt_text):
+        spans = []
+    if spans is not None:
+        ids, (num_prompt, *ends) = _split_at_text_boundaries(
+            tokenizer, full_text, [len(prompt_text), *(end for span in spans for end in span)]
         )
-    spans = _earlier_turn_spans(tokenizer, messages, full_text, tools) if assistant_turns == "all" else []
-    ids, (num_prompt, *ends) = _split_at_text_boundaries(
-        tokenizer, full_text, [len(prompt_text), *(end for span in spans for end in span)]
-    )
-    chat = TokenizedChat(ids, num_prompt, tuple(zip(ends[::2], ends[1::2], strict=True)))
+        chat = TokenizedChat(ids, num_prompt, tuple(zip(ends[::2], ends[1::2], strict=True)))
+    else:
+        chat = _non_prefix_chat(tokenizer, messages, prompt_text, full_text, assistant_turns, tools)
+        ids, num_prompt = chat.ids, chat.num_prompt_tokens
     if len(ids) > max_length:
         num_completion = len(ids) - num_prompt
         if num_completion >= max_length:
@@ -110,6 +132,86 @@ def tokenize_chat(
             raise ValueError(prompt_cut(max_length, num_prompt, num_completion, prompt_start({"messages": messages})))
         chat = chat.keep_last(max_length)
     return chat
+
+
+#: Two contents for the last assistant turn that differ in their first character: two renders part where it starts.
+_SENTINELS = ("Xq7lightning", "Yq7lightning")
+
+
+def has_generation_blocks(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template marks assistant text with ``{% generation %}`` blocks (what
+    ``return_assistant_tokens_mask`` reads)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def _non_prefix_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, str]],
+    prompt_text: str,
+    full_text: str,
+    assistant_turns: AssistantTurns,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> TokenizedChat:
+    """A conversation ending in an assistant turn whose template does not render the prompt as a prefix of it.
+
+    With ``{% generation %}`` blocks: the template's own assistant-token mask (``return_assistant_tokens_mask``);
+    the last masked run is the completion (tokens rendered after it are dropped: generation stops at the turn's
+    end), earlier runs are the earlier turns (``assistant_turns="all"``). Otherwise the completion starts where the
+    last turn's content starts (the first character at which renders with two different contents differ) and runs
+    to the end of the render, its end-of-turn tokens included as in the prefix case; ``assistant_turns="all"`` then
+    cannot locate the earlier turns' ends and is refused. ``prompt_ids``: the tokens of ``prompt_text``."""
+    prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+    if has_generation_blocks(tokenizer):
+        encoded: Any = tokenizer.apply_chat_template(
+            [dict(message) for message in messages],
+            tools=[dict(tool) for tool in tools] if tools else None,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        ids, mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
+        runs = _runs(mask)
+        if not runs:
+            raise ValueError(
+                "The chat template has {% generation %} blocks but marks no token of the last assistant turn: put "
+                "the assistant content (and its end-of-turn text) inside {% generation %}...{% endgeneration %}."
+            )
+        start, end = runs[-1]
+        earlier = tuple(runs[:-1]) if assistant_turns == "all" else ()
+        return TokenizedChat(ids[:end], start, earlier, prompt_ids)
+    if assistant_turns == "all" and any(message["role"] == "assistant" for message in messages[:-1]):
+        raise ValueError(
+            "The chat template renders the prompt differently from the start of the conversation and has no "
+            "{% generation %} blocks, so the earlier assistant turns cannot be located for assistant_turns='all'. "
+            "Use assistant_turns='last' (Hydra: data.assistant_turns=last), or mark the assistant text with "
+            "{% generation %}...{% endgeneration %} in the template."
+        )
+    renders = [
+        render_chat(tokenizer, [*messages[:-1], {**messages[-1], "content": sentinel}], tools=tools)
+        for sentinel in _SENTINELS
+    ]
+    start = len(os.path.commonprefix(renders))
+    if renders[0][start : start + len(_SENTINELS[0])] != _SENTINELS[0] or not full_text.startswith(renders[0][:start]):
+        raise ValueError(
+            "The chat template renders the prompt differently from the start of the conversation, and the start of "
+            "the last assistant turn's content could not be located in its render (the template changes or moves "
+            "that content). Mark the assistant text with {% generation %}...{% endgeneration %} in the template, or "
+            "use a template whose prompt is a prefix of the conversation."
+        )
+    ids, (num_prompt,) = _split_at_text_boundaries(tokenizer, full_text, [start])
+    return TokenizedChat(ids, num_prompt, (), prompt_ids)
+
+
+def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of consecutive 1s in ``mask``."""
+    runs: list[tuple[int, int]] = []
+    for index, value in enumerate(mask):
+        if value and (not runs or runs[-1][1] != index):
+            runs.append((index, index + 1))
+        elif value:
+            runs[-1] = (runs[-1][0], index + 1)
+    return runs
 
 
 def _earlier_turn_spans(
@@ -132,8 +234,8 @@ def _earlier_turn_spans(
                 f"The chat template renders the conversation up to assistant message {turn} differently from the "
                 "start of the full conversation (e.g. it drops the reasoning of earlier turns), so that turn "
                 "cannot be located for assistant_turns='all'. Use assistant_turns='last' (Hydra: "
-                "data.assistant_turns=last), or a chat template that renders every prefix of a conversation as "
-                "the start of the whole."
+                "data.assistant_turns=last), a chat template that renders every prefix of a conversation as "
+                "the start of the whole, or one that marks the assistant text with {% generation %} blocks."
             )
         spans.append((len(start), len(through)))
     return spans

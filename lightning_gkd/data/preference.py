@@ -59,6 +59,12 @@ def tokenize_pair(tokenizer: PreTrainedTokenizerBase, row: Mapping[str, Any]) ->
         chosen = tokenize_chat(tokenizer, [*row["prompt"], *row["chosen"]], max_length=sys.maxsize)
         rejected = tokenize_chat(tokenizer, [*row["prompt"], *row["rejected"]], max_length=sys.maxsize)
         prompt = chosen.ids[: chosen.num_prompt_tokens]
+        if rejected.ids[: rejected.num_prompt_tokens] != prompt:  # only a template that renders the answer back
+            raise ValueError(
+                "The chat template renders the prompt's messages differently before the chosen and the rejected "
+                "answer, so the pair has no common prompt; use a template that renders earlier turns independently "
+                "of the last one."
+            )
         return TokenizedPair(prompt, chosen.ids[chosen.num_prompt_tokens :], rejected.ids[rejected.num_prompt_tokens :])
     if tokenizer.eos_token_id is None:
         raise ValueError(
