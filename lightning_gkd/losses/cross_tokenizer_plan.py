@@ -12,16 +12,21 @@ from typing import Any, Literal, get_args
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss
-from lightning_gkd.teachers.spec import TeacherEntry, TeacherPlan
+from lightning_gkd.teachers.spec import (
+    TeacherEntry,
+    TeacherPlan,
+    folder_tokenizer,
+    load_teacher_tokenizer,
+    named_tokenizer,
+    same_tokenizer,
+)
 
 Enabled = Literal["auto", "always", "never"]
 ENABLED: tuple[str, ...] = get_args(Enabled)
 #: ``cross_tokenizer`` keys read by the method (the rest are ``CrossTokenizerLoss``'s).
 _METHOD_KEYS = ("enabled", "teacher_max_length", "projection_cache")
 _LOSS_KEYS = tuple(f.name for f in fields(CrossTokenizerLoss))
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _OPTION = "cross_tokenizer"
 
 
@@ -129,52 +134,6 @@ def unread_cross_tokenizer_settings(value: Any, *, distillation_weight: float, c
 # --------------------------------------------------------------------------- before models load
 
 
-def _model_spec_tokenizer(entry: TeacherEntry) -> Any:
-    """The tokenizer a local teacher entry names: its ``tokenizer`` key, else its model spec's."""
-    if entry.settings.get("tokenizer"):
-        return entry.settings["tokenizer"]
-    model = entry.settings.get("model")
-    return model.get("tokenizer") if isinstance(model, Mapping) else None
-
-
-def _implicit_tokenizer_source(entry: TeacherEntry) -> str | None:
-    """The teacher model's own folder when it holds tokenizer files; None otherwise (a built module, a config, a
-    folder without a tokenizer, a hub id): the student's tokenizer is assumed, as before. A hub id's tokenizer is
-    not fetched unless named (``model.teacher.tokenizer=<hub id>``): a run never reaches the hub for it unasked,
-    and a differing vocabulary size still fails, naming that option."""
-    model = entry.settings.get("model")
-    name = model.get("name_or_path") if isinstance(model, Mapping) and not model.get("config") else model
-    if not isinstance(name, str | Path) or not str(name):
-        return None
-    folder = Path(name).expanduser()
-    if folder.is_dir() and any((folder / file).is_file() for file in _TOKENIZER_FILES):
-        return str(folder)
-    return None
-
-
-def _load(source: Any, entry: TeacherEntry | None = None) -> PreTrainedTokenizerBase:
-    """A tokenizer object as is; a folder or hub id loaded (with the teacher model spec's revision and
-    trust_remote_code)."""
-    if isinstance(source, PreTrainedTokenizerBase):
-        return source
-    model = entry.settings.get("model") if entry is not None else None
-    spec = model if isinstance(model, Mapping) else {}
-    revision = (spec.get("init_kwargs") or {}).get("revision")
-    return load_tokenizer(str(source), revision=revision, trust_remote_code=bool(spec.get("trust_remote_code")))
-
-
-def names_same_tokenizer(entry: TeacherEntry, tokenizer: PreTrainedTokenizerBase) -> bool | None:
-    """Whether a local teacher entry names a tokenizer (its spec's or its model spec's ``tokenizer``, or tokenizer
-    files in its folder) with ``tokenizer``'s vocabulary; None when it names none."""
-    source = _model_spec_tokenizer(entry) or _implicit_tokenizer_source(entry)
-    return None if source is None else same_tokenizer(tokenizer, _load(source, entry))
-
-
-def same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> bool:
-    """Whether two tokenizers share one vocabulary (the same token string at every id)."""
-    return student is teacher or student.get_vocab() == teacher.get_vocab()
-
-
 def plan_cross_tokenizer(
     plan: TeacherPlan,
     student_tokenizer: PreTrainedTokenizerBase,
@@ -201,8 +160,8 @@ def plan_cross_tokenizer(
     entry = entries[""]
     source = teacher_tokenizer
     if source is None:
-        source = _model_spec_tokenizer(entry) or _implicit_tokenizer_source(entry)
-    tokenizer = student_tokenizer if source is None else _load(source, entry)
+        source = named_tokenizer(entry) or folder_tokenizer(entry)
+    tokenizer = student_tokenizer if source is None else load_teacher_tokenizer(source, entry)
     if settings.enabled == "auto" and same_tokenizer(student_tokenizer, tokenizer):
         return None
     why = f"{_OPTION}.enabled=always"
@@ -245,14 +204,16 @@ def _check_no_cross_teacher(
     where = f"teacher.kind=multi (teachers: {kinds})" if plan.routed else f"teacher.kind={kinds}"
     named: list[tuple[str, Any]] = []
     for name, entry in plan.entries.items():  # a tokenizer an entry names, else a local teacher's own folder's
-        source = _model_spec_tokenizer(entry)
+        source = named_tokenizer(entry)
         if source is None and entry.kind == "local":
-            source = _implicit_tokenizer_source(entry)
+            source = folder_tokenizer(entry)
         if source is not None:
             named.append((name, source))
     if teacher_tokenizer is not None:
         named.append(("", teacher_tokenizer))
-    differing = [name for name, source in named if not same_tokenizer(student_tokenizer, _load(source))]
+    differing = [
+        name for name, source in named if not same_tokenizer(student_tokenizer, load_teacher_tokenizer(source))
+    ]
     if settings.enabled == "always" or differing:
         which = f" (teacher {differing[0]!r})" if differing and differing[0] else ""
         raise ValueError(
@@ -292,8 +253,12 @@ def check_cross_tokenizer_config(cfg: Any, datamodule: Any) -> None:
     kinds = {entry.kind for entry in plan.entries.values()}
     if not plan.routed and kinds & {"cache", "server"} and model_teacher is not None:
         entry = TeacherEntry("local", {"model": model_teacher})
-        tokenizer = _model_spec_tokenizer(entry) or _implicit_tokenizer_source(entry)
-        if tokenizer and Path(str(tokenizer)).is_dir() and not same_tokenizer(datamodule.tokenizer, _load(tokenizer)):
+        tokenizer = named_tokenizer(entry) or folder_tokenizer(entry)
+        if (
+            tokenizer
+            and Path(str(tokenizer)).is_dir()
+            and not same_tokenizer(datamodule.tokenizer, load_teacher_tokenizer(tokenizer))
+        ):
             raise ValueError(
                 f"model.teacher's tokenizer ({tokenizer}) differs from the student's tokenizer, but "
                 f"teacher.kind={kinds.pop()} gives its signal over the student's token ids. Cross-tokenizer "

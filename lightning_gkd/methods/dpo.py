@@ -133,8 +133,7 @@ class DPOModule(CausalLMModule):
         """The policy and the reference compare log-probs over the vocabulary rows both have (one tokenizer, padded
         differently: ``teachers.spec.share_vocabulary``); a reference of another row count must name the policy's
         tokenizer (tokenizer files in its folder)."""
-        from lightning_gkd.losses.cross_tokenizer_plan import names_same_tokenizer
-        from lightning_gkd.teachers.spec import TeacherEntry
+        from lightning_gkd.teachers.spec import TeacherEntry, names_same_tokenizer
 
         policy_rows, reference_rows = vocab_size(self.model), vocab_size(self.reference)
         if policy_rows == reference_rows or None in (policy_rows, reference_rows):

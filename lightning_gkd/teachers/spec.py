@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import ModelSource, limit_output_rows, shared_vocab_rows, vocab_size
 from lightning_gkd.teachers.base import SparseTeacher
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
@@ -263,8 +266,6 @@ def share_vocabulary(plan: TeacherPlan, sources: Mapping[str, Any], student: nn.
 
 
 def _check_padded_only(entry: TeacherEntry, tokenizer: Any, student_rows: Any, teacher_rows: Any, role: str) -> None:
-    from lightning_gkd.losses.cross_tokenizer_plan import names_same_tokenizer
-
     same = names_same_tokenizer(entry, tokenizer)
     if same:
         return
@@ -281,3 +282,54 @@ def _check_padded_only(entry: TeacherEntry, tokenizer: Any, student_rows: Any, t
         "..., 'tokenizer': ...}). With another tokenizer, cross_tokenizer=auto (the default) distils across "
         "tokenizers; cross_tokenizer.enabled=always forces that loss."
     )
+
+
+# --------------------------------------------------------------------------- a teacher's tokenizer
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def named_tokenizer(entry: TeacherEntry) -> Any:
+    """The tokenizer a local teacher entry names: its ``tokenizer`` key, else its model spec's."""
+    if entry.settings.get("tokenizer"):
+        return entry.settings["tokenizer"]
+    model = entry.settings.get("model")
+    return model.get("tokenizer") if isinstance(model, Mapping) else None
+
+
+def folder_tokenizer(entry: TeacherEntry) -> str | None:
+    """The teacher model's own folder when it holds tokenizer files; None otherwise (a built module, a config, a
+    folder without a tokenizer, a hub id): the student's tokenizer is assumed, as before. A hub id's tokenizer is
+    not fetched unless named (``model.teacher.tokenizer=<hub id>``): a run never reaches the hub for it unasked,
+    and a differing vocabulary size still fails, naming that option."""
+    model = entry.settings.get("model")
+    name = model.get("name_or_path") if isinstance(model, Mapping) and not model.get("config") else model
+    if not isinstance(name, str | Path) or not str(name):
+        return None
+    folder = Path(name).expanduser()
+    if folder.is_dir() and any((folder / file).is_file() for file in _TOKENIZER_FILES):
+        return str(folder)
+    return None
+
+
+def load_teacher_tokenizer(source: Any, entry: TeacherEntry | None = None) -> PreTrainedTokenizerBase:
+    """A tokenizer object as is; a folder or hub id loaded (with the teacher model spec's revision and
+    trust_remote_code)."""
+    if isinstance(source, PreTrainedTokenizerBase):
+        return source
+    model = entry.settings.get("model") if entry is not None else None
+    spec = model if isinstance(model, Mapping) else {}
+    revision = (spec.get("init_kwargs") or {}).get("revision")
+    return load_tokenizer(str(source), revision=revision, trust_remote_code=bool(spec.get("trust_remote_code")))
+
+
+def names_same_tokenizer(entry: TeacherEntry, tokenizer: PreTrainedTokenizerBase) -> bool | None:
+    """Whether a local teacher entry names a tokenizer (its spec's or its model spec's ``tokenizer``, or tokenizer
+    files in its folder) with ``tokenizer``'s vocabulary; None when it names none."""
+    source = named_tokenizer(entry) or folder_tokenizer(entry)
+    return None if source is None else same_tokenizer(tokenizer, load_teacher_tokenizer(source, entry))
+
+
+def same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> bool:
+    """Whether two tokenizers share one vocabulary (the same token string at every id)."""
+    return student is teacher or student.get_vocab() == teacher.get_vocab()
