@@ -30,14 +30,6 @@ SHARED = 264  # the tokenizer has 259 tokens
 PADDINGS = [(264, 272), (272, 264)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def padded_pair(tokenizer, student_rows: int, teacher_rows: int):
     """Padded models, and the same models truncated to the shared rows (the reference)."""
     student = pad_vocabulary(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), student_rows, seed=2, scale=3.0)
@@ -176,3 +168,24 @@ def test_a_teacher_folder_with_the_students_tokenizer_and_more_rows_distils_over
     data = batch(tokenizer)
     reference = gkd(copy.deepcopy(student), local(truncated_copy(teacher, SHARED), tokenizer), tokenizer, lmbda=0.0)
     torch.testing.assert_close(module.completion_loss(data).loss, reference.completion_loss(data).loss)
+
+
+def test_a_hub_teacher_with_more_rows_is_confirmed_by_its_hub_tokenizer(tokenizer, monkeypatch):
+    """Qwen/Qwen2.5-7B-Instruct as a hub id: its own tokenizer (fetched with the model's revision) confirms the
+    student's; one that cannot be fetched leaves the tokenizer unknown."""
+    from lightning_gkd.teachers.spec import TeacherEntry, names_same_tokenizer
+
+    asked = []
+
+    def fetch(name, revision=None, trust_remote_code=False):
+        asked.append((name, revision))
+        if name == "org/offline":
+            raise OSError("We couldn't connect to 'https://huggingface.co'")
+        return tokenizer
+
+    monkeypatch.setattr("lightning_gkd.teachers.spec.load_tokenizer", fetch)
+    spec = {"name_or_path": "Qwen/Qwen2.5-7B-Instruct", "init_kwargs": {"revision": "abc"}}
+    assert names_same_tokenizer(TeacherEntry("local", {"model": spec}), tokenizer) is True
+    assert names_same_tokenizer(TeacherEntry("local", {"model": "org/offline"}), tokenizer) is None
+    assert names_same_tokenizer(TeacherEntry("local", {"model": "./no/such/folder"}), tokenizer) is None
+    assert asked == [("Qwen/Qwen2.5-7B-Instruct", "abc"), ("org/offline", None)]

@@ -272,8 +272,8 @@ def _check_padded_only(entry: TeacherEntry, tokenizer: Any, student_rows: Any, t
     why = (
         "its tokenizer is another one"
         if same is False
-        else "its tokenizer is not known to be the student's (the teacher spec names none and its folder holds no "
-        "tokenizer files)"
+        else "its tokenizer is not known to be the student's (the teacher spec names none, its folder holds no "
+        "tokenizer files and no hub tokenizer of it could be read)"
     )
     raise ValueError(
         f"Student vocabulary size {student_rows} differs from the {role}'s {teacher_rows}, and {why}. Models padded "
@@ -324,10 +324,25 @@ def load_teacher_tokenizer(source: Any, entry: TeacherEntry | None = None) -> Pr
 
 
 def names_same_tokenizer(entry: TeacherEntry, tokenizer: PreTrainedTokenizerBase) -> bool | None:
-    """Whether a local teacher entry names a tokenizer (its spec's or its model spec's ``tokenizer``, or tokenizer
-    files in its folder) with ``tokenizer``'s vocabulary; None when it names none."""
+    """Whether a local teacher entry's tokenizer has ``tokenizer``'s vocabulary: the one its spec or model spec
+    names, else tokenizer files in its folder, else the tokenizer of its hub id (the model is loaded from the hub
+    anyway when this is asked; one that cannot be fetched counts as unknown). None when none is known."""
     source = named_tokenizer(entry) or folder_tokenizer(entry)
+    if source is None and (hub_id := _hub_model_id(entry)) is not None:
+        try:
+            return same_tokenizer(tokenizer, load_teacher_tokenizer(hub_id, entry))
+        except (OSError, ValueError):
+            return None
     return None if source is None else same_tokenizer(tokenizer, load_teacher_tokenizer(source, entry))
+
+
+def _hub_model_id(entry: TeacherEntry) -> str | None:
+    """The hub id a local teacher entry's model is loaded from (``org/name``, not a local path), else None."""
+    model = entry.settings.get("model")
+    name = model.get("name_or_path") if isinstance(model, Mapping) and not model.get("config") else model
+    if not isinstance(name, str) or not name or Path(name).expanduser().exists():
+        return None
+    return None if name.startswith((".", "/", "~")) or name.count("/") > 1 else name
 
 
 def same_tokenizer(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> bool:
