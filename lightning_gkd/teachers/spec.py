@@ -245,8 +245,9 @@ def share_vocabulary(plan: TeacherPlan, sources: Mapping[str, Any], student: nn.
     among them (``models.loading.shared_vocab_rows``): models padded differently past the tokenizer (Qwen2.5-7B
     and 0.5B) distil over the rows they share. The student, each in-process teacher and each hidden-state teacher's
     head are limited to ``V`` here, so every loss, sampler and figure reads the truncated models. A local teacher
-    with another row count must be known to use the student's tokenizer (its spec's ``tokenizer``, or tokenizer
-    files in its folder): otherwise the sizes' difference is refused as another tokenizer's."""
+    with another row count must be known to use the student's tokenizer (``names_same_tokenizer``: the one its spec
+    names, tokenizer files in its folder, or its hub id's): otherwise the difference is refused as another
+    tokenizer's."""
     student_rows = vocab_size(student)
     rows = {"student": student_rows} | {_role(name): signal_rows(source) for name, source in sources.items()}
     for name, source in sources.items():
@@ -299,9 +300,9 @@ def named_tokenizer(entry: TeacherEntry) -> Any:
 
 def folder_tokenizer(entry: TeacherEntry) -> str | None:
     """The teacher model's own folder when it holds tokenizer files; None otherwise (a built module, a config, a
-    folder without a tokenizer, a hub id): the student's tokenizer is assumed, as before. A hub id's tokenizer is
-    not fetched unless named (``model.teacher.tokenizer=<hub id>``): a run never reaches the hub for it unasked,
-    and a differing vocabulary size still fails, naming that option."""
+    folder without a tokenizer, a hub id): the student's tokenizer is assumed. A hub id's tokenizer is fetched
+    before models load only when named (``model.teacher.tokenizer=<hub id>``); after its model has loaded from the
+    hub, a differing vocabulary size fetches it to confirm (``names_same_tokenizer``)."""
     model = entry.settings.get("model")
     name = model.get("name_or_path") if isinstance(model, Mapping) and not model.get("config") else model
     if not isinstance(name, str | Path) or not str(name):
