@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 
 def _asset(name: str) -> str:
-    from lightning_gkd.models.tiny import asset_path
+    from lightning_gkd.toy.tiny import asset_path
 
     return asset_path(name)
 

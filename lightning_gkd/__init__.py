@@ -1,56 +1,52 @@
 """lightning_gkd: knowledge distillation and preference tuning for causal language models on PyTorch Lightning and
 Hydra.
 
-The public names below are imported on first use (PEP 562), so ``import lightning_gkd.ops.losses`` (the pure
-losses) does not import Lightning, datasets or the training stack.
+The public names are the imports of the ``TYPE_CHECKING`` block below, the one list of them: type checkers read it
+as written, and at run time each name is imported from its module on first use (PEP 562), so
+``import lightning_gkd.ops.losses`` (the pure losses) does not import Lightning, datasets or the training stack.
 """
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
-import importlib
-from typing import TYPE_CHECKING, Any
+if TYPE_CHECKING:  # `import X as X`: an explicit re-export, for type checkers and linters
+    from lightning_gkd.data.chat import ChatDataModule as ChatDataModule
+    from lightning_gkd.data.preference import PreferenceDataModule as PreferenceDataModule
+    from lightning_gkd.methods.dpo import DPOModule as DPOModule
+    from lightning_gkd.methods.gkd import GKDModule as GKDModule
+    from lightning_gkd.methods.opd import OPDModule as OPDModule
+    from lightning_gkd.methods.sft import SFTModule as SFTModule
+    from lightning_gkd.ops.losses import generalized_jsd_loss as generalized_jsd_loss
+    from lightning_gkd.ops.losses import preference_loss as preference_loss
 
-#: public name -> the module that defines it
-_PUBLIC = {
-    "ChatDataModule": "lightning_gkd.data.chat",
-    "PreferenceDataModule": "lightning_gkd.data.preference",
-    "GKDModule": "lightning_gkd.methods.gkd",
-    "OPDModule": "lightning_gkd.methods.opd",
-    "DPOModule": "lightning_gkd.methods.dpo",
-    "SFTModule": "lightning_gkd.methods.sft",
-    "generalized_jsd_loss": "lightning_gkd.ops.losses",
-    "preference_loss": "lightning_gkd.ops.losses",
-}
-__all__ = [
-    "ChatDataModule",
-    "DPOModule",
-    "GKDModule",
-    "OPDModule",
-    "PreferenceDataModule",
-    "SFTModule",
-    "generalized_jsd_loss",
-    "preference_loss",
-]
 __version__ = "0.1.0"
 
-if TYPE_CHECKING:
-    from lightning_gkd.data.chat import ChatDataModule
-    from lightning_gkd.data.preference import PreferenceDataModule
-    from lightning_gkd.methods.dpo import DPOModule
-    from lightning_gkd.methods.gkd import GKDModule
-    from lightning_gkd.methods.opd import OPDModule
-    from lightning_gkd.methods.sft import SFTModule
-    from lightning_gkd.ops.losses import generalized_jsd_loss, preference_loss
+
+def _public_names() -> dict[str, str]:
+    """public name -> its module, read from the ``TYPE_CHECKING`` imports of this file."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    return {
+        alias.name: str(node.module) for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
 
 
-def __getattr__(name: str) -> Any:
+_PUBLIC = _public_names()
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> object:
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'lightning_gkd' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+    return list(__all__)

@@ -154,7 +154,7 @@ def job_steps(shape: str, repeats: int, threads: int) -> dict:
 
     from lightning_gkd.data.tokenizer import load_tokenizer
     from lightning_gkd.models.loading import load_causal_lm
-    from lightning_gkd.models.tiny import TOY_STUDENT, TOY_TEACHER, asset_path, tiny_causal_lm
+    from lightning_gkd.toy.tiny import TOY_STUDENT, TOY_TEACHER, asset_path, tiny_causal_lm
 
     torch.manual_seed(0)
     student_tokenizer = load_tokenizer(asset_path("toy/student_init"))
@@ -200,7 +200,7 @@ def job_memory(tokenizers: str, cache: str) -> dict:
     import torch
 
     from lightning_gkd.data.tokenizer import load_tokenizer
-    from lightning_gkd.models.tiny import TOY_STUDENT, TOY_TEACHER, tiny_causal_lm
+    from lightning_gkd.toy.tiny import TOY_STUDENT, TOY_TEACHER, tiny_causal_lm
 
     torch.manual_seed(0)
     student_tokenizer = load_tokenizer(Path(tokenizers) / "student")

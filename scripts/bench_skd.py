@@ -26,10 +26,10 @@ import torch
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy.tasks import toy_task
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.samplers import KVCacheSampler, SpeculativeKDSampler
+from lightning_gkd.toy.tasks import toy_task
+from lightning_gkd.toy.tiny import asset_path
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -36,7 +36,7 @@ from reproduce_gkd import METHODS, Method, task_rows, train_one  # noqa: E402
 import lightning_gkd.losses.cross_tokenizer as cross_step  # noqa: E402
 import lightning_gkd.teachers.local as local_teacher  # noqa: E402
 from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.models.tiny import asset_path  # noqa: E402
+from lightning_gkd.toy.tiny import asset_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SFT = next(m for m in METHODS if m.name == "SFT")

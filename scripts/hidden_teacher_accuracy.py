@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce_gkd import CHAIN_METHODS, train_one  # noqa: E402
 
 from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.data.toy.tasks import toy_task  # noqa: E402
-from lightning_gkd.models.tiny import asset_path  # noqa: E402
 from lightning_gkd.teachers.hidden_server import POOLER_CONFIG  # noqa: E402
+from lightning_gkd.toy.tasks import toy_task  # noqa: E402
+from lightning_gkd.toy.tiny import asset_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = toy_task("chain")

@@ -35,10 +35,10 @@ from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import TOY_TEACHER, asset_path, tiny_causal_lm
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TOY_TEACHER, asset_path, tiny_causal_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_toy_teacher import sft  # noqa: E402

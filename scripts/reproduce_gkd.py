@@ -7,7 +7,7 @@ use the chosen rate. Reports held-out (test) accuracy, mean ± std over seeds.
 
 ``--task addition`` (default): 3-digit reversed addition; writes docs/results.json and docs/gkd_accuracy.png.
 ``--task chain``: four-number sums written step by step in one of two valid orders (20-50 answer tokens), the task
-built for on-policy distillation (``lightning_gkd.data.toy.chain``). It adds OPD, greedy and temperature-1 test
+built for on-policy distillation (``lightning_gkd.toy.chain``). It adds OPD, greedy and temperature-1 test
 accuracy, curves against optimizer steps and against compute (estimated FLOPs of sampling, teacher scoring and
 training; training wall time including sampling), per-position error rates, and a low-data arm (a fraction of the
 training rows, at each method's chosen rate); writes docs/results_chain.json and docs/chain_*.png. Both tasks'
@@ -44,14 +44,14 @@ from lightning_gkd import ChatDataModule, GKDModule, OPDModule, SFTModule
 from lightning_gkd.callbacks import LengthGuard
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy.chain import first_error_position, operand_order, prompt_operands, valid_completions
-from lightning_gkd.data.toy.tasks import TOY_TASKS, ToyTask, toy_task
 from lightning_gkd.evaluation import decode_until_eos, evaluate_generations, gap_closed
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.ops.sampling import generate_completions
 from lightning_gkd.samplers import SpeculativeKDSampler
+from lightning_gkd.toy.chain import first_error_position, operand_order, prompt_operands, valid_completions
+from lightning_gkd.toy.tasks import TOY_TASKS, ToyTask, toy_task
+from lightning_gkd.toy.tiny import asset_path
 
 REPO = Path(__file__).resolve().parents[1]
 ADDITION = TOY_TASKS["addition"]
@@ -605,7 +605,7 @@ def write_report(
         "",
         f"- Command: `{command}`",
         f"- Machine: {machine}; total {seconds / 60:.1f} min",
-        "- Task: `lightning_gkd.data.toy.addition_rows` — 3-digit addition, every number written units digit "
+        "- Task: `lightning_gkd.toy.addition_rows` — 3-digit addition, every number written units digit "
         "first; exact match of the greedy answer on the 512-prompt test split.",
         f"- Teacher: 4x128 Qwen2 (`assets/toy/teacher`), test accuracy **{teacher_acc:.3f}**. Student start: 2x64 "
         f"Qwen2 after a brief SFT (`assets/toy/student_init`), test accuracy **{start_acc:.3f}**.",
@@ -1085,7 +1085,7 @@ def chain_lines(saved: dict[str, Any], table: list[dict[str, Any]]) -> list[str]
         "",
         f"- Command: `{saved['command']}`",
         f"- Machine: {saved['machine']}; total {saved['seconds'] / 60:.1f} min",
-        f"- Task: `lightning_gkd.data.toy.chain_rows` — {toy_task('chain').description}. One wrong digit in a partial "
+        f"- Task: `lightning_gkd.toy.chain_rows` — {toy_task('chain').description}. One wrong digit in a partial "
         "sum is copied into every later step. Score: the final sum after the last `=` (`final_answer_match`), on the "
         f"{len(start['greedy']['first_errors'])}-prompt test split, greedy and at temperature 1 (one sample each).",
         f"- Teacher: 4x128 Qwen2 (`assets/toy_chain/teacher`), test accuracy **{teacher['greedy']['accuracy']:.3f}** "

@@ -1,5 +1,5 @@
 """On-policy distillation with tools against supervised distillation on tool transcripts, on the toy agentic task
-(``lightning_gkd.data.toy.tools``: two lookups and an addition through tools, then the answer).
+(``lightning_gkd.toy.tools``: two lookups and an addition through tools, then the answer).
 
 Every method starts from the shipped student (assets/toy_tools/student_init) and distils the shipped teacher
 (assets/toy_tools/teacher) with the same steps and batch size:
@@ -40,7 +40,11 @@ from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule, SFTModule
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy.tools import (
+from lightning_gkd.models.loading import load_causal_lm
+from lightning_gkd.rollouts.evaluate import rollout_rows
+from lightning_gkd.samplers import SpeculativeKDSampler
+from lightning_gkd.toy.tiny import asset_path
+from lightning_gkd.toy.tools import (
     MAX_NEW_TOKENS,
     MAX_TOOL_CALLING_ITERATIONS,
     MAX_TRANSCRIPT_TOKENS,
@@ -50,10 +54,6 @@ from lightning_gkd.data.toy.tools import (
     task_rollout,
     tool_rows,
 )
-from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import asset_path
-from lightning_gkd.rollouts.evaluate import rollout_rows
-from lightning_gkd.samplers import SpeculativeKDSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce_gkd import update_results_section  # noqa: E402  (the shared results page)
@@ -234,7 +234,7 @@ def report_lines(saved: dict[str, Any]) -> list[str]:
     lines = [
         "## Agentic task with tools",
         "",
-        "`python scripts/reproduce_tools.py` (`lightning_gkd.data.toy.tools`): the answer is the sum of two of a row's "
+        "`python scripts/reproduce_tools.py` (`lightning_gkd.toy.tools`): the answer is the sum of two of a row's "
         "facts, which only the `lookup` tool can read; `add` adds; a correct transcript makes three calls, then "
         "answers. Every method starts from the same student and distils the same teacher, "
         f"{setup['steps']} steps of {setup['batch_size']} rows, learning rate chosen per method on seed 0 from "

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reproduce_gkd import METHODS, train_one  # noqa: E402
 
 from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.data.toy import addition_rows  # noqa: E402
-from lightning_gkd.models.tiny import asset_path  # noqa: E402
 from lightning_gkd.teachers.cache_build import build_teacher_cache  # noqa: E402
+from lightning_gkd.toy import addition_rows  # noqa: E402
+from lightning_gkd.toy.tiny import asset_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SUPERVISED_KD = next(m for m in METHODS if m.name == "Supervised KD")

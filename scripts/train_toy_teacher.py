@@ -33,11 +33,11 @@ from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer, load_tokenizer
-from lightning_gkd.data.toy.tasks import TOY_TASKS, ToyTask, toy_task
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import tiny_causal_lm
 from lightning_gkd.ops.aligned_row_loss import matched_vocabulary
+from lightning_gkd.toy.tasks import TOY_TASKS, ToyTask, toy_task
+from lightning_gkd.toy.tiny import tiny_causal_lm
 
 ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets"
 # BPE merges of the shipped toy_bpe teacher's tokenizer: "user", "assistant" (11 merges) and the 29 most frequent
@@ -270,7 +270,7 @@ def main() -> int:
         teacher.export(args.out / "teacher")
     student.export(args.out / "student_init")
     manifest = {
-        "task": f"lightning_gkd.data.toy.tasks.TOY_TASKS[{task.name!r}] ({task.description})",
+        "task": f"lightning_gkd.toy.tasks.TOY_TASKS[{task.name!r}] ({task.description})",
         "teacher": {
             "config": task.teacher_config,
             "initialised_from": str(args.teacher_init) if args.teacher_init else "random",
@@ -335,7 +335,7 @@ def train_bpe_teacher(args: argparse.Namespace, task: ToyTask) -> int:
     shipped = load_tokenizer(out / "teacher")
     student_tokenizer = load_tokenizer(ASSETS / task.assets / "student_init")
     manifest = {
-        "task": f"lightning_gkd.data.toy.tasks.TOY_TASKS[{task.name!r}] ({task.description})",
+        "task": f"lightning_gkd.toy.tasks.TOY_TASKS[{task.name!r}] ({task.description})",
         "tokenizer": {
             "builder": "lightning_gkd.data.tokenizer.build_chatml_bpe_tokenizer (byte-level BPE, ChatML specials)",
             "corpus": f"the ChatML chat text of the task's {len(task.rows('train'))} training rows",

@@ -24,11 +24,11 @@ from transformers import get_cosine_schedule_with_warmup
 
 from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer, load_tokenizer
-from lightning_gkd.data.toy.tools import MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS, TOOLS, task_rollout, tool_rows
 from lightning_gkd.evaluation.metrics import exact_match
-from lightning_gkd.models.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
 from lightning_gkd.rollouts import build_environment
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+from lightning_gkd.toy.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
+from lightning_gkd.toy.tools import MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS, TOOLS, task_rollout, tool_rows
 
 ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets" / "toy_tools"
 MAX_LENGTH = MAX_TRANSCRIPT_TOKENS
@@ -194,7 +194,7 @@ def main() -> int:
     teacher.export(args.out / "teacher")
     student.export(args.out / "student_init")
     manifest = {
-        "task": "lightning_gkd.data.toy.tools (sum of two of a row's facts, read with lookup and added with add: "
+        "task": "lightning_gkd.toy.tools (sum of two of a row's facts, read with lookup and added with add: "
         "three tool calls, then the answer; success = the last assistant message is the sum)",
         "tokenizer": {
             "builder": "lightning_gkd.data.tokenizer.build_chatml_bpe_tokenizer on the training transcripts, plus "

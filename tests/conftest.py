@@ -16,8 +16,8 @@ import torch
 from helpers.hydra_compose import compose_train
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 # One intra-op thread for the tests run in this process, unless OMP_NUM_THREADS says otherwise (as the DDP, FSDP and
 # cache workers and several test modules already do): while other processes hold the cores (a shared machine, the

@@ -14,10 +14,10 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 
 def fit(module, tokenizer, rows, tmp_path, held_out, max_steps):

@@ -26,10 +26,10 @@ import lightning_gkd.methods.base as base
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule, SFTModule
 from lightning_gkd.callbacks import LengthGuard
 from lightning_gkd.cli.train import run
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.evaluation.metrics import CompletionLengths
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.training.checkpoint_io import SafeCheckpointIO
 
 FIGURES = ("val/length/student", "val/length/teacher", "val/eos_rate/student", "val/eos_rate/teacher")

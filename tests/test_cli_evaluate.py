@@ -14,7 +14,7 @@ import torch
 from helpers.hydra_compose import compose_train
 
 from lightning_gkd.cli.evaluate import run
-from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.toy.tiny import asset_path
 from lightning_gkd.training.checkpoint_io import CheckpointError
 
 ROWS = ["+data.val_data.num_rows=8", "+data.test_data.num_rows=32"]  # the rows of conftest.DEBUG_RUN

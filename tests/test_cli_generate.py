@@ -13,10 +13,10 @@ import pytest
 
 from lightning_gkd.cli.generate import add_system_prompt, main, parse_prompts
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.evaluation.metrics import evaluate_generations, exact_match
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 TEACHER = asset_path("toy/teacher")
 ROWS = addition_rows("test", 8)
@@ -158,8 +158,8 @@ def test_the_console_script_reads_stdin():
 
 
 def test_with_tools_each_prompt_is_rolled_out_and_its_transcript_written(tmp_path):
-    from lightning_gkd.data.toy import tool_rows
-    from lightning_gkd.data.toy.tools import TOOLS
+    from lightning_gkd.toy import tool_rows
+    from lightning_gkd.toy.tools import TOOLS
 
     rows = tool_rows("test", 8)
     prompts = tmp_path / "agent.jsonl"

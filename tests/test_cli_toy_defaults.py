@@ -9,7 +9,7 @@ from hydra.utils import get_object
 from test_cli_train import FAST
 
 from lightning_gkd.cli.toy_defaults import is_toy_model, toy_defaults_for_real_model
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, asset_path, tiny_causal_lm
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, asset_path, tiny_causal_lm
 
 
 @pytest.fixture()

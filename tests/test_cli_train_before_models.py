@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.cli.train import build
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
+from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 
 
 @pytest.fixture()

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.cli.train import build, run
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.losses.cross_tokenizer import CrossTokenizerDistillation
-from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_TEACHER, tiny_causal_lm
 
 FAST = [
     "trainer.max_steps=2",

@@ -17,7 +17,7 @@ import torch
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule, SFTModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer, load_tokenizer
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import TINY_STUDENT
+from lightning_gkd.toy.tiny import TINY_STUDENT
 from lightning_gkd.training.checkpoint_io import CheckpointError, SafeCheckpointIO
 
 GOOD = {"messages": [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]}

@@ -105,7 +105,7 @@ def test_experiment_toy_chain_trains_opd_on_the_chain_task_scored_by_its_final_s
     cfg = compose_train(
         tmp_path, ["experiment=toy_chain", *overrides, "trainer.max_steps=2", "trainer.val_check_interval=2"]
     )
-    assert cfg.data.train_data._target_ == "lightning_gkd.data.toy.chain_rows"
+    assert cfg.data.train_data._target_ == "lightning_gkd.toy.chain_rows"
     assert cfg.model.student.name_or_path.endswith("toy_chain/student_init")
     assert cfg.method.max_new_tokens == 40 and cfg.method.metrics.accuracy._target_.endswith("final_answer_match")
     result = run(cfg)

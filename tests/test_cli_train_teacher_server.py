@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.cli.train import main, run
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.models.tiny import asset_path
+from lightning_gkd.toy.tiny import asset_path
 
 SERVERS: list[FakeVLLMServer] = []  # the module's server, for the callback Hydra builds from its name
 

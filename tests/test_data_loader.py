@@ -22,7 +22,7 @@ from lightning_gkd.data.loader import (
     select_rows,
 )
 from lightning_gkd.data.rows import RowDataset
-from lightning_gkd.data.toy import addition_rows
+from lightning_gkd.toy import addition_rows
 
 
 def make_module(student, teacher, tokenizer, **kwargs):
@@ -160,7 +160,7 @@ def _run(student, teacher, tokenizer, tmp_path, *, max_steps, ckpt_path=None, ev
 
 
 def test_resume_mid_group_and_mid_epoch_repeats_the_uninterrupted_run_exactly(tokenizer, tmp_path):
-    from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+    from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
     def models():
         return tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1)

@@ -11,8 +11,8 @@ import torch
 from lightning_gkd import PreferenceDataModule
 from lightning_gkd.data.preference import PreferenceCollator
 from lightning_gkd.data.preference_validation import validate_preference_rows
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.data.toy.preference import addition_preference_rows
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.preference import addition_preference_rows
 
 CONVERSATIONAL = {
     "prompt": [{"role": "user", "content": "2+2="}],

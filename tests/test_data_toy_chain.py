@@ -1,8 +1,8 @@
-"""lightning_gkd.data.toy.chain: the step-by-step chain-of-additions task, its metric and its error positions."""
+"""lightning_gkd.toy.chain: the step-by-step chain-of-additions task, its metric and its error positions."""
 
 import pytest
 
-from lightning_gkd.data.toy.chain import (
+from lightning_gkd.toy.chain import (
     chain_row,
     chain_rows,
     chain_steps,
@@ -13,7 +13,7 @@ from lightning_gkd.data.toy.chain import (
     prompt_operands,
     valid_completions,
 )
-from lightning_gkd.data.toy.tasks import TOY_TASKS, toy_task
+from lightning_gkd.toy.tasks import TOY_TASKS, toy_task
 
 
 def digits_first(text: str) -> int:

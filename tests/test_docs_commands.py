@@ -56,6 +56,7 @@ NEEDS = {
     "several processes",
     "your data",
     "earlier run",
+    "published release",
 }
 # entry point -> the config it composes (None: not a Hydra command)
 ENTRY_POINTS = {

@@ -15,7 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_object
 from omegaconf import OmegaConf
 
-from lightning_gkd.models.tiny import write_tiny_models
+from lightning_gkd.toy.tiny import write_tiny_models
 
 DOC = Path(__file__).parents[1] / "docs" / "customization.md"
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)

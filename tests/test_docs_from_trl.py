@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from lightning_gkd import GKDModule
-from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
+from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 
 ROOT = Path(__file__).parents[1]
 TRL_ARGUMENTS = [

@@ -9,13 +9,13 @@ import torch
 from helpers.sample_figures import reference_figures
 
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.losses import STUDENT_SAMPLES, LeanPath, Logged, LossOutput, combine
 from lightning_gkd.losses.dense import DenseDistillation
 from lightning_gkd.losses.opd import DensePolicyGradient, TopKPolicyGradient
 from lightning_gkd.losses.sparse import SampledDistillation, TopKDistillation
 from lightning_gkd.ops.hf import LeanForwardUnsupported, causal_lm_logits
 from lightning_gkd.teachers import LocalTeacher, next_tokens, supervised_positions
+from lightning_gkd.toy import addition_rows
 
 
 def test_combine_is_the_count_weighted_mean_and_merges_logs_by_their_reductions():

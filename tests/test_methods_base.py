@@ -13,8 +13,8 @@ from helpers.gradient_probe import GradientsAtBatchStart, StepAsLightningDoes
 from helpers.launch import clean_env
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
-from lightning_gkd.data.toy.preference import addition_preference_rows
 from lightning_gkd.methods.base import check_data_format
+from lightning_gkd.toy.preference import addition_preference_rows
 
 
 def _trainer(tmp_path, max_steps=1, **kwargs):
@@ -82,7 +82,7 @@ def test_gradients_are_freed_after_each_step_and_training_is_unchanged(tmp_path,
     Lightning's own step, bit for bit."""
     import torch
 
-    from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+    from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
     runs = {}
     for reference in (False, True):

@@ -10,8 +10,8 @@ import torch
 from helpers.hydra_compose import compose_train
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
-from lightning_gkd.data.toy import addition_preference_rows, addition_rows
 from lightning_gkd.models import precision as precision_module
+from lightning_gkd.toy import addition_preference_rows, addition_rows
 
 
 @pytest.fixture()

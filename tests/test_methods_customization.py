@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from lightning_gkd import DPOModule, PreferenceDataModule
 from lightning_gkd.cli.train import run
-from lightning_gkd.data.toy.preference import addition_preference_rows
 from lightning_gkd.models.loading import load_causal_lm, quantization_config_from_dict
+from lightning_gkd.toy.preference import addition_preference_rows
 
 FAST = [
     "trainer.max_steps=4",

@@ -15,9 +15,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, DPOModule, PreferenceDataModule, preference_loss
 from lightning_gkd.data.preference import PreferenceCollator
-from lightning_gkd.data.toy.preference import addition_preference_rows
 from lightning_gkd.methods import dpo as dpo_module
 from lightning_gkd.ops.losses import sequence_logps
+from lightning_gkd.toy.preference import addition_preference_rows
 
 STATS = [
     "loss",
@@ -332,7 +332,7 @@ def test_a_reference_padded_to_more_rows_compares_log_probs_over_the_shared_rows
     from helpers.padded_vocab import pad_vocabulary, truncated_copy
 
     from lightning_gkd.models.loading import vocab_size
-    from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
+    from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 
     policy = pad_vocabulary(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), 264, seed=2, scale=3.0)
     reference = pad_vocabulary(tiny_causal_lm(TINY_STUDENT, tokenizer, seed=5), 272, seed=3, scale=3.0)

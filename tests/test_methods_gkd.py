@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import TINY_STUDENT
+from lightning_gkd.toy.tiny import TINY_STUDENT
 
 
 def make_module(student, teacher, tokenizer, **kwargs):
@@ -211,9 +211,9 @@ def test_on_policy_steps_log_the_figures_of_the_students_samples(tokenizer, toy_
     from helpers.sample_figures import reference_figures
 
     from lightning_gkd.losses import STUDENT_SAMPLES
-    from lightning_gkd.models.tiny import asset_path
     from lightning_gkd.ops.hf import causal_lm_logits
     from lightning_gkd.teachers import next_tokens, supervised_positions
+    from lightning_gkd.toy.tiny import asset_path
 
     student, teacher = load_causal_lm(asset_path("toy/student_init")), load_causal_lm(asset_path("toy/teacher"))
     module = make_module(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=8, frozen_dtype="float32")

@@ -26,15 +26,15 @@ from lightning_gkd import ChatDataModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.loader import select_rows, shuffled_micro_batches
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.losses.opd import eos_rate
-from lightning_gkd.models.tiny import TINY_STUDENT, asset_path, tiny_causal_lm
 from lightning_gkd.ops.hf import final_hidden_states, output_head
 from lightning_gkd.ops.opd import policy_gradient_distillation_loss
 from lightning_gkd.ops.sparse_kd import sampled_kl_loss
 from lightning_gkd.samplers import KVCacheSampler
 from lightning_gkd.teachers import CacheTeacher, LocalTeacher, supervised_positions
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, asset_path, tiny_causal_lm
 
 #: exact float32 sampling: the sampler's log-probs then match the training forward's to ~1e-6 (w = 1 on fresh samples)
 EXACT_SAMPLER = partial(KVCacheSampler, matmul_precision="highest")

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.data.toy import addition_row, addition_rows
 from lightning_gkd.evaluation import decode_until_eos, evaluate_generations, exact_match, reference_texts
+from lightning_gkd.toy import addition_row, addition_rows
 
 
 def test_toy_rows_are_reversed_sums_with_disjoint_fixed_splits():

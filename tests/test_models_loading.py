@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.models.loading import freeze, load_causal_lm, resolve_dtype, shared_vocab_rows
-from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
+from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 
 
 def test_module_is_returned_as_is(student):

@@ -20,9 +20,9 @@ from torch import nn
 
 from lightning_gkd import GKDModule
 from lightning_gkd.models.tied_embedding import RowsGradientEmbedding, sparse_tied_embedding_gradient
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.hf import hidden_states_and_head, position_ids_from_mask
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 VOCAB = 96
 WORKER = Path(__file__).parent / "helpers" / "tied_embedding_worker.py"

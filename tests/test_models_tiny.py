@@ -6,11 +6,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer, load_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.data.toy.tasks import toy_task
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import PACKAGE_ASSETS, asset_path
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tasks import toy_task
+from lightning_gkd.toy.tiny import PACKAGE_ASSETS, asset_path
 
 
 @pytest.mark.parametrize("assets", ["toy", "toy_chain"])
@@ -95,10 +95,10 @@ def test_bpe_teacher_answers_held_out_prompts():
 def test_the_agentic_task_assets_act_with_their_tools():
     """assets/toy_tools: the teacher succeeds with the tools on held-out rows, the student start mostly fails, and the
     shipped tokenizer's template renders the tools and keeps the call markers as single tokens."""
-    from lightning_gkd.data.toy import tool_rows
-    from lightning_gkd.data.toy.tools import MAX_NEW_TOKENS, task_rollout
     from lightning_gkd.evaluation import exact_match
     from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+    from lightning_gkd.toy import tool_rows
+    from lightning_gkd.toy.tools import MAX_NEW_TOKENS, task_rollout
 
     manifest = json.loads((PACKAGE_ASSETS / "toy_tools" / "manifest.json").read_text())
     assert manifest["teacher"]["test_success"] >= 0.95 and manifest["student_init"]["test_success"] <= 0.3

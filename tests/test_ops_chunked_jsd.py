@@ -9,10 +9,10 @@ from helpers.sample_figures import reference_figures
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gkd import ChatDataModule, GKDModule
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.ops import chunked_jsd
 from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.toy import addition_rows
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])

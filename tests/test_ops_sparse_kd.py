@@ -13,13 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import asset_path, tiny_causal_lm
 from lightning_gkd.ops.hf import LogitHead, final_hidden_states, output_head
 from lightning_gkd.ops.losses import generalized_jsd_loss
 from lightning_gkd.ops.sparse_kd import sampled_kl_loss, topk_distillation_loss
 from lightning_gkd.ops.topk import topk_log_probs
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path, tiny_causal_lm
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 N, H, V = 13, 6, 17

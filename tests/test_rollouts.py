@@ -14,9 +14,7 @@ from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.chat_tokens import tokenize_chat
 from lightning_gkd.data.tokenizer import CHATML_TEMPLATE, TOOLS_CHATML_TEMPLATE, build_chatml_tokenizer
-from lightning_gkd.data.toy.tools import TOOLS, tool_call, tool_rows
 from lightning_gkd.methods.on_policy import refuse_rollouts_with
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.ops.losses import IGNORE_INDEX
 from lightning_gkd.rollouts import (
     HermesToolCallParser,
@@ -28,6 +26,8 @@ from lightning_gkd.rollouts import (
 )
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 from lightning_gkd.samplers import KVCacheSampler
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy.tools import TOOLS, tool_call, tool_rows
 from tests.helpers.scripted_sampler import ScriptedSampler
 
 
@@ -469,7 +469,7 @@ def test_a_resume_in_the_middle_of_a_group_of_transcripts_repeats_the_uninterrup
 
 
 def test_the_toy_task_names_where_a_transcript_went_wrong():
-    from lightning_gkd.data.toy.tools import failure_kind
+    from lightning_gkd.toy.tools import failure_kind
 
     row = tool_rows("test", 1)[0]
     reference = row["messages"]

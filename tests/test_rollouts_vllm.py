@@ -27,11 +27,11 @@ from helpers.vllm_models import VLLM_TINY, in_process_vllm
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_tokenizer
-from lightning_gkd.data.toy.tools import TOOLS, tool_rows
-from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.rollouts import MultiTurnRollout, build_environment
 from lightning_gkd.rollouts.evaluate import greedy_engine_turn, greedy_turn, rollout_rows
 from lightning_gkd.samplers import VLLMSampler
+from lightning_gkd.toy.tiny import TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy.tools import TOOLS, tool_rows
 
 if os.environ.get("LIGHTNING_GKD_REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing vLLM is a failure
     import vllm  # noqa: F401

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer, load_tokenizer
-from lightning_gkd.data.toy.tasks import toy_task
-from lightning_gkd.models.tiny import PACKAGE_ASSETS, asset_path
+from lightning_gkd.toy.tasks import toy_task
+from lightning_gkd.toy.tiny import PACKAGE_ASSETS, asset_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,9 +29,7 @@ import lightning_gkd.teachers.cache_build as cache_build
 from lightning_gkd import ChatDataModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.loading import load_frozen_causal_lm
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.teachers import LocalTeacher, SparseTeacher, Teacher, supervised_positions
 from lightning_gkd.teachers.cache import (
     CacheMiss,
@@ -43,6 +41,8 @@ from lightning_gkd.teachers.cache import (
 )
 from lightning_gkd.teachers.cache_build import build_teacher_cache, build_teacher_cache_report, check_cache_folder
 from lightning_gkd.teachers.spec import teacher_plan
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 TESTS = Path(__file__).parent
 TEACHER = asset_path("toy/teacher")
@@ -457,7 +457,7 @@ def test_dense_loss_from_the_hidden_cache_equals_the_live_teachers(hidden_built,
     the in-process teacher up to the float16 storage."""
     from lightning_gkd.losses.base import LeanPath
     from lightning_gkd.losses.dense import DenseDistillation
-    from lightning_gkd.models.tiny import TOY_STUDENT, tiny_causal_lm
+    from lightning_gkd.toy.tiny import TOY_STUDENT, tiny_causal_lm
 
     student = tiny_causal_lm(TOY_STUDENT, tokenizer, seed=0)
     batch = ChatMLCollator(tokenizer, max_length=MAX_LENGTH)(rows[8:40])

@@ -18,11 +18,11 @@ from helpers.vllm_server import vllm_server
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.losses.dense import DenseDistillation
-from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.hidden_server import POOLER_CONFIG, HiddenServerTeacher
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 
 if os.environ.get("LIGHTNING_GKD_REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing vLLM is a failure
     import vllm  # noqa: F401

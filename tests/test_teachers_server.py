@@ -15,12 +15,12 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.sampling import generate_completions, sampling_logits
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.http import TeacherRequestError
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 FAST = {"retries": 3, "backoff": 0.01, "timeout": 10.0}
 

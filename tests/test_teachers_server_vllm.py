@@ -22,11 +22,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.sampling import generate_completions, sampling_logits
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 if os.environ.get("LIGHTNING_GKD_REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing vLLM is a failure
     import vllm  # noqa: F401
@@ -238,7 +238,7 @@ def test_opd_against_the_servers_sampled_token_log_prob_alone_equals_opd_against
 def test_a_student_with_another_vocabulary_is_refused_before_training(served, toy):
     from lightning_gkd import GKDModule
     from lightning_gkd.models.loading import load_causal_lm
-    from lightning_gkd.models.tiny import TINY_STUDENT
+    from lightning_gkd.toy.tiny import TINY_STUDENT
 
     url, _ = served
     bigger = load_causal_lm({"config": {**TINY_STUDENT, "vocab_size": 300}})

@@ -16,13 +16,13 @@ from helpers.padded_vocab import pad_vocabulary, truncated_copy
 
 from lightning_gkd import GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.loading import vocab_size
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.ops.hf import SharedRangeHead
 from lightning_gkd.samplers import KVCacheSampler
 from lightning_gkd.teachers.cache import HiddenCacheTeacher
 from lightning_gkd.teachers.cache_build import build_teacher_cache
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 EXACT_SAMPLER = partial(KVCacheSampler, matmul_precision="highest")
 SHARED = 264  # the tokenizer has 259 tokens

@@ -17,8 +17,6 @@ from helpers.launch import clean_env
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.teachers.teacher_completions import (
     PARTS_DIR,
     TeacherCompletionModule,
@@ -26,6 +24,8 @@ from lightning_gkd.teachers.teacher_completions import (
     part_name,
     teacher_completion_rows,
 )
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 TESTS = Path(__file__).resolve().parent
 TEACHER = asset_path("toy/teacher")

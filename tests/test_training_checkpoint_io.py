@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_gkd import DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy.preference import addition_preference_rows
+from lightning_gkd.toy.preference import addition_preference_rows
 from lightning_gkd.training.checkpoint_io import (
     CheckpointError,
     SafeCheckpointIO,

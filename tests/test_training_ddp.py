@@ -16,7 +16,7 @@ from helpers.fake_vllm_server import FakeVLLMServer
 from helpers.launch import clean_env
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.models.tiny import TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy.tiny import TINY_TEACHER, tiny_causal_lm
 
 TESTS = Path(__file__).parent
 pytestmark = pytest.mark.multiprocess

@@ -18,7 +18,7 @@ from lightning_gkd.callbacks.hf_export import HFExportCallback
 from lightning_gkd.cli.train import run
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.models.tiny import TINY_STUDENT, tiny_causal_lm
+from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 
 peft = pytest.importorskip("peft")
 # peft 0.21 reads transformers' deprecated is_gradient_checkpointing when it reloads an adapter.

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule, SFTModule
-from lightning_gkd.data.toy.preference import addition_preference_rows
 from lightning_gkd.methods.base import MAX_CONSECUTIVE_SKIPS
+from lightning_gkd.toy.preference import addition_preference_rows
 
 
 def poison(model: torch.nn.Module, when=lambda: True) -> list[int]:

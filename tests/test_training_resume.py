@@ -86,7 +86,7 @@ def test_card_push_and_resume_from_last(tmp_path, monkeypatch):
     card = (student / "README.md").read_text()
     assert "## Method: GKDModule" in card and "- lmbda: `0.5`" in card and "- steps: 2" in card
     assert f"- student: `{tmp_path / 'cache' / 'tiny-v1' / 'student'}`" in card
-    assert "- teacher: `" in card and "lightning_gkd.data.toy.addition_rows(split=train)" in card
+    assert "- teacher: `" in card and "lightning_gkd.toy.addition_rows(split=train)" in card
     assert "| val/loss |" in card and "hf_secret_for_test" not in card
     assert FakeApi.calls == [
         ("token", "hf_secret_for_test"),

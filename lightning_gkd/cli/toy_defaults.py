@@ -19,7 +19,7 @@ TOY_NEW_TOKENS = 16
 def is_toy_model(spec: Any, cache_dir: str | None) -> bool:
     """Whether a model spec is one of the project's own small models: a shipped asset (``lightning_gkd/assets``), one
     built under ``paths.cache_dir`` (``model=tiny``), or a fresh model from a ``config``."""
-    from lightning_gkd.models.tiny import asset_path
+    from lightning_gkd.toy.tiny import asset_path
 
     if not isinstance(spec, Mapping):
         return False
@@ -35,7 +35,7 @@ def is_toy_model(spec: Any, cache_dir: str | None) -> bool:
 
 def _is_toy_data(data: Mapping[str, Any]) -> bool:
     train = data.get("train_data")
-    return isinstance(train, Mapping) and str(train.get("_target_", "")).startswith("lightning_gkd.data.toy")
+    return isinstance(train, Mapping) and str(train.get("_target_", "")).startswith("lightning_gkd.toy")
 
 
 def _samples_during_training(method: Mapping[str, Any]) -> bool:

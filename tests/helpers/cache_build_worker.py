@@ -21,10 +21,10 @@ import lightning as L
 import torch
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.teachers.cache import shard_name
 from lightning_gkd.teachers.cache_build import build_teacher_cache_report
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 #: what the single-process reference build of the test uses too
 ROWS, TOP_K, MAX_LENGTH, BATCH_SIZE, SHARD_SIZE = 96, 20, 64, 8, 16

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers.
 
 from helpers.cache_build_worker import KillAfterFirstFile  # noqa: E402
 from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.data.toy import addition_rows  # noqa: E402
-from lightning_gkd.models.tiny import asset_path  # noqa: E402
 from lightning_gkd.teachers.teacher_completions import PARTS_DIR, build_teacher_completions, part_name  # noqa: E402
+from lightning_gkd.toy import addition_rows  # noqa: E402
+from lightning_gkd.toy.tiny import asset_path  # noqa: E402
 
 #: what the single-process reference of the test uses too
 ROWS, MAX_LENGTH, MAX_NEW_TOKENS, TEMPERATURE, BATCH_SIZE, SHARD_SIZE = 40, 64, 6, 0.8, 4, 8

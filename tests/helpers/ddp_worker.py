@@ -45,9 +45,9 @@ import torch.distributed as dist
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.loader import rank_groups
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer, build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows, tool_rows
-from lightning_gkd.data.toy.tools import TOOLS
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy import addition_rows, tool_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy.tools import TOOLS
 from tests.helpers.scripted_sampler import ScriptedSampler
 
 KEYS = ("input_ids", "attention_mask", "labels")

@@ -24,9 +24,9 @@ from helpers.gradient_probe import GradientsAtBatchStart, StepAsLightningDoes  #
 from helpers.launch import two_process_trainer  # noqa: E402
 from lightning_gkd import ChatDataModule, GKDModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer  # noqa: E402
-from lightning_gkd.data.toy import addition_rows  # noqa: E402
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm  # noqa: E402
 from lightning_gkd.samplers import KVCacheSampler  # noqa: E402
+from lightning_gkd.toy import addition_rows  # noqa: E402
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm  # noqa: E402
 
 STEPS = 3
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.callbacks import LengthGuard
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from tests.helpers.eos_boost import boost_eos
 
 STUDENT_BOOST, TEACHER_BOOST, BUDGET, VAL_ROWS = 0.9, 1.0, 8, 8

@@ -26,10 +26,10 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows
 from lightning_gkd.models.sharding import is_sharded, shard_causal_lm
-from lightning_gkd.models.tiny import asset_path
 from lightning_gkd.ops.sampling import sample_tokens
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 MAX_NEW_TOKENS = 12
 ROWS_PER_RANK = 2

@@ -26,8 +26,8 @@ from helpers.fake_vllm_server import FakeVLLMServer  # noqa: E402
 from helpers.launch import two_process_trainer  # noqa: E402
 from lightning_gkd import ChatDataModule, GKDModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer  # noqa: E402
-from lightning_gkd.data.toy import addition_rows  # noqa: E402
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm  # noqa: E402
+from lightning_gkd.toy import addition_rows  # noqa: E402
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm  # noqa: E402
 from lightning_gkd.training.teacher_outage import TeacherOutage  # noqa: E402
 
 DOWN_AFTER, MAX_STEPS, TIMEOUT_S = 2, 5, 30

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers.
 from helpers.launch import two_process_trainer  # noqa: E402
 from lightning_gkd import ChatDataModule, GKDModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.data.toy import addition_rows
-from lightning_gkd.models.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 STEPS = 3
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from lightning_gkd.models.tiny import tiny_causal_lm
+from lightning_gkd.toy.tiny import tiny_causal_lm
 
 # Families with different module layouts (Qwen2: q/k/v biases; Llama: none; Gemma 2: a soft-capped head), GQA.
 VLLM_TINY = {

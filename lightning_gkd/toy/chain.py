@@ -26,7 +26,7 @@ import random
 from collections.abc import Sequence
 from itertools import permutations
 
-from lightning_gkd.data.toy.addition import reversed_digits
+from lightning_gkd.toy.addition import reversed_digits
 
 CHAIN_SPLIT_SIZES = {"train": 50000, "val": 256, "test": 512}
 _SPLIT_ORDER = ("test", "val", "train")

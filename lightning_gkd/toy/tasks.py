@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_gkd.data.toy.addition import addition_rows
-from lightning_gkd.data.toy.chain import chain_rows, final_answer_match
 from lightning_gkd.evaluation.metrics import GenerationMetric, exact_match
-from lightning_gkd.models.tiny import CHAIN_STUDENT, CHAIN_TEACHER, TOY_STUDENT, TOY_TEACHER
+from lightning_gkd.toy.addition import addition_rows
+from lightning_gkd.toy.chain import chain_rows, final_answer_match
+from lightning_gkd.toy.tiny import CHAIN_STUDENT, CHAIN_TEACHER, TOY_STUDENT, TOY_TEACHER
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from lightning_gkd.data.toy.addition import addition_rows
+from lightning_gkd.toy.addition import addition_rows
 
 
 def wrong_answer(answer: str, rng: random.Random) -> str:

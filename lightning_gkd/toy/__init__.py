@@ -2,10 +2,10 @@
 (``preference``), sums of four numbers written step by step in one of two orders (``chain``), and an agentic task
 whose answers need the ``lookup`` and ``add`` tools (``tools``)."""
 
-from lightning_gkd.data.toy.addition import SPLIT_SIZES, addition_row, addition_rows, reversed_digits
-from lightning_gkd.data.toy.chain import chain_rows, final_answer_match
-from lightning_gkd.data.toy.preference import addition_preference_rows, wrong_answer
-from lightning_gkd.data.toy.tools import tool_rows
+from lightning_gkd.toy.addition import SPLIT_SIZES, addition_row, addition_rows, reversed_digits
+from lightning_gkd.toy.chain import chain_rows, final_answer_match
+from lightning_gkd.toy.preference import addition_preference_rows, wrong_answer
+from lightning_gkd.toy.tools import tool_rows
 
 __all__ = [
     "SPLIT_SIZES",

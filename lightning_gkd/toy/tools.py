@@ -53,7 +53,7 @@ def add(a: int, b: int) -> int:
 
 
 #: The task's tools, as ``method.tools`` names them.
-TOOLS = ("lightning_gkd.data.toy.tools.lookup", "lightning_gkd.data.toy.tools.add")
+TOOLS = ("lightning_gkd.toy.tools.lookup", "lightning_gkd.toy.tools.add")
 
 
 def tool_call(name: str, **arguments: Any) -> str:
