@@ -3,7 +3,7 @@ Hydra.
 
 The public names are the imports of the ``TYPE_CHECKING`` block below, the one list of them: type checkers read it
 as written, and at run time each name is imported from its module on first use (PEP 562), so
-``import lightning_gkd.ops.losses`` (the pure losses) does not import Lightning, datasets or the training stack.
+``import lightning_gkd.ops.divergence.jsd`` (the pure losses) does not import Lightning, datasets or the training stack.
 """
 
 from typing import TYPE_CHECKING
@@ -15,8 +15,8 @@ if TYPE_CHECKING:  # `import X as X`: an explicit re-export, for type checkers a
     from lightning_gkd.methods.gkd import GKDModule as GKDModule
     from lightning_gkd.methods.opd import OPDModule as OPDModule
     from lightning_gkd.methods.sft import SFTModule as SFTModule
-    from lightning_gkd.ops.losses import generalized_jsd_loss as generalized_jsd_loss
-    from lightning_gkd.ops.losses import preference_loss as preference_loss
+    from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss as generalized_jsd_loss
+    from lightning_gkd.ops.divergence.preference import preference_loss as preference_loss
 
 __version__ = "0.1.0"
 

@@ -450,8 +450,8 @@ def breakdown(config: str = "ours", batches: int = 3, levers: frozenset[str] = f
 
     from lightning_gkd import ChatDataModule, GKDModule
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-    from lightning_gkd.ops.hf import float32_matmul_precision
-    from lightning_gkd.ops.losses import IGNORE_INDEX
+    from lightning_gkd.ops.constants import IGNORE_INDEX
+    from lightning_gkd.ops.hf.forward import float32_matmul_precision
     from lightning_gkd.samplers import KVCacheSampler, VLLMSampler
     from lightning_gkd.training.optimizers import adamw
 
@@ -534,7 +534,7 @@ def floor() -> dict:
 
     from lightning_gkd import ChatDataModule
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-    from lightning_gkd.ops.hf import float32_matmul_precision
+    from lightning_gkd.ops.hf.forward import float32_matmul_precision
 
     tokenizer = build_chatml_tokenizer()
     datamodule = ChatDataModule(tokenizer, bench_rows(BATCH), batch_size=BATCH, max_length=MAX_LENGTH)
@@ -618,7 +618,7 @@ def _decode_step(model, token, mask, cache, i: int) -> None:
     """One KV-cache forward of one token per row at position 60 + i (60-token prompts)."""
     import torch
 
-    from lightning_gkd.ops.hf import cache_keyword
+    from lightning_gkd.ops.hf.forward import cache_keyword
 
     model(
         input_ids=token,
@@ -637,8 +637,8 @@ def decode_profile(tokens: int = 12) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-    from lightning_gkd.ops.hf import float32_matmul_precision
-    from lightning_gkd.ops.sampling import returned_cache
+    from lightning_gkd.ops.decoding.sampling import returned_cache
+    from lightning_gkd.ops.hf.forward import float32_matmul_precision
     from lightning_gkd.samplers import KVCacheSampler
 
     tokenizer = build_chatml_tokenizer()

@@ -130,7 +130,7 @@ def _losses(
     from lightning_gkd.losses.cross_tokenizer import CrossTokenizerDistillation
     from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings
     from lightning_gkd.losses.dense import DenseDistillation
-    from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss
+    from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import CrossTokenizerLoss
     from lightning_gkd.teachers.local import LocalTeacher
 
     one = DenseDistillation(LocalTeacher(same_teacher), beta=0.0) if same_teacher is not None else None

@@ -41,7 +41,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_gkd.models.precision import bf16_matmul_is_fast
-from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.divergence.chunked_jsd import projected_jsd_loss
 
 REPO = Path(__file__).resolve().parents[1]
 REAL = {"positions": 512, "vocab": 151936, "student_hidden": 896, "teacher_hidden": 1536}
@@ -291,8 +291,9 @@ NOTES = [
     "gradient (545 MB) and reads the teacher's head; with C = 64 that is 8 times per step at N = 512, and thin "
     "(64-row) products run well below the rate of the floor's all-rows products. The elementwise work (two "
     "log-softmaxes, the exps, the mixture's logaddexp, the dot products and the gradient) runs on row blocks of "
-    "at most 2**23 logits in scratch buffers reused across blocks and chunks (`ops/chunked_jsd.py`), so it makes "
-    "no fresh C x V tensor; its remaining cost is arithmetic (exp and log per logit) the floor does not count.",
+    "at most 2**23 logits in scratch buffers reused across blocks and chunks (`ops/divergence/chunked_jsd.py`), "
+    "so it makes no fresh C x V tensor; its remaining cost is arithmetic (exp and log per logit) the floor does not "
+    "count.",
 ]
 
 

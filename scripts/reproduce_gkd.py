@@ -46,8 +46,8 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation import decode_until_eos, evaluate_generations, gap_closed
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.decoding.sampling import generate_completions
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.samplers import SpeculativeKDSampler
 from lightning_gkd.toy.chain import first_error_position, operand_order, prompt_operands, valid_completions
 from lightning_gkd.toy.tasks import TOY_TASKS, ToyTask, toy_task

@@ -35,7 +35,7 @@ from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer, load_tokenizer
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.ops.aligned_row_loss import matched_vocabulary
+from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import matched_vocabulary
 from lightning_gkd.toy.tasks import TOY_TASKS, ToyTask, toy_task
 from lightning_gkd.toy.tiny import tiny_causal_lm
 

@@ -27,7 +27,7 @@ from lightning_gkd import ChatDataModule, GKDModule, OPDModule, SFTModule
 from lightning_gkd.callbacks import LengthGuard
 from lightning_gkd.cli.train import run
 from lightning_gkd.evaluation.metrics import CompletionLengths
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.decoding.sampling import generate_completions
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.training.checkpoint_io import SafeCheckpointIO

@@ -21,7 +21,7 @@ from test_cli_train import FAST
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.callbacks.sample_table import SampleTable, top1_agreement
 from lightning_gkd.cli.train import run
-from lightning_gkd.ops.sampling import completion_batch, position_ids_from_mask
+from lightning_gkd.ops.decoding.sampling import completion_batch, position_ids_from_mask
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.preference import addition_preference_rows
 

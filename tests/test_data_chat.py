@@ -10,7 +10,7 @@ from lightning_gkd.data.chat import ChatMLCollator, tokenize_chat
 from lightning_gkd.data.loader import GENERATION_GROUP, GenerationGroup, shuffled_micro_batches
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.ops.sampling import completion_batch
+from lightning_gkd.ops.decoding.sampling import completion_batch
 from lightning_gkd.toy import addition_rows
 
 # Hand-checked ids of the project tokenizer: 0 pad, 1 <|im_start|>, 2 <|im_end|>, "\n" = 201, " " = 223,

@@ -15,7 +15,7 @@ import torch
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.chat_tokens import has_generation_blocks, render_chat, tokenize_chat
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 

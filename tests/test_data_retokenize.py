@@ -15,7 +15,7 @@ from lightning_gkd.data.retokenize import (
     token_byte_spans,
 )
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer
-from lightning_gkd.ops.sampling import completion_batch
+from lightning_gkd.ops.decoding.sampling import completion_batch
 from tests.helpers.sentencepiece_style import sentencepiece_style_tokenizer
 
 # The BPE's 18 merges (hand-read): caf, Ã©, cafÃ©, æ¼¢å, ŃĹ, Ġæ¼¢åŃĹ, ĊĊ, ĊĠ ("\n "), ĠĠ, Ġb, Ġy, ...

@@ -17,9 +17,9 @@ from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer
 from lightning_gkd.losses.cross_tokenizer import CrossTokenizerDistillation
-from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss
-from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.sampling import completion_batch
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import CrossTokenizerLoss
+from lightning_gkd.ops.decoding.sampling import completion_batch
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_gkd import ChatDataModule, DPOModule, PreferenceDataModule, preference_loss
 from lightning_gkd.data.preference import PreferenceCollator
 from lightning_gkd.methods import dpo as dpo_module
-from lightning_gkd.ops.losses import sequence_logps
+from lightning_gkd.ops.divergence.preference import sequence_logps
 from lightning_gkd.toy.preference import addition_preference_rows
 
 STATS = [

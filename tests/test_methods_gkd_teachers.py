@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
 from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable, next_tokens, supervised_positions
 from lightning_gkd.teachers.spec import teacher_plan
 from lightning_gkd.toy.tiny import TINY_TEACHER, tiny_causal_lm

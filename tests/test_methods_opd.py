@@ -27,9 +27,9 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.loader import select_rows, shuffled_micro_batches
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.losses.opd import eos_rate
-from lightning_gkd.ops.hf import final_hidden_states, output_head
-from lightning_gkd.ops.opd import policy_gradient_distillation_loss
-from lightning_gkd.ops.sparse_kd import sampled_kl_loss
+from lightning_gkd.ops.divergence.opd import policy_gradient_distillation_loss
+from lightning_gkd.ops.divergence.sparse_kd import sampled_kl_loss
+from lightning_gkd.ops.hf.heads import final_hidden_states, output_head
 from lightning_gkd.samplers import KVCacheSampler
 from lightning_gkd.teachers import CacheTeacher, LocalTeacher, supervised_positions
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.models import head as head_module
 from lightning_gkd.models.head import HeadFile, load_output_head, read_output_head
-from lightning_gkd.ops.hf import final_hidden_states, output_head
+from lightning_gkd.ops.hf.heads import final_hidden_states, output_head
 from lightning_gkd.toy.tiny import tiny_causal_lm
 
 TOKENIZER = build_chatml_tokenizer()

@@ -160,7 +160,7 @@ def test_limit_output_rows_is_the_truncated_model_and_keeps_the_parameters(famil
     from helpers.tiny_registry import build_tiny, tiny_config
 
     from lightning_gkd.models.loading import limit_output_rows, vocab_size
-    from lightning_gkd.ops.hf import check_output_head, hidden_states_and_head
+    from lightning_gkd.ops.hf.heads import check_output_head, hidden_states_and_head
 
     model = pad_vocabulary(build_tiny(tiny_config(family, 64), seed=0), 80, seed=1, scale=3.0).eval()
     reference = truncated_copy(model, 70).eval()

@@ -14,8 +14,8 @@ import torch
 from lightning_gkd import DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.models.lora import apply_lora, lora_config, lora_enabled
-from lightning_gkd.ops.hf import unwrap
-from lightning_gkd.ops.sampling import sample_tokens
+from lightning_gkd.ops.decoding.sampling import sample_tokens
+from lightning_gkd.ops.hf.forward import unwrap
 from lightning_gkd.toy.preference import addition_preference_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 

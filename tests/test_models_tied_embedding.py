@@ -20,8 +20,9 @@ from torch import nn
 
 from lightning_gkd import GKDModule
 from lightning_gkd.models.tied_embedding import RowsGradientEmbedding, sparse_tied_embedding_gradient
-from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
-from lightning_gkd.ops.hf import hidden_states_and_head, position_ids_from_mask
+from lightning_gkd.ops.divergence.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.hf.forward import position_ids_from_mask
+from lightning_gkd.ops.hf.heads import hidden_states_and_head
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 VOCAB = 96

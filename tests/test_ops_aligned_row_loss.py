@@ -1,5 +1,5 @@
-"""Tests for lightning_gkd.ops.aligned_row_loss: hand-checked alignment, merging and distances, the identical-vocabulary
-limit (== generalized_jsd_loss), and parity with TRL 1.16's GOLD ULDLoss."""
+"""Tests for lightning_gkd.ops.cross_tokenizer.aligned_row_loss: hand-checked alignment, merging and distances, the
+identical-vocabulary limit (== generalized_jsd_loss), and parity with TRL 1.16's GOLD ULDLoss."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 
-from lightning_gkd.ops.aligned_row_loss import (
+from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import (
     CrossTokenizerLoss,
     align_byte_spans,
     cross_tokenizer_row_loss,
@@ -23,7 +23,7 @@ from lightning_gkd.ops.aligned_row_loss import (
     merge_group_probs,
     uld_distance,
 )
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
 
 F64 = torch.float64
 

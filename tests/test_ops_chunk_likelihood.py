@@ -1,14 +1,19 @@
-"""ops/chunk_likelihood.py: each aligned chunk's log-likelihood, the two-outcome JSD, the teacher's distribution over
-the student's next token (hand-checked on "787"), and why they exist: on a chunk that a BPE teacher writes as one
-token and a byte student as two, GOLD's hybrid pushes the student's correct first byte down, these push it up."""
+"""ops/cross_tokenizer/chunk_likelihood.py: each aligned chunk's log-likelihood, the two-outcome JSD, the teacher's
+distribution over the student's next token (hand-checked on "787"), and why they exist: on a chunk that a BPE teacher
+writes as one token and a byte student as two, GOLD's hybrid pushes the student's correct first byte down, these
+push it up."""
 
 import math
 
 import pytest
 import torch
 
-from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss, cross_tokenizer_row_loss, matched_vocabulary
-from lightning_gkd.ops.chunk_likelihood import (
+from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import (
+    CrossTokenizerLoss,
+    cross_tokenizer_row_loss,
+    matched_vocabulary,
+)
+from lightning_gkd.ops.cross_tokenizer.chunk_likelihood import (
     LOG_PROB_CEILING,
     ProjectionTables,
     binary_jsd,
@@ -17,7 +22,7 @@ from lightning_gkd.ops.chunk_likelihood import (
     projected_distance,
     projected_teacher_targets,
 )
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
 
 
 def test_chunk_log_likelihoods_sum_the_tokens_log_probs_per_group_with_temperature():
@@ -213,7 +218,7 @@ def test_batch_loss_equals_the_per_token_reference_over_uneven_rows(tokenizer_pa
     against the per-token loops it replaced (tests/helpers/cross_tokenizer_reference.py), row by row: the same groups,
     values and gradients (float64; equal up to the last bits of vectorised transcendental functions)."""
     from lightning_gkd.data.token_projection import projection_tables
-    from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss
+    from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import cross_tokenizer_batch_loss
     from tests.helpers.cross_tokenizer_reference import reference_row_terms, reference_tables
 
     student, teacher = tokenizer_pairs[pair]
@@ -266,7 +271,7 @@ def test_batch_loss_equals_the_per_token_reference_over_uneven_rows(tokenizer_pa
 
 def test_batch_loss_in_float32_matches_the_reference_to_rounding(tokenizer_pairs):
     from lightning_gkd.data.token_projection import projection_tables
-    from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss
+    from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import cross_tokenizer_batch_loss
     from tests.helpers.cross_tokenizer_reference import reference_row_terms, reference_tables
 
     student, teacher = tokenizer_pairs["bpe"]
@@ -299,7 +304,7 @@ def test_batch_loss_in_float32_matches_the_reference_to_rounding(tokenizer_pairs
 
 
 def test_batch_loss_rejects_malformed_spans_and_lengths():
-    from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss
+    from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import cross_tokenizer_batch_loss
 
     settings = CrossTokenizerLoss(loss="likelihood")
     logits = torch.zeros(2, 4)

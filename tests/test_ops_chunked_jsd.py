@@ -9,9 +9,9 @@ from helpers.sample_figures import reference_figures
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gkd import ChatDataModule, GKDModule
-from lightning_gkd.ops import chunked_jsd
-from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.divergence import chunked_jsd
+from lightning_gkd.ops.divergence.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
 from lightning_gkd.toy import addition_rows
 
 
@@ -144,7 +144,7 @@ def test_sample_figures_ride_along_without_changing_the_loss(beta, temperature):
     """With ``figures``, each chunk's logits also give the sample figures (ops.sample_figures' float64 reference;
     at temperature 1, from the loss's own log-softmaxes, before it reuses their storage; at another loss
     temperature, from the logits): the loss and its gradients are those without them."""
-    from lightning_gkd.ops.sample_figures import SampleFigures
+    from lightning_gkd.ops.divergence.sample_figures import SampleFigures
 
     torch.manual_seed(3)
     positions, student_dim, teacher_dim, vocab = 19, 12, 16, 40

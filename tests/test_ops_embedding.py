@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_gkd.ops.embedding import embedding_rows_gradient
+from lightning_gkd.ops.hf.embedding import embedding_rows_gradient
 
 
 def tied_grad(lookup, ids, weight, padding_idx, dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""The lean loss reproduces each model's own logits (lightning_gkd.ops.hf.LogitHead, check_output_head and the
+"""The lean loss reproduces each model's own logits (lightning_gkd.ops.hf.heads.LogitHead, check_output_head and the
 chunked JSD through GKDModule.distillation_loss): across every causal-LM architecture the installed transformers
 registers, built tiny with large logits, the lean loss equals the full-logits loss in value and gradients, or the
 module falls back to full logits with a warning naming the model class. Never silently wrong."""
@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lightning_gkd import GKDModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
-from lightning_gkd.ops.hf import LogitHead, output_head
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.divergence.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
+from lightning_gkd.ops.hf.heads import LogitHead, output_head
 
 log = logging.getLogger(__name__)
 TOKENIZER = build_chatml_tokenizer()

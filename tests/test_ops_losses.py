@@ -1,4 +1,4 @@
-"""Tests for lightning_gkd.ops.losses."""
+"""Tests for lightning_gkd.ops.divergence.jsd."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
 
 LN9_TIMES_0_8 = 0.8 * math.log(9.0)  # 1.7577796618689758
 

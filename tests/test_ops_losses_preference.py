@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers.trl_dpo import trl_dpo_loss
 
 from lightning_gkd import preference_loss
-from lightning_gkd.ops.losses import PREFERENCE_LOSS_TYPES, sequence_logps, unused_label_smoothing
+from lightning_gkd.ops.divergence.preference import PREFERENCE_LOSS_TYPES, sequence_logps, unused_label_smoothing
 
 
 def pair(*values: float) -> list[torch.Tensor]:

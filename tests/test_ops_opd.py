@@ -1,4 +1,4 @@
-"""ops/opd.py: the OPD policy-gradient surrogate. With γ = 0 on fresh samples its gradient is the sampled
+"""ops/divergence/opd.py: the OPD policy-gradient surrogate. With γ = 0 on fresh samples its gradient is the sampled
 reverse-KL (k1) gradient; a student equal to its teacher gets zero reward and no update; the truncated importance
 weights make the expected gradient on a stale policy's samples exactly ∇ KL(S‖T) (by enumerating the vocabulary);
 discounted advantages and their gradient against a direct float64 computation. The stabilisers for γ > 0: the
@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from lightning_gkd.ops.hf import LogitHead
-from lightning_gkd.ops.losses import generalized_jsd_loss
-from lightning_gkd.ops.opd import discounted_returns, policy_gradient_distillation_loss, token_advantages
-from lightning_gkd.ops.sparse_kd import sampled_kl_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
+from lightning_gkd.ops.divergence.opd import discounted_returns, policy_gradient_distillation_loss, token_advantages
+from lightning_gkd.ops.divergence.sparse_kd import sampled_kl_loss
+from lightning_gkd.ops.hf.heads import LogitHead
 
 N, H, V = 7, 5, 11
 

@@ -1,4 +1,4 @@
-"""lightning_gkd.ops.sample_figures: the teacher's top-1 agreement with the sampled tokens, its mass on the
+"""lightning_gkd.ops.divergence.sample_figures: the teacher's top-1 agreement with the sampled tokens, its mass on the
 student's top-k and the student's entropy, against golden numbers and a float64 reference, chunk by chunk."""
 
 import math
@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers.sample_figures import reference_figures as reference
 
-from lightning_gkd.ops.hf import LogitHead
-from lightning_gkd.ops.sample_figures import SampleFigures
-from lightning_gkd.ops.topk import topk_log_probs
+from lightning_gkd.ops.divergence.sample_figures import SampleFigures
+from lightning_gkd.ops.divergence.topk import topk_log_probs
+from lightning_gkd.ops.hf.heads import LogitHead
 
 
 def means(figures):

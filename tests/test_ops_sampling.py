@@ -1,4 +1,4 @@
-"""Tests for lightning_gkd.ops.sampling (on-policy sampling)."""
+"""Tests for lightning_gkd.ops.decoding.sampling (on-policy sampling)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gkd.ops.sampling import (
+from lightning_gkd.ops.decoding.sampling import (
     _pick_tokens,
     completion_batch,
     completion_lengths,

@@ -1,4 +1,4 @@
-"""Losses from a sparse teacher signal (lightning_gkd.ops.sparse_kd): at k = V the top-k loss is the dense
+"""Losses from a sparse teacher signal (lightning_gkd.ops.divergence.sparse_kd): at k = V the top-k loss is the dense
 generalized JSD in value and gradients; below it, the exact divergence of the coarse distributions over
 K ∪ {rest} (checked against a hand-built float64 computation); robust to float16 top-k log-probs that sum past 1;
 non-decreasing in k on the shipped toy teacher. The sampled-token estimators k1/k3, averaged exactly over the
@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.ops.hf import LogitHead, final_hidden_states, output_head
-from lightning_gkd.ops.losses import generalized_jsd_loss
-from lightning_gkd.ops.sparse_kd import sampled_kl_loss, topk_distillation_loss
-from lightning_gkd.ops.topk import topk_log_probs
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
+from lightning_gkd.ops.divergence.sparse_kd import sampled_kl_loss, topk_distillation_loss
+from lightning_gkd.ops.divergence.topk import topk_log_probs
+from lightning_gkd.ops.hf.heads import LogitHead, final_hidden_states, output_head
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import asset_path, tiny_causal_lm
@@ -252,7 +252,7 @@ def test_sample_figures_ride_along_without_changing_the_loss(loss):
     """With ``figures``, each chunk's student logits give the student's entropy and, from the teacher's top-1 id,
     the agreement (ops.sample_figures' float64 reference) before the loss overwrites them; loss and gradients are
     those without them."""
-    from lightning_gkd.ops.sample_figures import SampleFigures
+    from lightning_gkd.ops.divergence.sample_figures import SampleFigures
 
     leaves, head = make_student("bias_scale_softcap")
     teacher = teacher_log_probs()

@@ -1,14 +1,14 @@
-"""lightning_gkd.ops.speculative: speculative KD's sampling (the student proposes, the teacher keeps its top-K or
-replaces), checked against plain sampling, the teacher's greedy decode, token-by-token verification, and the
+"""lightning_gkd.ops.decoding.speculative: speculative KD's sampling (the student proposes, the teacher keeps its
+top-K or replaces), checked against plain sampling, the teacher's greedy decode, token-by-token verification, and the
 proposal probability recomputed from full forwards of both models."""
 
 import pytest
 import torch
 from helpers.tiny_registry import build_tiny, tiny_config
 
-from lightning_gkd.ops.hf import eval_mode
-from lightning_gkd.ops.sampling import generate_completions, sampling_logits
-from lightning_gkd.ops.speculative import speculative_completions, speculative_tokens
+from lightning_gkd.ops.decoding.sampling import generate_completions, sampling_logits
+from lightning_gkd.ops.decoding.speculative import speculative_completions, speculative_tokens
+from lightning_gkd.ops.hf.forward import eval_mode
 
 VOCAB = 40
 EOS, PAD = 2, 0

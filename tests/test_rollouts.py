@@ -15,7 +15,7 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.chat_tokens import tokenize_chat
 from lightning_gkd.data.tokenizer import CHATML_TEMPLATE, TOOLS_CHATML_TEMPLATE, build_chatml_tokenizer
 from lightning_gkd.methods.on_policy import refuse_rollouts_with
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.rollouts import (
     HermesToolCallParser,
     MultiTurnRollout,

@@ -5,8 +5,8 @@ import pytest
 import torch
 from test_methods_gkd import fit, logged, make_module
 
-from lightning_gkd.ops.hf import resolve_eos_token_id
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.decoding.sampling import generate_completions
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.samplers import KVCacheSampler, Sampler
 
 
@@ -128,7 +128,7 @@ def test_a_custom_sampler_drives_every_on_policy_step(student, teacher, tokenize
 def test_kv_cache_samples_carry_the_log_probs_of_the_distribution_they_were_drawn_from(student, tokenizer):
     """``sampled_logprobs``: each completion token's log-prob under softmax(logits / T) restricted to top-k and
     top-p and renormalised (the behaviour policy's, for importance weights), 0 on prompt and padding columns."""
-    from lightning_gkd.ops.sampling import sampling_logits
+    from lightning_gkd.ops.decoding.sampling import sampling_logits
 
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 4, 3]])
     mask = (ids != 0).long()

@@ -13,7 +13,7 @@ from test_methods_gkd import fit, logged, make_module
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.cli.train import build, run
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.decoding.sampling import generate_completions
 from lightning_gkd.samplers import KVCacheSampler, Sampler, SpeculativeKDSampler
 
 

@@ -15,8 +15,8 @@ import torch
 from helpers.vllm_models import in_process_vllm, vllm_tiny
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
-from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.sampling import generate_completions, sampling_logits
+from lightning_gkd.ops.decoding.sampling import generate_completions, sampling_logits
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.samplers import KVCacheSampler, VLLMSampler
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import asset_path

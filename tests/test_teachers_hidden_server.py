@@ -21,7 +21,7 @@ from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.losses.dense import DenseDistillation
 from lightning_gkd.losses.sparse import TopKDistillation
-from lightning_gkd.ops.hf import output_head
+from lightning_gkd.ops.hf.heads import output_head
 from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable, supervised_positions
 from lightning_gkd.teachers.hidden_server import HiddenServerTeacher
 from lightning_gkd.teachers.server import ServerTeacher

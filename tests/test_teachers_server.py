@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.ops.sampling import generate_completions, sampling_logits
+from lightning_gkd.ops.decoding.sampling import generate_completions, sampling_logits
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.http import TeacherRequestError
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable

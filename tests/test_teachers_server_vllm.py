@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.ops.sampling import generate_completions, sampling_logits
+from lightning_gkd.ops.decoding.sampling import generate_completions, sampling_logits
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
 from lightning_gkd.toy import addition_rows

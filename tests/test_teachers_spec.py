@@ -17,7 +17,7 @@ from helpers.padded_vocab import pad_vocabulary, truncated_copy
 from lightning_gkd import GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.models.loading import vocab_size
-from lightning_gkd.ops.hf import SharedRangeHead
+from lightning_gkd.ops.hf.heads import SharedRangeHead
 from lightning_gkd.samplers import KVCacheSampler
 from lightning_gkd.teachers.cache import HiddenCacheTeacher
 from lightning_gkd.teachers.cache_build import build_teacher_cache

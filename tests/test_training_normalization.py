@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import asset_path
 

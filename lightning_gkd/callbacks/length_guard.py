@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_gkd.evaluation.metrics import CompletionLengths, greedy_completions
 from lightning_gkd.methods.on_policy import OnPolicyModule
-from lightning_gkd.ops.hf import resolve_eos_token_id
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.training.checkpoint_io import inside_accumulation_window, resume_checkpoint_path
 
 #: Where the option of each threshold lives in ``lightning-gkd``'s config.

@@ -16,9 +16,9 @@ from torch import nn
 
 from lightning_gkd.evaluation.metrics import decode_until_eos
 from lightning_gkd.methods.base import require_lm_module
-from lightning_gkd.ops.hf import eval_mode, position_ids_from_mask, resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.decoding.sampling import generate_completions
+from lightning_gkd.ops.hf.forward import eval_mode, position_ids_from_mask, resolve_eos_token_id, resolve_pad_token_id
 
 _COMPARED = ("teacher", "reference")  # the frozen model the table compares against, first one the module has
 

@@ -40,8 +40,8 @@ from lightning_gkd.evaluation.metrics import GenerationMetric, evaluate_generati
 from lightning_gkd.methods.base import check_data_format
 from lightning_gkd.methods.sft import SFTModule
 from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
-from lightning_gkd.ops.hf import float32_matmul_precision, resolve_eos_token_id
-from lightning_gkd.ops.sampling import eos_ids
+from lightning_gkd.ops.decoding.sampling import eos_ids
+from lightning_gkd.ops.hf.forward import float32_matmul_precision, resolve_eos_token_id
 from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 from lightning_gkd.training.checkpoint_io import CheckpointError

@@ -31,8 +31,8 @@ from lightning_gkd.data.chat import ChatMLCollator, prepare_tokenizer
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import completion_texts
 from lightning_gkd.models.loading import check_hub_id_reachable, load_causal_lm
-from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.sampling import derive_seed, eos_ids, generate_completions
+from lightning_gkd.ops.decoding.sampling import derive_seed, eos_ids, generate_completions
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 

@@ -30,7 +30,7 @@ from lightning_gkd.evaluation.model_card import describe_data
 from lightning_gkd.losses.cross_tokenizer_plan import check_cross_tokenizer_config
 from lightning_gkd.methods.base import check_data_format
 from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
-from lightning_gkd.ops.hf import float32_matmul_precision, is_peft_model
+from lightning_gkd.ops.hf.forward import float32_matmul_precision, is_peft_model
 from lightning_gkd.teachers.base import TeacherUnavailable
 from lightning_gkd.training.checkpoint_io import use_safe_checkpoint_io
 from lightning_gkd.training.quiet import quiet_run

@@ -31,7 +31,7 @@ from lightning_gkd.data.validation import (
     rows_without_completion,
     validate_chat_rows,
 )
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 
 
 class ChatMLCollator:

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.validation import prompt_cut, prompt_start, whole_prompt_truncated
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 
 AssistantTurns: TypeAlias = Literal["last", "all"]
 ASSISTANT_TURNS = ("last", "all")

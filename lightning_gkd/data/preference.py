@@ -22,7 +22,7 @@ from lightning_gkd.data.validation import (
     prompt_start,
     whole_prompt_truncated,
 )
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 
 #: How a pair longer than ``max_length`` is cut: ``keep_start`` (TRL 1.16's default) keeps the first tokens of
 #: prompt + completion, ``keep_end`` the last.

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat_tokens import left_pad, render_chat
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 
 Span = tuple[int, int]
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")

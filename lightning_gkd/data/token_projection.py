@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.retokenize import _TokenBytes
 from lightning_gkd.data.tokenizer import tokenizer_fingerprint
-from lightning_gkd.ops.chunk_likelihood import ProjectionTables
+from lightning_gkd.ops.cross_tokenizer.chunk_likelihood import ProjectionTables
 
 __all__ = ["ProjectionTables", "projection_cache_path", "projection_tables"]
 

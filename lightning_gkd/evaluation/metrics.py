@@ -12,9 +12,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.ops.hf import EosTokenId, resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.sampling import completion_lengths, generate_completions
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.decoding.sampling import completion_lengths, generate_completions
+from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id, resolve_pad_token_id
 
 # A metric scores a whole evaluation set: predictions and references are decoded completion texts.
 GenerationMetric = Callable[[Sequence[str], Sequence[str]], float]

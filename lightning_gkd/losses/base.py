@@ -20,8 +20,8 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import LeanForwardUnsupported
-from lightning_gkd.ops.sample_figures import SampleFigures
+from lightning_gkd.ops.divergence.sample_figures import SampleFigures
+from lightning_gkd.ops.hf.heads import LeanForwardUnsupported
 
 Reduce = Literal["mean", "sum", "max"]
 _T = TypeVar("_T")

@@ -34,8 +34,13 @@ from lightning_gkd.data.token_projection import ProjectionTables, projection_tab
 from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag
 from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
 from lightning_gkd.models.loading import vocab_size
-from lightning_gkd.ops.aligned_row_loss import cross_tokenizer_batch_loss, cross_tokenizer_row_terms, matched_vocabulary
-from lightning_gkd.ops.hf import causal_lm_logits, hidden_states_and_head, resolve_eos_token_id
+from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import (
+    cross_tokenizer_batch_loss,
+    cross_tokenizer_row_terms,
+    matched_vocabulary,
+)
+from lightning_gkd.ops.hf.forward import causal_lm_logits, resolve_eos_token_id
+from lightning_gkd.ops.hf.heads import hidden_states_and_head
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.local import LocalTeacher
 

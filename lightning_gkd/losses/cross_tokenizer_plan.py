@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss
+from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import CrossTokenizerLoss
 from lightning_gkd.teachers.spec import (
     TeacherEntry,
     TeacherPlan,

@@ -8,9 +8,10 @@ from typing import Any
 from torch import nn
 
 from lightning_gkd.losses.base import LeanPath, LossOutput, finite_flag, sample_figure_logs, sample_figures
-from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
-from lightning_gkd.ops.hf import causal_lm_logits, hidden_states_and_head
-from lightning_gkd.ops.losses import generalized_jsd_loss
+from lightning_gkd.ops.divergence.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
+from lightning_gkd.ops.hf.forward import causal_lm_logits
+from lightning_gkd.ops.hf.heads import hidden_states_and_head
 from lightning_gkd.teachers.base import Teacher, next_tokens, supervised_positions
 
 

@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag, sample_figure_logs, sample_figures
-from lightning_gkd.ops.chunked_jsd import projected_jsd_loss
-from lightning_gkd.ops.hf import EosTokenId, LogitHead, hidden_states_and_head
-from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.opd import Baseline, OPDStats, policy_gradient_distillation_loss
-from lightning_gkd.ops.sample_figures import SampleFigures
-from lightning_gkd.ops.sparse_kd import topk_distillation_loss
-from lightning_gkd.ops.topk import topk_log_probs
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.divergence.chunked_jsd import projected_jsd_loss
+from lightning_gkd.ops.divergence.opd import Baseline, OPDStats, policy_gradient_distillation_loss
+from lightning_gkd.ops.divergence.sample_figures import SampleFigures
+from lightning_gkd.ops.divergence.sparse_kd import topk_distillation_loss
+from lightning_gkd.ops.divergence.topk import topk_log_probs
+from lightning_gkd.ops.hf.forward import EosTokenId
+from lightning_gkd.ops.hf.heads import LogitHead, hidden_states_and_head
 from lightning_gkd.teachers.base import SparseTeacher, Teacher, next_tokens, supervised_positions
 
 
@@ -140,7 +141,7 @@ class PolicyGradientDistillation:
         if logprobs.shape != batch["input_ids"].shape:
             raise ValueError(
                 f"sampled_logprobs {tuple(logprobs.shape)} must match input_ids {tuple(batch['input_ids'].shape)}: "
-                "the log-prob of each token at its own column (lightning_gkd.ops.sampling.completion_batch)."
+                "the log-prob of each token at its own column (lightning_gkd.ops.decoding.sampling.completion_batch)."
             )
         return next_tokens(logprobs, positions)  # each position's next column, as for the tokens themselves
 

@@ -25,7 +25,7 @@ from lightning_gkd.teachers.spec import TeacherPlan
 #: The loss against a sparse teacher: ``topk`` the generalized JSD (``beta``) of the coarse distributions over the
 #: teacher's top-k and one bucket for the rest (exact KL of those; equals the full loss at k = V), ``topk_renorm``
 #: both renormalised over the top-k (no rest bucket), ``k1``/``k3`` the sampled-token reverse-KL estimators on the
-#: student's own samples (``lightning_gkd.ops.sparse_kd``).
+#: student's own samples (``lightning_gkd.ops.divergence.sparse_kd``).
 SparseLoss = Literal["topk", "topk_renorm", "k1", "k3"]
 SPARSE_LOSSES: tuple[str, ...] = get_args(SparseLoss)
 

@@ -14,8 +14,8 @@ from typing import Any
 from torch import nn
 
 from lightning_gkd.losses.base import LeanPath, LossOutput, finite_flag, sample_figure_logs, sample_figures
-from lightning_gkd.ops.hf import hidden_states_and_head
-from lightning_gkd.ops.sparse_kd import sampled_kl_loss, topk_distillation_loss
+from lightning_gkd.ops.divergence.sparse_kd import sampled_kl_loss, topk_distillation_loss
+from lightning_gkd.ops.hf.heads import hidden_states_and_head
 from lightning_gkd.teachers.base import SparseTeacher, next_tokens, supervised_positions
 
 

@@ -15,19 +15,14 @@ from lightning_gkd.evaluation.metrics import GenerationMetric
 from lightning_gkd.losses.base import Logged, LossOutput
 from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
 from lightning_gkd.models.loading import ModelSource, limit_output_rows, shared_vocab_rows, vocab_size
-from lightning_gkd.ops.hf import (
-    accepts_logits_to_keep,
-    eval_mode,
-    is_peft_model,
-    position_ids_from_mask,
-)
-from lightning_gkd.ops.losses import (
-    IGNORE_INDEX,
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.divergence.preference import (
     check_preference_args,
     preference_loss,
     sequence_logps,
     unused_label_smoothing,
 )
+from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, eval_mode, is_peft_model, position_ids_from_mask
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels")
 _CHECKPOINT_KEY = "dpo_reference_logps"

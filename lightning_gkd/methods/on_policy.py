@@ -20,9 +20,9 @@ from lightning_gkd.losses.base import STUDENT_SAMPLES, DistillationLoss, LeanPat
 from lightning_gkd.losses.plan import divergence_loss
 from lightning_gkd.methods.base import CausalLMModule
 from lightning_gkd.models.loading import ModelSource
-from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.sampling import eos_ids, validate_sampling_args
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.decoding.sampling import eos_ids, validate_sampling_args
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.rollouts import MultiTurnRollout, ToolCallParser, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, greedy_engine_turn, greedy_turn
 from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler

@@ -1,5 +1,5 @@
 """OPDModule: on-policy distillation as a policy gradient (the teacher's log-prob of each sampled token is the
-reward); the loss is ``lightning_gkd.losses.opd`` on top of ``lightning_gkd.ops.opd``."""
+reward); the loss is ``lightning_gkd.losses.opd`` on top of ``lightning_gkd.ops.divergence.opd``."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from lightning_gkd.losses.plan import (
 from lightning_gkd.methods.base import NonFinitePolicy, OptimizerFactory, SchedulerFactory
 from lightning_gkd.methods.on_policy import OnPolicyModule, check_range
 from lightning_gkd.models.loading import ModelSource
-from lightning_gkd.ops.hf import resolve_eos_token_id
-from lightning_gkd.ops.opd import Baseline, check_advantage_options
+from lightning_gkd.ops.divergence.opd import Baseline, check_advantage_options
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.rollouts import ToolCallParser
 from lightning_gkd.samplers import Sampler, SamplerFactory, sampled_logprobs_problem
 from lightning_gkd.teachers import CacheTeacher

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from lightning_gkd.losses.base import LossOutput
 from lightning_gkd.methods.base import CausalLMModule
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 
 
 class SFTModule(CausalLMModule):

@@ -1,12 +1,12 @@
 """A causal LM's output head read from its checkpoint without loading the model.
 
 A served teacher sends its final hidden states (after the final norm); turning them into its logits needs only its
-head, ``logits = softcap(scale · (h @ Wᵀ + b))`` (:class:`~lightning_gkd.ops.hf.LogitHead`). This module reads:
+head, ``logits = softcap(scale · (h @ Wᵀ + b))`` (:class:`~lightning_gkd.ops.hf.heads.LogitHead`). This module reads:
 
 * ``config.json`` (``AutoConfig``), from which the model class is built on the meta device (no memory, no weights) to
   learn the output projection's parameter names (``get_output_embeddings()``), whether its weight is tied to the
   input embedding (then a checkpoint may store it under the embedding's name only), its bias, and the scale and
-  soft-cap the config names (:func:`~lightning_gkd.ops.hf.output_head`);
+  soft-cap the config names (:func:`~lightning_gkd.ops.hf.heads.output_head`);
 * the safetensors index (``model.safetensors.index.json``) or the single file's header (``model.safetensors``), to
   find the file holding each head tensor;
 * only those tensors (``safe_open(file).get_tensor(name)``): ``V × H`` numbers (and ``V`` for a bias), not the
@@ -38,7 +38,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_gkd.models.loading import resolve_dtype
-from lightning_gkd.ops.hf import (
+from lightning_gkd.ops.hf.heads import (
     LeanForwardUnsupported,
     LogitHead,
     check_head_parameters,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from lightning_gkd.ops.hf import SharedRangeHead, output_rows
+from lightning_gkd.ops.hf.heads import SharedRangeHead, output_rows
 
 ModelSource: TypeAlias = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
 

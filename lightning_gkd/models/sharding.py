@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import is_sharded
+from lightning_gkd.ops.hf.forward import is_sharded
 
 __all__ = [
     "decoder_layers",

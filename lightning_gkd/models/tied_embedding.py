@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gkd.ops.embedding import embedding_rows_gradient
+from lightning_gkd.ops.hf.embedding import embedding_rows_gradient
 
 __all__ = ["RowsGradientEmbedding", "sparse_tied_embedding_gradient"]
 

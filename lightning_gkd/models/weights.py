@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import is_peft_model, is_sharded
+from lightning_gkd.ops.hf.forward import is_peft_model, is_sharded
 
 __all__ = ["hf_weights", "check_weights_exportable"]
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.decoding.sampling import generate_completions
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.rollouts.environment import Message
 from lightning_gkd.rollouts.rollout import MultiTurnRollout, RolloutStats, SampleTurn
 

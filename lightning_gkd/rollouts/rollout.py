@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from lightning_gkd.data.chat_tokens import left_pad
-from lightning_gkd.ops.losses import IGNORE_INDEX
-from lightning_gkd.ops.sampling import derive_seed
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.decoding.sampling import derive_seed
 from lightning_gkd.rollouts.environment import Environment, EnvironmentReply, Message, as_reply
 from lightning_gkd.rollouts.tools import FAILURE_KINDS
 

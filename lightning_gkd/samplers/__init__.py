@@ -1,6 +1,6 @@
 """Samplers: how a method gets completions for a batch of prompts (on-policy from the student, or seq-KD from the
 teacher). ``Sampler`` is the protocol the methods call; ``KVCacheSampler`` (our KV-cache decoder,
-``lightning_gkd.ops.sampling``) is the default engine; ``VLLMSampler`` runs vLLM engines in process (Hydra
+``lightning_gkd.ops.decoding.sampling``) is the default engine; ``VLLMSampler`` runs vLLM engines in process (Hydra
 ``sampler=vllm``); ``SpeculativeKDSampler`` lets the teacher correct the student's proposals (``sampler=skd``).
 Another engine implements the same ``sample`` and is passed as ``GKDModule(sampler=...)``."""
 

@@ -28,7 +28,7 @@ class Sampler(Protocol):
     ) -> dict[str, torch.Tensor]:
         """Completions for left-padded ``prompts`` ``(B, P)``, reproducible for a given ``seed``.
 
-        Returns the training batch of ``lightning_gkd.ops.sampling.completion_batch``: ``input_ids``,
+        Returns the training batch of ``lightning_gkd.ops.decoding.sampling.completion_batch``: ``input_ids``,
         ``attention_mask`` and ``labels``, each ``(B, P + N)``: the prompt columns as given (labels -100), then the
         completion up to and including its first EOS (attention 0 and labels -100 after it); and
         ``sampled_logprobs`` ``(B, P + N)``: each completion token's log-probability under the distribution it was

@@ -1,4 +1,4 @@
-"""The default sampler: our KV-cache decoder (``lightning_gkd.ops.sampling.generate_completions``), in process."""
+"""The default sampler: our KV-cache decoder (``ops.decoding.sampling.generate_completions``), in process."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import (
+from lightning_gkd.ops.decoding.sampling import generate_completions, validate_sampling_args
+from lightning_gkd.ops.hf.forward import (
     check_matmul_precision,
     float32_matmul_precision,
     is_sharded,
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
-from lightning_gkd.ops.sampling import generate_completions, validate_sampling_args
 
 #: ``weights_dtype`` choices: the dtype of the sampling copy (``None``: sample with the model itself).
 SAMPLING_DTYPES = ("bfloat16", "float16")

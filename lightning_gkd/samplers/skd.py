@@ -1,5 +1,5 @@
 """Speculative knowledge distillation's sampler (Hydra ``sampler=skd``): the student proposes, the teacher keeps a
-proposal among its top-``accept_top_k`` or replaces it with its own draw (``lightning_gkd.ops.speculative``)."""
+proposal among its top-``accept_top_k`` or replaces it with its own draw (``ops.decoding.speculative``)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import (
+from lightning_gkd.ops.decoding.sampling import generate_completions, validate_sampling_args
+from lightning_gkd.ops.decoding.speculative import check_speculative_settings, speculative_completions
+from lightning_gkd.ops.hf.forward import (
     check_matmul_precision,
     float32_matmul_precision,
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
-from lightning_gkd.ops.sampling import generate_completions, validate_sampling_args
-from lightning_gkd.ops.speculative import check_speculative_settings, speculative_completions
 
 _TEACHER_NEEDED = (
     "sampler=skd verifies the student's drafts with one in-process teacher model, got {kinds}. Use teacher=local, "

@@ -1,7 +1,7 @@
 """vLLM as the sampling engine (``sampler=vllm``): one in-process engine per model and rank ("colocate"),
 started from the model's own weights, synced from the student after it changes.
 
-The output contract is ``KVCacheSampler``'s (``lightning_gkd.ops.sampling.completion_batch`` plus
+The output contract is ``KVCacheSampler``'s (``lightning_gkd.ops.decoding.sampling.completion_batch`` plus
 ``sampled_logprobs``); each row's vLLM seed is derived from the call's seed and the row's index, so a resumed run
 repeats its samples. An engine is built from the model's config alone (random "dummy" weights, no export step) and
 its weights are then loaded from the live model through vLLM's ``reload_weights`` (``models.weights.hf_weights``:
@@ -29,8 +29,8 @@ from torch import nn
 
 from lightning_gkd.models.loading import vocab_size
 from lightning_gkd.models.weights import check_weights_exportable, hf_weights
-from lightning_gkd.ops.hf import EosTokenId, resolve_eos_token_id, resolve_pad_token_id, unwrap
-from lightning_gkd.ops.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
+from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
+from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id, resolve_pad_token_id, unwrap
 from lightning_gkd.samplers.vllm_engine import dtype_bytes, kv_cache_bytes, reload_on_worker, shutdown_engine
 
 __all__ = ["VLLMSampler", "import_vllm"]

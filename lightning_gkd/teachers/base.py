@@ -19,8 +19,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from lightning_gkd.ops.hf import LogitHead
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.hf.heads import LogitHead
 
 
 class TeacherUnavailable(RuntimeError):

@@ -52,7 +52,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.rows import fit_rows
 from lightning_gkd.data.tokenizer import tokenizer_fingerprint
 from lightning_gkd.evaluation.model_card import describe_source
-from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.hf.heads import LogitHead
 from lightning_gkd.teachers.base import TopKSignal
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 

@@ -44,7 +44,8 @@ from lightning_gkd.models.loading import (
     source_vocab_size,
     vocab_size,
 )
-from lightning_gkd.ops.hf import LeanForwardUnsupported, check_output_head, output_head, unwrap
+from lightning_gkd.ops.hf.forward import unwrap
+from lightning_gkd.ops.hf.heads import LeanForwardUnsupported, check_output_head, output_head
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.cache import (
     FORMAT,

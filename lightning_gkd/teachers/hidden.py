@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.hf.heads import LogitHead
 from lightning_gkd.teachers.base import supervised_positions
 
 

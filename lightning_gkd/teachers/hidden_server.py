@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.hf.heads import LogitHead
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.http import TeacherRequestError
 from lightning_gkd.teachers.served_model import ServedModel, scored_rows

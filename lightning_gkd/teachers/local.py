@@ -7,8 +7,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import LogitHead, causal_lm_logits, hidden_states_and_head
-from lightning_gkd.ops.topk import topk_log_probs
+from lightning_gkd.ops.divergence.topk import topk_log_probs
+from lightning_gkd.ops.hf.forward import causal_lm_logits
+from lightning_gkd.ops.hf.heads import LogitHead, hidden_states_and_head
 from lightning_gkd.teachers.base import TopKSignal, next_tokens
 
 

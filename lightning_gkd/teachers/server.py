@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import EosTokenId
-from lightning_gkd.ops.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
+from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
+from lightning_gkd.ops.hf.forward import EosTokenId
 from lightning_gkd.teachers.base import TeacherUnavailable, TopKSignal
 from lightning_gkd.teachers.http import TeacherRequestError, check_number, normalize_url, start_command
 from lightning_gkd.teachers.served_model import ServedModel, scored_rows
@@ -127,7 +127,7 @@ class ServerTeacher:
     def topk(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> TopKSignal:
         """The signal at the True ``positions`` ``(B, L)`` of ``batch`` (``input_ids``, ``attention_mask`` ``(B,
         L)``, left-padded): ``ids``/``logprobs`` ``(N, k)``, ``next_logprobs`` ``(N,)``, row-major, on the batch's
-        device. Ties in log-probs are ordered by id (as ``lightning_gkd.ops.topk.topk_log_probs``)."""
+        device. Ties in log-probs are ordered by id (as ``lightning_gkd.ops.divergence.topk.topk_log_probs``)."""
         input_ids = batch["input_ids"]
         # prompt_logprobs entry j is the distribution of token j given tokens < j: position i reads entry i + 1
         rows = [
@@ -187,7 +187,7 @@ class ServerTeacher:
 
 class ServerSampler:
     """Completions written by the teacher server (sequence-level KD), with the ``Sampler`` contract: the batch of
-    ``lightning_gkd.ops.sampling.completion_batch``. The ``model`` argument is ignored (the server has the weights).
+    ``ops.decoding.sampling.completion_batch``. The ``model`` argument is ignored (the server has the weights).
 
     Each row's request seed is ``derive_seed(seed, row)``, so a seed gives the same samples again (on the same
     server and model). ``sampled_logprobs`` are the server's log-probs of the sampled tokens: under vLLM's default

@@ -34,8 +34,8 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.models.loading import ModelSource, load_frozen_causal_lm
-from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.ops.sampling import derive_seed, generate_completions
+from lightning_gkd.ops.decoding.sampling import derive_seed, generate_completions
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
 from lightning_gkd.teachers.cache import shard_rows
 
 COMPLETIONS_FILE = "completions.jsonl"

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_gkd.evaluation.model_card import write_model_card
-from lightning_gkd.ops.hf import is_peft_model, is_sharded
+from lightning_gkd.ops.hf.forward import is_peft_model, is_sharded
 from lightning_gkd.training.checkpoint_io import write_folder_atomically
 
 

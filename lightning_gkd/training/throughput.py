@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from lightning_gkd.ops.losses import IGNORE_INDEX
+from lightning_gkd.ops.constants import IGNORE_INDEX
 
 
 class TokenThroughput:

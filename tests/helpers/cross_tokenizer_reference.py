@@ -9,8 +9,13 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lightning_gkd.data.retokenize import _TokenBytes
-from lightning_gkd.ops.chunk_likelihood import _project, binary_jsd, chunk_log_likelihoods, projected_distance
-from lightning_gkd.ops.token_alignment import align_byte_spans, end_token_count, token_id_list
+from lightning_gkd.ops.cross_tokenizer.chunk_likelihood import (
+    _project,
+    binary_jsd,
+    chunk_log_likelihoods,
+    projected_distance,
+)
+from lightning_gkd.ops.cross_tokenizer.token_alignment import align_byte_spans, end_token_count, token_id_list
 
 
 def reference_tables(student_tokenizer, teacher_tokenizer):

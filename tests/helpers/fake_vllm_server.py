@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_gkd.ops.hf import final_hidden_states
-from lightning_gkd.ops.sampling import sampling_logits
+from lightning_gkd.ops.decoding.sampling import sampling_logits
+from lightning_gkd.ops.hf.heads import final_hidden_states
 
 
 class FakeVLLMServer:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-from lightning_gkd.ops.sampling import generate_completions
+from lightning_gkd.ops.decoding.sampling import generate_completions
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm

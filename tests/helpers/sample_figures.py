@@ -1,8 +1,9 @@
-"""The float64 reference of lightning_gkd.ops.sample_figures, for the tests that check the figures a loss gathers."""
+"""The float64 reference of lightning_gkd.ops.divergence.sample_figures, for the tests that check the figures a loss
+gathers."""
 
 import torch
 
-from lightning_gkd.ops.sample_figures import STUDENT_TOP_K
+from lightning_gkd.ops.divergence.sample_figures import STUDENT_TOP_K
 
 
 def reference_figures(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_gkd.ops.sampling import completion_batch
+from lightning_gkd.ops.decoding.sampling import completion_batch
 
 
 class ScriptedSampler:

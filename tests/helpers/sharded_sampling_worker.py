@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.models.sharding import is_sharded, shard_causal_lm
-from lightning_gkd.ops.sampling import sample_tokens
+from lightning_gkd.ops.decoding.sampling import sample_tokens
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import asset_path
 

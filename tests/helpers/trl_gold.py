@@ -1,4 +1,5 @@
-"""TRL 1.16's GOLD ``ULDLoss`` (trl.experimental.gold) as a test-only oracle for lightning_gkd.ops.aligned_row_loss.
+"""TRL 1.16's GOLD ``ULDLoss`` (trl.experimental.gold) as a test-only oracle for
+lightning_gkd.ops.cross_tokenizer.aligned_row_loss.
 
 ``trl_uld_loss`` builds TRL's loss from a real ``GOLDConfig`` mapped from our ``CrossTokenizerLoss`` (CPU, fp32) and
 stand-in tokenizers that only expose ``get_vocab`` (all TRL reads of them). ``trl_row_loss`` lays one row out the
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_gkd.ops.aligned_row_loss import CrossTokenizerLoss
+from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import CrossTokenizerLoss
 
 PROMPT = 2  # prompt positions before each completion in TRL's layout
 

@@ -29,8 +29,8 @@ from helpers.ddp_worker import KEYS, LR, SGD, Recorded, fit, gather, prompt_toke
 from helpers.vllm_models import vllm_tiny  # noqa: E402
 from lightning_gkd import ChatDataModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer  # noqa: E402
-from lightning_gkd.ops.hf import resolve_eos_token_id, resolve_pad_token_id  # noqa: E402
-from lightning_gkd.ops.sampling import generate_completions  # noqa: E402
+from lightning_gkd.ops.decoding.sampling import generate_completions  # noqa: E402
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id  # noqa: E402
 from lightning_gkd.samplers import VLLMSampler  # noqa: E402
 from lightning_gkd.toy import addition_rows  # noqa: E402
 

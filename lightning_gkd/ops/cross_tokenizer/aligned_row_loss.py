@@ -57,14 +57,14 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from lightning_gkd.ops.chunk_likelihood import (
+from lightning_gkd.ops.cross_tokenizer.chunk_likelihood import (
     ProjectionTables,
     binary_jsd,
     plan_targets,
     projected_distances,
     projection_plan,
 )
-from lightning_gkd.ops.token_alignment import (
+from lightning_gkd.ops.cross_tokenizer.token_alignment import (
     MERGE_STRATEGIES,
     Span,
     align_byte_spans,
@@ -73,7 +73,7 @@ from lightning_gkd.ops.token_alignment import (
     merge_group_probs,
     token_id_list,
 )
-from lightning_gkd.ops.uld import (
+from lightning_gkd.ops.cross_tokenizer.uld import (
     MATCHED_DIVERGENCES,
     hybrid_distance,
     hybrid_terms,

@@ -18,9 +18,9 @@ cheaper approximation TRL-style top-k servers use; not monotone in ``k``, and bl
 ``sampled_kl_loss`` is for on-policy batches where only the teacher's log-prob of the student's sampled token is
 known: the single-sample estimators k1 and k3 of the reverse KL.
 
-As in ``lightning_gkd.ops.chunked_jsd``, only ``chunk_size`` positions are projected to logits at a time, and the
-loss's gradient with respect to those logits, in closed form, is folded into the gradients of the hidden states and
-the head's weight and bias during the forward pass: extra memory O(``chunk_size`` × V).
+As in ``lightning_gkd.ops.divergence.chunked_jsd``, only ``chunk_size`` positions are projected to logits at a time,
+and the loss's gradient with respect to those logits, in closed form, is folded into the gradients of the hidden
+states and the head's weight and bias during the forward pass: extra memory O(``chunk_size`` × V).
 
 Gradient of a bucket loss ``f(σ)`` (σ_j the student's coarse log-probs) with respect to the student logits ``z``:
 with ``h_j = ∂f/∂σ_j``, ``H = Σ_j h_j``, ``S = softmax(z)``,
@@ -39,9 +39,9 @@ import math
 
 import torch
 
-from lightning_gkd.ops.chunked_head import check_hidden_and_head, check_token_ids, folded_head_loss
-from lightning_gkd.ops.hf import LogitHead
-from lightning_gkd.ops.sample_figures import SampleFigures
+from lightning_gkd.ops.divergence.chunked_head import check_hidden_and_head, check_token_ids, folded_head_loss
+from lightning_gkd.ops.divergence.sample_figures import SampleFigures
+from lightning_gkd.ops.hf.heads import LogitHead
 
 __all__ = ["ESTIMATORS", "sampled_kl_loss", "topk_distillation_loss"]
 
@@ -156,7 +156,7 @@ def topk_distillation_loss(
 
     * β = 0: ``KL(P‖Q) = Σ_j P_j (t_j − s_j)`` (forward KL)
     * β = 1: ``KL(Q‖P) = Σ_j Q_j (s_j − t_j)`` (reverse KL)
-    * otherwise ``β KL(P‖M) + (1 − β) KL(Q‖M)``, as ``lightning_gkd.ops.losses.generalized_jsd_loss`` defines it,
+    * otherwise ``β KL(P‖M) + (1 − β) KL(Q‖M)``, as ``ops.divergence.jsd.generalized_jsd_loss`` defines it,
 
     with ``0 · log 0 = 0``. When ``K`` is the whole vocabulary there is no rest bucket and this equals
     ``generalized_jsd_loss(student_head.logits(student_hidden), teacher_logits, beta=beta)`` (batchmean over the

@@ -1,7 +1,7 @@
 """Distances between two models' aligned next-token distributions over different vocabularies: ULD's sorted-probability
 L1 (Boizard et al., *Towards Cross-Tokenizer Distillation*) and GOLD's hybrid (a generalized JSD on the columns whose
-token strings both vocabularies hold, ULD on the rest). Per aligned group; ``lightning_gkd.ops.aligned_row_loss``
-combines them into a row's loss. Pure torch.
+token strings both vocabularies hold, ULD on the rest). Per aligned group;
+``lightning_gkd.ops.cross_tokenizer.aligned_row_loss`` combines them into a row's loss. Pure torch.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Literal, cast
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lightning_gkd.ops.losses import generalized_jsd_loss, generalized_jsd_terms
-from lightning_gkd.ops.token_alignment import EPS
+from lightning_gkd.ops.cross_tokenizer.token_alignment import EPS
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss, generalized_jsd_terms
 
 __all__ = [
     "MATCHED_DIVERGENCES",

@@ -31,8 +31,13 @@ from typing import Literal
 
 import torch
 
-from lightning_gkd.ops.chunked_head import check_hidden_and_head, check_token_ids, folded_head_loss, head_logits
-from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.divergence.chunked_head import (
+    check_hidden_and_head,
+    check_token_ids,
+    folded_head_loss,
+    head_logits,
+)
+from lightning_gkd.ops.hf.heads import LogitHead
 
 __all__ = [
     "BASELINES",

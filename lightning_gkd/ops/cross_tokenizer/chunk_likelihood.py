@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_gkd.ops.losses import generalized_jsd_loss, generalized_jsd_terms
+from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss, generalized_jsd_terms
 
 __all__ = [
     "LOG_PROB_CEILING",

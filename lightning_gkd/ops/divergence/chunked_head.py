@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.hf.heads import LogitHead
 
 __all__ = [
     "ChunkLoss",

@@ -23,9 +23,9 @@ from functools import partial
 
 import torch
 
-from lightning_gkd.ops.chunked_head import folded_head_loss, head_finish, head_projection
-from lightning_gkd.ops.hf import LogitHead
-from lightning_gkd.ops.sample_figures import SampleFigures
+from lightning_gkd.ops.divergence.chunked_head import folded_head_loss, head_finish, head_projection
+from lightning_gkd.ops.divergence.sample_figures import SampleFigures
+from lightning_gkd.ops.hf.heads import LogitHead
 
 __all__ = ["projected_jsd_loss"]
 
@@ -121,7 +121,7 @@ def projected_jsd_loss(
     respect to ``student_hidden`` and the student head's weight and bias, but with O(``chunk_size`` × V) extra
     memory. Softmaxes run in float32 whatever the input dtype; the teacher inputs get no gradient.
 
-    A head (``lightning_gkd.ops.hf.LogitHead``) is ``logits = softcap(scale · (h @ Wᵀ + b))``; the gradient passes
+    A head (``lightning_gkd.ops.hf.heads.LogitHead``) is ``logits = softcap(scale · (h @ Wᵀ + b))``; the gradient passes
     through it in closed form: ``d softcap(z)/dz = 1 − tanh²(z / cap)``, times ``scale``.
 
     Args:

@@ -1,5 +1,5 @@
 """Aligning two tokenizations of one text by UTF-8 byte spans, and merging a group of tokens' probabilities into one
-distribution: the first two steps of the cross-tokenizer loss (``lightning_gkd.ops.aligned_row_loss``).
+distribution: the first two steps of the cross-tokenizer loss (``lightning_gkd.ops.cross_tokenizer.aligned_row_loss``).
 
 A span is a token's ``(start, end)`` in bytes from the start of the completion's content; end tokens (the EOS and
 anything after it) are zero-width at ``(content_len, content_len)``. ``probs[k]`` is a model's distribution *for*

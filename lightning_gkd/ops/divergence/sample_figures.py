@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.hf.heads import LogitHead
 
 __all__ = ["STUDENT_TOP_K", "SampleFigures"]
 

@@ -31,15 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf import (
-    EosTokenId,
-    accepts_logits_to_keep,
-    cache_keyword,
-    eval_mode,
-    is_sharded,
-    position_ids_from_mask,
-)
-from lightning_gkd.ops.sampling import (
+from lightning_gkd.ops.decoding.sampling import (
     completion_batch,
     completion_mask,
     eos_tensor,
@@ -48,6 +40,14 @@ from lightning_gkd.ops.sampling import (
     sampling_logits,
     uniform_draws,
     validate_sampling_args,
+)
+from lightning_gkd.ops.hf.forward import (
+    EosTokenId,
+    accepts_logits_to_keep,
+    cache_keyword,
+    eval_mode,
+    is_sharded,
+    position_ids_from_mask,
 )
 
 __all__ = ["SpeculativeSample", "check_speculative_settings", "speculative_completions", "speculative_tokens"]

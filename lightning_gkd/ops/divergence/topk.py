@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_gkd.ops.hf import LogitHead
+from lightning_gkd.ops.hf.heads import LogitHead
 
 __all__ = ["topk_log_probs"]
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gkd.ops.hf import (
+from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.hf.forward import (
     EosTokenId,
     accepts_logits_to_keep,
     cache_keyword,
@@ -27,7 +28,6 @@ from lightning_gkd.ops.hf import (
     position_ids_from_mask,
     resolve_eos_token_id,
 )
-from lightning_gkd.ops.losses import IGNORE_INDEX
 
 __all__ = [
     "completion_batch",

@@ -1,0 +1,2 @@
+"""Sampling completions: the KV-cache decoder and its batch layout (``sampling``), speculative KD's block-verified
+sampling (``speculative``)."""
