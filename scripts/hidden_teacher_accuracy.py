@@ -4,7 +4,7 @@ same run with the teacher in process (dense) and with its top-20 (what a top-k s
 The hidden-state arm trains against a real vLLM pooling server of the chain teacher (`--runner pooling`, per-token
 states, bf16 on the wire: `teacher=server_hidden`'s default), the head read from the teacher's safetensors; the top-20
 arm reads the in-process teacher's top-20 with the tail bucket (`teacher.top_k=20`, `sparse_loss=topk`: the signal a
-server with `prompt_logprobs=20` sends, tests/test_teachers_server.py). Every run is scripts/reproduce_gkd.py's chain
+server with `prompt_logprobs=20` sends, tests/teachers/test_server.py). Every run is scripts/reproduce_gkd.py's chain
 "GKD β=1" with its budget, learning rate and seeds. Needs vLLM (the vLLM environment, README "vLLM"). Writes
 docs/hidden_teacher.md and .json.
 

@@ -22,8 +22,8 @@ from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 # One intra-op thread for the tests run in this process, unless OMP_NUM_THREADS says otherwise (as the DDP, FSDP and
 # cache workers and several test modules already do): while other processes hold the cores (a shared machine, the
 # slow tier's subprocesses), two threads that wait for each other on every tiny op made the tests ~9x slower (2 busy
-# cores: test_methods_dpo.py, test_ops_losses.py and test_data_loader.py, 327 tests, took 9.5 s with one thread and
-# 89 s with two).
+# cores: tests/methods/test_dpo.py, tests/ops/divergence/test_jsd.py and tests/data/test_loader.py, 327 tests, took
+# 9.5 s with one thread and 89 s with two).
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 

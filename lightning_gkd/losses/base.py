@@ -147,7 +147,7 @@ class LeanPath:
                     raise ValueError(
                         f"The {loss_name} loss reads each model's final hidden states and head, and {reason}; it has "
                         "no full-logits path: use models whose heads the lean path describes (Llama, Qwen, Mistral, "
-                        "Gemma, ...; tests/test_ops_hf_heads.py), or a teacher whose loss has one (an in-process "
+                        "Gemma, ...; tests/ops/hf/test_heads.py), or a teacher whose loss has one (an in-process "
                         "teacher without top_k)."
                     ) from reason
                 from lightning.pytorch.utilities import rank_zero_warn

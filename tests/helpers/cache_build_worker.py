@@ -1,4 +1,4 @@
-"""A teacher-cache build with 2 CPU processes (gloo DDP) for tests/test_teachers_cache.py.
+"""A teacher-cache build with 2 CPU processes (gloo DDP) for tests/teachers/test_cache.py.
 
     python tests/helpers/cache_build_worker.py <cache_dir> [--kill-after-first-shard]
 

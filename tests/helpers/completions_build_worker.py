@@ -1,5 +1,5 @@
 """Offline SeqKD completions (``build_teacher_completions``) with 2 CPU processes (gloo DDP) for
-tests/test_teachers_teacher_completions.py.
+tests/teachers/test_teacher_completions.py.
 
     python tests/helpers/completions_build_worker.py <folder> [--kill-after-first-part]
 

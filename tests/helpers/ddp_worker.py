@@ -1,4 +1,4 @@
-"""Two-process DDP runs on CPU (gloo) for tests/test_training_ddp.py; rank 0 writes the measurements to
+"""Two-process DDP runs on CPU (gloo) for tests/training/test_ddp.py; rank 0 writes the measurements to
 <out>/result.json.
 
     python tests/helpers/ddp_worker.py <out_dir>
@@ -24,7 +24,7 @@ trained on:
 7. ``tools``: lmbda = 1 with tools (scripted turns, real tool calls on each rank for its own rows), 2 steps, against
    one process rolling out the doubled batch.
 8. ``hidden_server``: ``parity_uneven`` with the teacher served as final hidden states (one fake vLLM pooling server
-   that tests/test_training_ddp.py starts, both ranks its clients; the head read from the teacher's folder), against
+   that tests/training/test_ddp.py starts, both ranks its clients; the head read from the teacher's folder), against
    one process with the teacher in process on the doubled batch.
 """
 

@@ -1,4 +1,4 @@
-"""Two-process FSDP2 run on CPU (gloo) for tests/test_models_sharding.py; writes its measurements to <out>/result.json.
+"""Two-process FSDP2 run on CPU (gloo) for tests/models/test_sharding.py; writes its measurements to <out>/result.json.
 
     python tests/helpers/fsdp_worker.py <out_dir> [file|distributed]
 

@@ -1,4 +1,4 @@
-"""Two-process fits on CPU (gloo) for tests/test_methods_base.py: gradients are freed after each optimizer step under
+"""Two-process fits on CPU (gloo) for tests/methods/test_base.py: gradients are freed after each optimizer step under
 DDP and FSDP2, and training is bit-equal to Lightning's own step. Every rank writes <out>/rank<r>.json.
 
     python tests/helpers/gradient_freeing_worker.py <out_dir> ddp|fsdp

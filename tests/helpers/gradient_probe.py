@@ -1,4 +1,4 @@
-"""Probes for when gradients are freed (tests/test_methods_base.py and its multi-process worker)."""
+"""Probes for when gradients are freed (tests/methods/test_base.py and its multi-process worker)."""
 
 import lightning as L
 

@@ -49,3 +49,15 @@ def _replace(node: DictConfig | ListConfig, old: str, new: str) -> None:
             _replace(child, old, new)
         elif isinstance(raw := child._value(), str) and old in raw:
             node[key] = raw.replace(old, new)
+
+
+#: a short run of the default job: 3 steps, one validation batch, every step logged
+FAST = [
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "data.batch_size=4",
+    "method.max_new_tokens=6",
+    "print_config=false",
+]

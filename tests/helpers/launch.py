@@ -7,6 +7,8 @@ import socket
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+#: seconds a multi-process test waits for its workers
+TIMEOUT = 180
 
 #: what a launcher (SLURM, torchrun, an outer Lightning run) sets; with any of it Lightning would not start rank 1
 LAUNCHER_PREFIXES = (

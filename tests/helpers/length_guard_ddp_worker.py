@@ -1,4 +1,4 @@
-"""A two-process DDP fit on CPU (gloo) for tests/test_callbacks_length_guard.py: LengthGuard's figures over both
+"""A two-process DDP fit on CPU (gloo) for tests/callbacks/test_length_guard.py: LengthGuard's figures over both
 ranks' validation rows. Rank 0 writes <out>/result.json.
 
     python tests/helpers/length_guard_ddp_worker.py <out_dir>

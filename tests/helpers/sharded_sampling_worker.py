@@ -1,5 +1,5 @@
 """One rank of a 2-process gloo group decoding with an FSDP2-sharded model whose ranks finish at different steps;
-for tests/test_training_ddp.py. Each rank writes <out>/rank<r>.json.
+for tests/training/test_ddp.py. Each rank writes <out>/rank<r>.json.
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/helpers/sharded_sampling_worker.py <out_dir>
 

@@ -1,4 +1,4 @@
-"""A two-process DDP fit on CPU (gloo) for tests/test_methods_gkd_teachers.py: a teacher server that goes down for
+"""A two-process DDP fit on CPU (gloo) for tests/methods/test_gkd_teachers.py: a teacher server that goes down for
 rank 1 only. Every rank writes <out>/rank<r>.json: how its fit ended, its step, what its ``TeacherOutage`` saved.
 
     python tests/helpers/teacher_outage_ddp_worker.py <out_dir>

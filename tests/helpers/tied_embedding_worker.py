@@ -1,4 +1,4 @@
-"""Two-process fits on CPU (gloo) for tests/test_models_tied_embedding.py: the tied student's embedding gradient as
+"""Two-process fits on CPU (gloo) for tests/models/test_tied_embedding.py: the tied student's embedding gradient as
 the rows looked up (``RowsGradientEmbedding``, the default) against torch's dense path; rank 0 writes
 <out>/result.json.
 

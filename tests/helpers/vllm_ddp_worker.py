@@ -1,4 +1,4 @@
-"""Two processes on CPU (gloo) with sampler=vllm, for tests/test_samplers_vllm.py; rank 0 writes <out>/result.json.
+"""Two processes on CPU (gloo) with sampler=vllm, for tests/samplers/test_vllm.py; rank 0 writes <out>/result.json.
 
     python tests/helpers/vllm_ddp_worker.py <out_dir> ddp|fsdp
 

@@ -1,0 +1,97 @@
+"""HeldOutEvaluation's recovered fraction of the teacher–student gap: in its results, held_out.json, the logger and
+its table, from a real fit (more of the callback: tests/methods/test_sft.py)."""
+
+import copy
+import csv
+import json
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.evaluation import evaluate_generations
+from lightning_gkd.models.loading import load_causal_lm
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
+
+
+def fit(module, tokenizer, rows, tmp_path, held_out, max_steps):
+    data = ChatDataModule(tokenizer, addition_rows("train", 64), test_data=rows, batch_size=8, max_length=64)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[held_out],
+        default_root_dir=tmp_path,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+
+
+def logged(tmp_path):
+    with open(tmp_path / "metrics.csv") as handle:
+        return {key: float(value) for row in csv.DictReader(handle) for key, value in row.items() if value}
+
+
+def test_the_gap_closed_is_reported_beside_the_scores(tmp_path):
+    """The toy teacher (98% on the test split) and its student start (~21%): supervised KD for a few steps moves
+    the student, and every report gives (after − before) / (teacher − before) of independently computed scores."""
+    tokenizer = load_tokenizer(asset_path("toy/teacher"))
+    teacher, student = load_causal_lm(asset_path("toy/teacher")), load_causal_lm(asset_path("toy/student_init"))
+    rows = addition_rows("test", 48)
+    expected_teacher = evaluate_generations(teacher, tokenizer, rows, max_new_tokens=8)["accuracy"]
+    expected_before = evaluate_generations(copy.deepcopy(student), tokenizer, rows, max_new_tokens=8)["accuracy"]
+    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, beta=0.0, optimizer=partial(torch.optim.AdamW, lr=3e-3))
+    held_out = HeldOutEvaluation(max_new_tokens=8)
+    fit(module, tokenizer, rows, tmp_path, held_out, max_steps=12)
+    expected_after = evaluate_generations(module.student, tokenizer, rows, max_new_tokens=8)["accuracy"]
+    results = held_out.results
+    assert (results["teacher"]["accuracy"], results["before"]["accuracy"], results["after"]["accuracy"]) == (
+        expected_teacher,
+        expected_before,
+        expected_after,
+    )
+    assert expected_teacher > expected_before and expected_after != expected_before  # a gap, and a move
+    gap = (expected_after - expected_before) / (expected_teacher - expected_before)
+    assert results["gap_closed"] == {"accuracy": pytest.approx(gap, abs=1e-12)}
+    saved = json.loads((tmp_path / "held_out.json").read_text())
+    assert saved["gap_closed"]["accuracy"] == pytest.approx(gap, abs=1e-12)
+    assert saved["num_rows"] == 48 and saved["max_new_tokens"] == 8
+    metrics = logged(tmp_path)
+    assert metrics["test/accuracy_gap_closed"] == pytest.approx(gap, abs=1e-6)
+    assert metrics["test/accuracy_after"] == pytest.approx(expected_after)
+    assert metrics["test/teacher_accuracy"] == pytest.approx(expected_teacher)
+    assert f"gap closed {gap:.3f}" in held_out.table(48)
+
+
+def test_without_a_gap_to_close_it_is_n_a_and_not_logged(student, teacher, tokenizer, tmp_path):
+    rows = addition_rows("test", 4)
+    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, max_new_tokens=4)
+    held_out = HeldOutEvaluation(max_new_tokens=4)
+    fit(module, tokenizer, rows, tmp_path, held_out, max_steps=1)
+    # two untrained tiny models: neither answers one sum right
+    assert held_out.results["teacher"]["accuracy"] == held_out.results["before"]["accuracy"] == 0.0
+    assert held_out.results["gap_closed"] == {"accuracy": None}
+    assert json.loads((tmp_path / "held_out.json").read_text())["gap_closed"] == {"accuracy": None}
+    metrics = logged(tmp_path)
+    assert "test/accuracy_after" in metrics and "test/accuracy_gap_closed" not in metrics
+    assert "gap closed n/a (the teacher does not score above the start)" in held_out.table(4)
+
+
+def test_without_a_teacher_there_is_no_gap(student, tokenizer, tmp_path):
+    from lightning_gkd import SFTModule
+
+    rows = addition_rows("test", 4)
+    held_out = HeldOutEvaluation(max_new_tokens=4)
+    fit(SFTModule(student, tokenizer), tokenizer, rows, tmp_path, held_out, max_steps=1)
+    assert set(held_out.results) == {"before", "after"}
+    assert "gap closed" not in held_out.table(4)
+    assert not any(key.endswith("_gap_closed") for key in logged(tmp_path))

@@ -1,0 +1,68 @@
+"""Small real fits the tests share: a GKD module on the tiny models and a Lightning Trainer on CPU, and reading
+what a fit logged."""
+
+from __future__ import annotations
+
+import csv
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.toy import addition_rows
+
+
+def make_module(student, teacher, tokenizer, **kwargs):
+    kwargs.setdefault("max_new_tokens", 6)
+    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
+    return GKDModule(student, teacher, tokenizer, **kwargs)
+
+
+def fit(module, tokenizer, rows, tmp_path, max_steps=3, **trainer_kwargs):
+    datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        limit_val_batches=1,
+        val_check_interval=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+def fit_one_step(module, tokenizer, tmp_path, precision, *, datamodule=None, max_steps=1, **trainer_kwargs):
+    """A real Lightning fit of ``max_steps`` steps on CPU (toy addition rows unless a datamodule is given)."""
+    datamodule = datamodule or ChatDataModule(tokenizer, addition_rows("train", 8), batch_size=4, max_length=64)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        precision=precision,
+        **trainer_kwargs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+def logged(tmp_path, key):
+    with open(tmp_path / "metrics.csv") as handle:
+        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
+
+
+def per_step(run_dir: Path, key: str) -> dict[int, float]:
+    with open(run_dir / "logs" / "metrics.csv") as handle:
+        return {int(row["step"]): float(row[key]) for row in csv.DictReader(handle) if row.get(key)}
