@@ -269,7 +269,7 @@ def test_sigterm_and_resume_with_sampler_vllm_repeats_the_uninterrupted_run(tmp_
 
     monkeypatch.chdir(tmp_path)
     run(compose("a_full", []))
-    sigterm = ["+callbacks.sigterm._target_=test_training_exact_resume.SigtermAt", "+callbacks.sigterm.step=3"]
+    sigterm = ["+callbacks.sigterm._target_=helpers.signals.SigtermAt", "+callbacks.sigterm.step=3"]
     run(compose("b_stopped", sigterm))
     runs = tmp_path / "outputs" / "runs"
     assert sorted(per_step(runs / "b_stopped", "train/loss")) == [0, 1, 2]

@@ -2,11 +2,8 @@
 ckpt_path=last repeats the uninterrupted run's losses, coin flips and on-policy samples exactly (CPU), with
 grouped generation (k=2, so the stop falls inside a group) and a learning-rate schedule."""
 
-import os
-import signal
 from pathlib import Path
 
-import lightning as L
 import pytest
 from helpers.fitting import per_step
 from helpers.hydra_compose import compose_train
@@ -35,17 +32,6 @@ OVERRIDES = [
 ]
 
 
-class SigtermAt(L.Callback):
-    """Sends this process SIGTERM at the end of optimizer step ``step`` (as a scheduler's preemption would)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def compose(tmp_path: Path, name: str, extra: list[str]):
     cfg = compose_train(tmp_path, [*OVERRIDES, *extra])
     from omegaconf import open_dict
@@ -64,7 +50,7 @@ def test_sigterm_then_ckpt_path_last_repeats_the_uninterrupted_run(tmp_path, mon
         compose(
             tmp_path,
             "b_stopped",
-            ["+callbacks.sigterm._target_=test_training_exact_resume.SigtermAt", "+callbacks.sigterm.step=5"],
+            ["+callbacks.sigterm._target_=helpers.signals.SigtermAt", "+callbacks.sigterm.step=5"],
         )
     )
     stopped_dir = tmp_path / "outputs" / "runs" / "b_stopped"
@@ -112,7 +98,7 @@ def test_dpo_resumes_mid_epoch_exactly(tmp_path, monkeypatch):
     stopped = run(
         compose_dpo(
             "b_stopped",
-            ["+callbacks.sigterm._target_=test_training_exact_resume.SigtermAt", "+callbacks.sigterm.step=4"],
+            ["+callbacks.sigterm._target_=helpers.signals.SigtermAt", "+callbacks.sigterm.step=4"],
         )
     )
     assert stopped["stopped_by_signal"] and stopped["global_step"] == 4
