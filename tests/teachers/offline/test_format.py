@@ -1,5 +1,5 @@
-"""The teacher cache's format on disk: caches written by earlier code still read, and today's code writes the same
-bytes.
+"""The teacher cache's format on disk (lightning_gkd/teachers/offline/format.py): caches written by earlier code
+still read, and today's code writes the same bytes.
 
 ``stored/`` holds three small caches (top-k; hidden states as float16, no bias; as bfloat16, with a bias, a scale
 and a soft-cap) written from synthetic records, no model, by ``write_stored_caches`` with the code of 426f4bf (before
@@ -21,18 +21,12 @@ import torch
 
 from lightning_gkd.ops.hf.heads import LogitHead
 from lightning_gkd.teachers.base import supervised_positions
-from lightning_gkd.teachers.cache import (
-    CacheTeacher,
-    HiddenCacheTeacher,
-    HiddenRecord,
-    Record,
-    encode_hidden,
-    open_teacher_cache,
-    row_key,
-    write_head,
-    write_shard,
-)
-from lightning_gkd.teachers.cache_build import finalize_cache
+from lightning_gkd.teachers.offline.build import finalize_cache
+from lightning_gkd.teachers.offline.fingerprints import row_key
+from lightning_gkd.teachers.offline.format import HiddenRecord, Record, encode_hidden
+from lightning_gkd.teachers.offline.head import write_head
+from lightning_gkd.teachers.offline.reader import CacheTeacher, HiddenCacheTeacher, open_teacher_cache
+from lightning_gkd.teachers.offline.shards import shard_name, write_shard_file
 
 STORED = Path(__file__).parent / "stored"
 #: the synthetic rows' token ids, and how many supervised positions each has (its last ones)
@@ -107,7 +101,7 @@ def write_stored_caches(root: Path) -> None:
                 else:
                     records.append(Record(row, row_key(ROW_IDS[row]), *topk_values(row)))
             width = HIDDEN if signal == "hidden" else K
-            write_shard(folder, shard, records, width, signal=signal, hidden_dtype=hidden_dtype)
+            write_shard_file(folder / shard_name(shard), records, width, signal=signal, hidden_dtype=hidden_dtype)
         finalize_cache(folder, config)
 
 

@@ -1,4 +1,4 @@
-"""Offline SeqKD completions (lightning_gkd/teachers/teacher_completions.py): the sharded predict-loop build equals
+"""Offline SeqKD completions (lightning_gkd/teachers/offline/completions.py): the sharded predict-loop build equals
 the one-process rows, resumes writing only its missing parts (one process, and two gloo processes killed after their
 first part), and refuses another run's settings before the teacher loads."""
 
@@ -18,7 +18,7 @@ from helpers.paths import TESTS
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.teachers.teacher_completions import (
+from lightning_gkd.teachers.offline.completions import (
     PARTS_DIR,
     TeacherCompletionModule,
     build_teacher_completions,
