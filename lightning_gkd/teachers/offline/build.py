@@ -212,15 +212,12 @@ class CacheShardWriter(ShardedWriter):
         batch_size: int,
         width: int,
     ) -> None:
-        super().__init__(folder, num_rows=len(rows), shard_size=settings["shard_size"], batch_size=batch_size)
-        self.rows, self.collator, self.settings, self.width = RowDataset(rows), collator, dict(settings), width
+        super().__init__(folder, RowDataset(rows), collator, shard_size=settings["shard_size"], batch_size=batch_size)
+        self.settings, self.width = dict(settings), width
         self.signal, self.hidden_dtype = settings["signal"], settings["hidden_dtype"] or "float16"
 
     def shard_name(self, shard: int) -> str:
         return shard_name(shard)
-
-    def make_batch(self, rows: range) -> dict[str, torch.Tensor]:
-        return self.collator([self.rows[index] for index in rows])
 
     def before_writing(self, pending: list[int]) -> None:
         write_manifest(self.folder, new_manifest(self.settings, "building"))

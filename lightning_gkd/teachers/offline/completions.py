@@ -115,30 +115,18 @@ def part_name(part: int) -> str:
 
 
 class CompletionPartWriter(ShardedWriter):
-    """The completions' parts (``ShardedWriter``): the batches of ``rows`` collated by ``collate`` with the rows and
-    their first row's index (``TeacherCompletionModule.predict_step`` answers them), one JSON-lines part per
+    """The completions' parts (``ShardedWriter``): each batch of rows collated (``ChatMLCollator``) with the rows and
+    its first row's index (``TeacherCompletionModule.predict_step`` answers them), one JSON-lines part per
     ``shard_size`` rows."""
 
     what = "Teacher completion parts"
 
-    def __init__(
-        self,
-        folder: Path,
-        rows: Sequence[Mapping[str, Any]],
-        collate: ChatMLCollator,
-        *,
-        shard_size: int,
-        batch_size: int,
-    ) -> None:
-        super().__init__(folder, num_rows=len(rows), shard_size=shard_size, batch_size=batch_size)
-        self.rows, self.collate = rows, collate
-
     def shard_name(self, shard: int) -> str:
         return part_name(shard)
 
-    def make_batch(self, rows: range) -> dict[str, Any]:
-        part = [self.rows[index] for index in rows]
-        return {**self.collate(part), "rows": part, "first_row": rows.start}
+    def make_batch(self, indices: range) -> dict[str, Any]:
+        rows = [self.rows[index] for index in indices]
+        return {**self.collate(rows), "rows": rows, "first_row": indices.start}
 
     def predicted_rows(self, prediction: Mapping[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
         for offset, row in enumerate(prediction["rows"]):

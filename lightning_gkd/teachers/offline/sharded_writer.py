@@ -11,25 +11,33 @@ world size or an earlier interrupted run. The predicted rows are collected per s
 there is written in row order, to ``<name>.tmp``, flushed to disk and renamed into place (``write_atomically``): a
 kill leaves whole files (and perhaps a ``.tmp``), and the same command again writes only the missing ones.
 
-A use subclasses ``ShardedWriter`` and says what its files are: ``shard_name``, ``make_batch`` (the loader's batch of
-a range of rows), ``predicted_rows`` (a prediction's rows with their indices) and ``write_records`` (a shard's
-records into a file).
+A use subclasses ``ShardedWriter`` and says what its files are: ``shard_name``, ``predicted_rows`` (a prediction's
+rows with their indices) and ``write_records`` (a shard's records into a file); the loader's batches are ``collate``
+of the rows of each batch (``make_batch``).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gkd.teachers.offline.atomic import write_atomically
+
+
+class Rows(Protocol):
+    """Rows by index: a list, a ``datasets.Dataset``, a ``RowDataset``."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 def count_shards(num_rows: int, shard_size: int) -> int:
@@ -51,18 +59,27 @@ def shard_batches(shards: Sequence[int], num_rows: int, shard_size: int, batch_s
 
 
 class ShardedWriter(BasePredictionWriter):
-    """Writes the files of the shards of ``num_rows`` rows (``shard_size`` a shard) into ``folder`` from the
-    predictions of a predict loop over the rows of those still missing, in batches of ``batch_size`` rows (the
-    module docstring); ``predict`` runs it. ``what``: the files, for errors ("Teacher cache shards").
+    """Writes the files of the shards of ``rows`` (``shard_size`` rows a shard) into ``folder`` from the predictions
+    of a predict loop over the rows of those still missing, in batches of ``batch_size`` rows collated by ``collate``
+    (the module docstring); ``predict`` runs it. ``what``: the files, for errors ("Teacher cache shards").
 
     After ``predict``: ``pending``, the shards this run wrote over all ranks; ``started``, when the loop's loaders
     were set up (the model loaded)."""
 
     what = "Shards"
 
-    def __init__(self, folder: Path, *, num_rows: int, shard_size: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        rows: Rows,
+        collate: Callable[[list[Any]], Any],
+        *,
+        shard_size: int,
+        batch_size: int,
+    ) -> None:
         super().__init__(write_interval="batch")
-        self.folder, self.num_rows, self.shard_size, self.batch_size = folder, num_rows, shard_size, batch_size
+        self.folder, self.rows, self.collate = folder, rows, collate
+        self.num_rows, self.shard_size, self.batch_size = len(rows), shard_size, batch_size
         self.pending: list[int] = []  # the shards this run writes, over all ranks
         self.shards: list[int] = []  # this rank's
         self.buffers: dict[int, dict[int, Any]] = {}  # shard -> row index -> record
@@ -71,10 +88,6 @@ class ShardedWriter(BasePredictionWriter):
     # -- what a use says ----------------------------------------------------------------------------------------------
     def shard_name(self, shard: int) -> str:
         """The file name of shard ``shard``."""
-        raise NotImplementedError
-
-    def make_batch(self, rows: range) -> Any:
-        """The loader's batch of the rows ``rows`` (consecutive, within one shard)."""
         raise NotImplementedError
 
     def predicted_rows(self, prediction: Any) -> Iterable[tuple[int, Any]]:
@@ -87,6 +100,10 @@ class ShardedWriter(BasePredictionWriter):
 
     def before_writing(self, pending: list[int]) -> None:
         """Rank 0, when some shards are missing (``pending``), before any of them is written."""
+
+    def make_batch(self, indices: range) -> Any:
+        """The loader's batch of the rows ``indices`` (consecutive, within one shard)."""
+        return self.collate([self.rows[index] for index in indices])
 
     # -- the loop -----------------------------------------------------------------------------------------------------
     @property

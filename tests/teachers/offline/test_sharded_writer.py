@@ -21,20 +21,18 @@ ROWS, SHARD_SIZE, BATCH_SIZE = 11, 4, 3
 
 
 class Squares(ShardedWriter):
-    """Each row's record is its index squared; a shard is a JSON list of its records."""
+    """Rows 0..10, batched as a tensor; each row's record is the row squared; a shard is a JSON list of its records."""
 
     what = "Square shards"
 
     def __init__(self, folder: Path, *, fail_on_shard: int | None = None) -> None:
-        super().__init__(folder, num_rows=ROWS, shard_size=SHARD_SIZE, batch_size=BATCH_SIZE)
+        collate = lambda rows: {"rows": torch.tensor(rows)}  # noqa: E731
+        super().__init__(folder, list(range(ROWS)), collate, shard_size=SHARD_SIZE, batch_size=BATCH_SIZE)
         self.fail_on_shard = fail_on_shard
         self.dealt: list[list[int]] = []  # before_writing's calls
 
     def shard_name(self, shard: int) -> str:
         return f"squares-{shard}.json"
-
-    def make_batch(self, rows: range) -> dict[str, Any]:
-        return {"rows": torch.tensor(list(rows))}
 
     def predicted_rows(self, prediction: Any) -> list[tuple[int, int]]:
         return [(int(row), int(square)) for row, square in zip(prediction["rows"], prediction["squares"], strict=True)]
