@@ -31,8 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.models.loading import ModelSource, load_frozen_causal_lm
-from lightning_gkd.ops.decoding.sampling import derive_seed, generate_completions
-from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.decoding.sampling import complete_prompts, derive_seed
 from lightning_gkd.teachers.offline.atomic import write_atomically
 from lightning_gkd.teachers.offline.sharded_writer import ShardedWriter, count_shards
 
@@ -87,15 +86,13 @@ def complete_batch(
     """``rows`` with the teacher's completion of each prompt (``batch``: their ``ChatMLCollator`` batch; the draw is
     seeded by ``seed`` and ``first_row``, the index of ``rows[0]`` in the dataset)."""
     device = next(teacher.parameters()).device
-    sampled = generate_completions(
+    sampled = complete_prompts(
         teacher,
+        tokenizer,
         batch["prompts"].to(device),
         batch["prompt_attention_mask"].to(device),
         max_new_tokens=max_new_tokens,
-        pad_token_id=resolve_pad_token_id(tokenizer),
-        eos_token_id=resolve_eos_token_id(teacher, tokenizer),
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else 1.0,
+        temperature=temperature,
         seed=derive_seed(seed, first_row),
     )
     width = batch["prompts"].shape[1]
