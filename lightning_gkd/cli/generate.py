@@ -35,6 +35,7 @@ from lightning_gkd.ops.decoding.sampling import complete_prompts, derive_seed, e
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+from lightning_gkd.rollouts.rollout import SampleTurn
 
 Messages = list[dict[str, str]]
 
@@ -138,62 +139,41 @@ def add_system_prompt(rows: Sequence[PromptRow], system: str | None) -> None:
 
 
 # -- completing them ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Decoding:
-    """How the command decodes: up to ``max_new_tokens`` tokens (a turn, with tools), greedy at ``temperature`` 0,
-    else sampled at it with ``top_k`` and ``top_p``, ``batch_size`` conversations at a time; without tools batch
-    ``i`` is seeded from ``seed`` and its first row, so a rerun gives the same texts."""
+def decoding_turn(model: nn.Module, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> SampleTurn:
+    """The command's decoding of a batch of prompts (a rollout's turn, with tools): up to ``--max-new-tokens``
+    tokens by our KV-cache decoder, greedy at ``--temperature 0``, else sampled (``--top-k``, ``--top-p``) with the
+    seed it is given."""
 
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    batch_size: int = 16
+    sampling: dict[str, Any] = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
 
-    def completions(
-        self,
-        model: nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        prompt_ids: torch.Tensor,
-        prompt_attention_mask: torch.Tensor,
-        seed: int,
-    ) -> dict[str, torch.Tensor]:
-        """``complete_prompts`` of the prompts with these options, seeded by ``seed`` when sampling."""
-        return complete_prompts(
-            model,
-            tokenizer,
-            prompt_ids,
-            prompt_attention_mask,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=seed,
-        )
+    def turn(ids: torch.Tensor, mask: torch.Tensor, seed: int) -> Mapping[str, torch.Tensor]:
+        return complete_prompts(model, tokenizer, ids, mask, max_new_tokens=args.max_new_tokens, seed=seed, **sampling)
+
+    return turn
 
 
 def complete(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     conversations: Sequence[Messages],
-    decoding: Decoding,
+    turn: SampleTurn,
     *,
+    seed: int = 0,
+    batch_size: int = 16,
     max_length: int = 1024,
 ) -> list[str]:
     """The model's completion of each conversation (through the tokenizer's chat template with the generation
-    prompt), decoded up to EOS (``decoding``)."""
+    prompt) by ``turn`` (``decoding_turn``), decoded up to EOS; batch ``i`` seeded from ``seed`` and its first row,
+    so a rerun gives the same texts."""
     collator = ChatMLCollator(tokenizer, max_length=max_length, name="prompts")
     eos = resolve_eos_token_id(model, tokenizer)
     device = next(model.parameters()).device
     texts: list[str] = []
-    for start in range(0, len(conversations), decoding.batch_size):
-        rows = [{"messages": messages} for messages in conversations[start : start + decoding.batch_size]]
+    for start in range(0, len(conversations), batch_size):
+        rows = [{"messages": messages} for messages in conversations[start : start + batch_size]]
         batch = {key: value.to(device) for key, value in collator(rows).items()}
         prompts = batch["prompts"]
-        out = decoding.completions(
-            model, tokenizer, prompts, batch["prompt_attention_mask"], derive_seed(decoding.seed, start)
-        )
+        out = turn(prompts, batch["prompt_attention_mask"], derive_seed(seed, start))
         texts += decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
     return texts
 
@@ -203,23 +183,16 @@ def act(
     tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[PromptRow],
     rollout: MultiTurnRollout,
-    decoding: Decoding,
+    turn: SampleTurn,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 16,
 ) -> list[list[dict[str, Any]]]:
-    """Each conversation rolled out with ``rollout``'s tools: the transcripts (``decoding``; each turn seeded by the
-    rollout)."""
-
-    def turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
-        return decoding.completions(model, tokenizer, ids, mask, turn_seed)
-
+    """Each conversation rolled out with ``rollout``'s tools, each model turn by ``turn`` (seeded by the rollout):
+    the transcripts."""
     chats = [{"messages": row.messages, **row.columns} for row in rows]
     transcripts, _ = rollout_rows(
-        model,
-        tokenizer,
-        chats,
-        rollout,
-        max_new_tokens=decoding.max_new_tokens,
-        batch_size=decoding.batch_size,
-        sample=turn,
+        model, tokenizer, chats, rollout, max_new_tokens=max_new_tokens, batch_size=batch_size, sample=turn
     )
     return transcripts
 
@@ -362,23 +335,27 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
         p.error(str(error))
     add_system_prompt(rows, args.system)
     model = load(args)
-    decoding = Decoding(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        batch_size=args.batch_size,
-    )
+    turn = decoding_turn(model, tokenizer, args)
     if args.tools:
         rollout = build_rollout(
             tokenizer, eos_token_ids=eos_ids(resolve_eos_token_id(model, tokenizer)), **rollout_settings
         )
-        transcripts = act(model, tokenizer, rows, cast(MultiTurnRollout, rollout), decoding)
+        transcripts = act(
+            model,
+            tokenizer,
+            rows,
+            cast(MultiTurnRollout, rollout),
+            turn,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+        )
         items = output_rows(rows, final_answers(transcripts), transcripts)
         write(items, args.output, stdout or sys.stdout)
         return
-    completions = complete(model, tokenizer, [row.messages for row in rows], decoding, max_length=args.max_length)
+    conversations = [row.messages for row in rows]
+    completions = complete(
+        model, tokenizer, conversations, turn, seed=args.seed, batch_size=args.batch_size, max_length=args.max_length
+    )
     write(output_rows(rows, completions), args.output, stdout or sys.stdout)
 
 

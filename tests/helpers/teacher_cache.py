@@ -7,6 +7,7 @@ import copy
 import random
 from contextlib import contextmanager
 
+import lightning as L
 import torch
 
 from lightning_gkd.toy.tiny import asset_path
@@ -43,3 +44,17 @@ def scaled_teacher(teacher, factor: float):
     with torch.no_grad():
         scaled.model.norm.weight.mul_(factor)
     return scaled
+
+
+def predict_trainer(callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    """A one-process CPU trainer for a build's predict loop (as ``lightning-gkd-cache`` makes it: no logger,
+    checkpoints or distributed sampler), with ``callbacks``."""
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks or [],
+    )

@@ -94,12 +94,11 @@ class CacheReader:
         """The student's tokenizer must be the one the cache was built with (its ids key the rows)."""
         fingerprint = tokenizer_fingerprint(tokenizer)
         if fingerprint != self.manifest["tokenizer_fingerprint"]:
-            raise ValueError(
-                f"The teacher cache at {self.path} was built with a tokenizer of fingerprint "
-                f"{self.manifest['tokenizer_fingerprint']}, but the student's tokenizer "
-                f"({getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}) has {fingerprint}: its "
-                "token ids mean other tokens. Use the tokenizer the cache was built with, or rebuild the cache: "
-                f"{rebuild_hint(self.manifest)}."
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise self._built_for_other(
+                f"was built with a tokenizer of fingerprint {self.manifest['tokenizer_fingerprint']}, but the "
+                f"student's tokenizer ({name}) has {fingerprint}: its token ids mean other tokens. Use the tokenizer "
+                "the cache was built with, or rebuild the cache"
             )
 
     def check_datamodule(self, datamodule: Any) -> None:
@@ -108,20 +107,23 @@ class CacheReader:
         refuse_every_assistant_turn(datamodule)
         max_length = getattr(datamodule, "max_length", None)
         if max_length != self.manifest["max_length"]:
-            raise ValueError(
-                f"The teacher cache at {self.path} was built with max_length={self.manifest['max_length']}, the "
-                f"data has max_length={max_length} (data.max_length): rebuild the cache for it: "
-                f"{rebuild_hint(self.manifest)}."
+            raise self._built_for_other(
+                f"was built with max_length={self.manifest['max_length']}, the data has max_length={max_length} "
+                "(data.max_length): rebuild the cache for it"
             )
         rows = fit_rows(datamodule)
         fingerprint = data_fingerprint(rows)
         if fingerprint != self.manifest["data_fingerprint"]:
-            raise ValueError(
-                f"The teacher cache at {self.path} was built over {self.manifest['num_rows']} rows (training, then "
-                f"validation) of fingerprint {self.manifest['data_fingerprint']}; the data has {len(rows)} rows of "
-                f"fingerprint {fingerprint}. Rebuild the cache over this data: "
-                f"{rebuild_hint(self.manifest)}."
+            raise self._built_for_other(
+                f"was built over {self.manifest['num_rows']} rows (training, then validation) of fingerprint "
+                f"{self.manifest['data_fingerprint']}; the data has {len(rows)} rows of fingerprint {fingerprint}. "
+                "Rebuild the cache over this data"
             )
+
+    def _built_for_other(self, difference: str) -> ValueError:
+        """The error for a run the cache was not built for: "The teacher cache at <path> <difference>: <the command
+        that builds one for it>."."""
+        return ValueError(f"The teacher cache at {self.path} {difference}: {rebuild_hint(self.manifest)}.")
 
 
 class CacheTeacher(CacheReader):

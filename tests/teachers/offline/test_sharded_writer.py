@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from helpers.teacher_cache import predict_trainer
 
 from lightning_gkd.teachers.offline.sharded_writer import ShardedWriter, shard_batches, shard_rows
 
@@ -69,18 +70,6 @@ class StopAfterShards(L.Callback):
             raise RuntimeError("stopped after shards")
 
 
-def trainer(*callbacks: L.Callback) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=list(callbacks),
-    )
-
-
 def files(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
 
@@ -93,29 +82,29 @@ def test_batches_never_cross_a_shard():
 def test_a_stopped_run_resumes_with_the_missing_shards_and_equals_the_one_shot_run(tmp_path):
     one_shot = Squares(tmp_path / "one_shot")
     one_shot.folder.mkdir()
-    assert one_shot.predict(trainer(), Squarer()) == [0, 1, 2] and one_shot.dealt == [[0, 1, 2]]
+    assert one_shot.predict(predict_trainer(), Squarer()) == [0, 1, 2] and one_shot.dealt == [[0, 1, 2]]
     expected = {f"squares-{s}.json": json.dumps([r * r for r in shard_rows(s, ROWS, SHARD_SIZE)]) for s in range(3)}
     assert files(one_shot.folder) == {name: text.encode() for name, text in expected.items()}
 
     folder = tmp_path / "stopped"
     folder.mkdir()
     with pytest.raises(RuntimeError, match="stopped after shards"):
-        Squares(folder).predict(trainer(StopAfterShards(folder, 1)), Squarer())
+        Squares(folder).predict(predict_trainer([StopAfterShards(folder, 1)]), Squarer())
     assert sorted(files(folder)) == ["squares-0.json"]  # whole files only
     resumed, module = Squares(folder), Squarer()
-    assert resumed.predict(trainer(), module) == [1, 2] and resumed.dealt == [[1, 2]]
+    assert resumed.predict(predict_trainer(), module) == [1, 2] and resumed.dealt == [[1, 2]]
     assert module.batches == [[4, 5, 6], [7], [8, 9, 10]]  # the missing shards' rows only
     assert files(folder) == files(one_shot.folder)
 
     again = Squares(folder)
-    assert again.predict(trainer(), Squarer()) == [] and again.dealt == []  # complete: nothing to write
+    assert again.predict(predict_trainer(), Squarer()) == [] and again.dealt == []  # complete: nothing to write
 
 
 def test_a_shard_is_renamed_into_place_only_once_written(tmp_path):
     with pytest.raises(OSError, match="disk full"):
-        Squares(tmp_path, fail_on_shard=1).predict(trainer(), Squarer())
+        Squares(tmp_path, fail_on_shard=1).predict(predict_trainer(), Squarer())
     assert sorted(files(tmp_path)) == ["squares-0.json", "squares-1.json.tmp"]
-    Squares(tmp_path).predict(trainer(), Squarer())
+    Squares(tmp_path).predict(predict_trainer(), Squarer())
     assert sorted(files(tmp_path)) == ["squares-0.json", "squares-1.json", "squares-2.json"]  # the .tmp renamed
 
 
@@ -137,4 +126,4 @@ def test_the_missing_shards_are_dealt_to_the_ranks_round_robin(tmp_path):
 
 def test_a_shard_short_of_rows_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match=r"Square shards \[0\] did not receive all their rows"):
-        Squares(tmp_path).predict(trainer(), Squarer(drop_last_row=True))
+        Squares(tmp_path).predict(predict_trainer(), Squarer(drop_last_row=True))
