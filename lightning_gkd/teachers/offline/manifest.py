@@ -51,7 +51,6 @@ def signal_flags(manifest: Mapping[str, Any]) -> str:
 def resume_hint(folder: str | Path, manifest: Mapping[str, Any] | None = None) -> str:
     """The command that builds (or resumes) the cache in ``folder``."""
     python = "or lightning_gkd.teachers.offline.build.build_teacher_cache(..., path=...)"
-    python = "or lightning_gkd.teachers.cache_build.build_teacher_cache(..., path=...)"
     if manifest is None:
         return f"`{BUILD_COMMAND} cache.path={folder}` with the model=/data= settings of the training run, {python}"
     return (
