@@ -1,5 +1,5 @@
 """Hydra entry point: cache the teacher's signal (top-k log-probs, or with ``cache.signal=hidden`` its final hidden
-states and head) over the training split of ``data=`` (the format: ``lightning_gkd.teachers.cache``), so
+states and head) over the training split of ``data=`` (the format: ``lightning_gkd.teachers.offline.format``), so
 distillation can read it instead of running the teacher.
 
 lightning-gkd-cache cache.path=outputs/teacher_cache cache.top_k=20     # or: python -m lightning_gkd.cli.cache_teacher
@@ -25,15 +25,11 @@ from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import source_vocab_size
-from lightning_gkd.teachers.cache import (
-    check_signal,
-    data_fingerprint,
-    manifest_signal,
-    refuse_every_assistant_turn,
-    teacher_identity,
-)
-from lightning_gkd.teachers.cache_build import CacheBuildReport, build_teacher_cache_report
-from lightning_gkd.teachers.teacher_completions import build_teacher_completions
+from lightning_gkd.teachers.offline.build import CacheBuildReport, build_teacher_cache_report
+from lightning_gkd.teachers.offline.completions import build_teacher_completions
+from lightning_gkd.teachers.offline.fingerprints import data_fingerprint, teacher_identity
+from lightning_gkd.teachers.offline.format import check_signal, manifest_signal
+from lightning_gkd.teachers.offline.reader import refuse_every_assistant_turn
 
 
 def check_cache_config(cache: DictConfig) -> None:

@@ -29,12 +29,13 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.cli.model_source import check_model_folder
 from lightning_gkd.data.chat import ChatMLCollator, prepare_tokenizer
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.evaluation.metrics import completion_texts
+from lightning_gkd.evaluation.metrics import decode_until_eos
 from lightning_gkd.models.loading import check_hub_id_reachable, load_causal_lm
-from lightning_gkd.ops.decoding.sampling import derive_seed, eos_ids, generate_completions
-from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.decoding.sampling import complete_prompts, derive_seed, eos_ids
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+from lightning_gkd.rollouts.rollout import SampleTurn
 
 Messages = list[dict[str, str]]
 
@@ -138,22 +139,32 @@ def add_system_prompt(rows: Sequence[PromptRow], system: str | None) -> None:
 
 
 # -- completing them ---------------------------------------------------------------------------------------------------
+def decoding_turn(model: nn.Module, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> SampleTurn:
+    """The command's decoding of a batch of prompts (a rollout's turn, with tools): up to ``--max-new-tokens``
+    tokens by our KV-cache decoder, greedy at ``--temperature 0``, else sampled (``--top-k``, ``--top-p``) with the
+    seed it is given."""
+
+    sampling: dict[str, Any] = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+
+    def turn(ids: torch.Tensor, mask: torch.Tensor, seed: int) -> Mapping[str, torch.Tensor]:
+        return complete_prompts(model, tokenizer, ids, mask, max_new_tokens=args.max_new_tokens, seed=seed, **sampling)
+
+    return turn
+
+
 def complete(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     conversations: Sequence[Messages],
+    turn: SampleTurn,
     *,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     seed: int = 0,
     batch_size: int = 16,
     max_length: int = 1024,
 ) -> list[str]:
     """The model's completion of each conversation (through the tokenizer's chat template with the generation
-    prompt), decoded up to EOS: greedy at ``temperature`` 0, else sampled (batch ``i`` seeded from ``seed`` and
-    its first row, so a rerun gives the same texts)."""
+    prompt) by ``turn`` (``decoding_turn``), decoded up to EOS; batch ``i`` seeded from ``seed`` and its first row,
+    so a rerun gives the same texts."""
     collator = ChatMLCollator(tokenizer, max_length=max_length, name="prompts")
     eos = resolve_eos_token_id(model, tokenizer)
     device = next(model.parameters()).device
@@ -161,11 +172,9 @@ def complete(
     for start in range(0, len(conversations), batch_size):
         rows = [{"messages": messages} for messages in conversations[start : start + batch_size]]
         batch = {key: value.to(device) for key, value in collator(rows).items()}
-        sampling: dict[str, Any] = {}
-        if temperature > 0:
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
-            sampling["seed"] = derive_seed(seed, start)
-        texts += completion_texts(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, **sampling)
+        prompts = batch["prompts"]
+        out = turn(prompts, batch["prompt_attention_mask"], derive_seed(seed, start))
+        texts += decode_until_eos(tokenizer, out["input_ids"][:, prompts.shape[1] :].tolist(), eos)
     return texts
 
 
@@ -174,32 +183,13 @@ def act(
     tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[PromptRow],
     rollout: MultiTurnRollout,
+    turn: SampleTurn,
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
     batch_size: int = 16,
 ) -> list[list[dict[str, Any]]]:
-    """Each conversation rolled out with ``rollout``'s tools: the transcripts (greedy at ``temperature`` 0)."""
-    eos = resolve_eos_token_id(model, tokenizer)
-
-    def turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
-        return generate_completions(
-            model,
-            ids,
-            mask,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=resolve_pad_token_id(tokenizer),
-            eos_token_id=eos,
-            do_sample=temperature > 0,
-            temperature=temperature or 1.0,
-            top_k=top_k,
-            top_p=top_p,
-            seed=turn_seed,
-        )
-
+    """Each conversation rolled out with ``rollout``'s tools, each model turn by ``turn`` (seeded by the rollout):
+    the transcripts."""
     chats = [{"messages": row.messages, **row.columns} for row in rows]
     transcripts, _ = rollout_rows(
         model, tokenizer, chats, rollout, max_new_tokens=max_new_tokens, batch_size=batch_size, sample=turn
@@ -345,6 +335,7 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
         p.error(str(error))
     add_system_prompt(rows, args.system)
     model = load(args)
+    turn = decoding_turn(model, tokenizer, args)
     if args.tools:
         rollout = build_rollout(
             tokenizer, eos_token_ids=eos_ids(resolve_eos_token_id(model, tokenizer)), **rollout_settings
@@ -354,27 +345,16 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
             tokenizer,
             rows,
             cast(MultiTurnRollout, rollout),
+            turn,
             max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
             batch_size=args.batch_size,
         )
         items = output_rows(rows, final_answers(transcripts), transcripts)
         write(items, args.output, stdout or sys.stdout)
         return
+    conversations = [row.messages for row in rows]
     completions = complete(
-        model,
-        tokenizer,
-        [row.messages for row in rows],
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
+        model, tokenizer, conversations, turn, seed=args.seed, batch_size=args.batch_size, max_length=args.max_length
     )
     write(output_rows(rows, completions), args.output, stdout or sys.stdout)
 

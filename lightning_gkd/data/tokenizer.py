@@ -91,7 +91,7 @@ def _chatml_fast(backend: Tokenizer) -> PreTrainedTokenizerFast:
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """Stable hash (hex blake2b-128) of the vocabulary (token -> id, added tokens included), the special tokens and
-    the chat template: what turns a conversation into ids (a teacher cache's key, ``teachers.cache``; the projection
+    the chat template: what turns a conversation into ids (a teacher cache's key, ``teachers.offline``; the projection
     tables' cache, ``data.token_projection``). The pad token is left out: padding never reaches the cache, and
     ``ChatDataModule`` sets a missing one to EOS."""
     special = {name: value for name, value in tokenizer.special_tokens_map.items() if name != "pad_token"}

@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.ops.constants import IGNORE_INDEX
-from lightning_gkd.ops.decoding.sampling import completion_lengths, generate_completions
-from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.decoding.sampling import complete_prompts, completion_lengths
+from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id
 
 # A metric scores a whole evaluation set: predictions and references are decoded completion texts.
 GenerationMetric = Callable[[Sequence[str], Sequence[str]], float]
@@ -87,11 +87,14 @@ def greedy_completions(
     """The greedy completion tokens ``(B, N)`` of the batch prompts, ``N <= max_new_tokens`` (after a row's first
     EOS: padding); through ``sampler.greedy`` when the sampler has one (a serving engine), else our KV-cache
     decoder."""
-    prompts = batch["prompts"]
+    prompts, mask = batch["prompts"], batch["prompt_attention_mask"]
     greedy = getattr(sampler, "greedy", None)
-    if not callable(greedy):
-        return decoder_completions(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-    out = greedy(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens)
+    if callable(greedy):
+        out = greedy(model, prompts, mask, max_new_tokens=max_new_tokens)
+    else:
+        out = complete_prompts(
+            model, tokenizer, prompts, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id
+        )
     return out["input_ids"][:, prompts.shape[1] :]
 
 
@@ -108,48 +111,6 @@ def greedy_texts(
     eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
     completions = greedy_completions(
         model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, sampler=sampler
-    )
-    return decode_until_eos(tokenizer, completions.tolist(), eos)
-
-
-def decoder_completions(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: Mapping[str, torch.Tensor],
-    *,
-    max_new_tokens: int,
-    eos_token_id: EosTokenId | None = None,
-    **sampling: Any,
-) -> torch.Tensor:
-    """The completion tokens ``(B, N)`` of the batch prompts by our KV-cache decoder (``generate_completions``):
-    greedy, or sampled with ``sampling`` (``do_sample=True``, ``temperature``, ``top_k``, ``top_p``, ``seed``)."""
-    eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
-    prompts = batch["prompts"]
-    out = generate_completions(
-        model,
-        prompts,
-        batch["prompt_attention_mask"],
-        max_new_tokens=max_new_tokens,
-        pad_token_id=resolve_pad_token_id(tokenizer),
-        eos_token_id=eos,
-        **{"do_sample": False, **sampling},
-    )
-    return out["input_ids"][:, prompts.shape[1] :]
-
-
-def completion_texts(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: Mapping[str, torch.Tensor],
-    *,
-    max_new_tokens: int,
-    eos_token_id: EosTokenId | None = None,
-    **sampling: Any,
-) -> list[str]:
-    """``decoder_completions`` decoded up to EOS."""
-    eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
-    completions = decoder_completions(
-        model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, **sampling
     )
     return decode_until_eos(tokenizer, completions.tolist(), eos)
 

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from lightning_gkd.data.chat import ChatMLCollator
-from lightning_gkd.ops.decoding.sampling import generate_completions
-from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.decoding.sampling import complete_prompts
 from lightning_gkd.rollouts.environment import Message
 from lightning_gkd.rollouts.rollout import MultiTurnRollout, RolloutStats, SampleTurn
 
@@ -20,15 +19,7 @@ def greedy_turn(model: nn.Module, tokenizer: Any, max_new_tokens: int) -> Sample
     """A ``SampleTurn`` that decodes greedily with our KV-cache decoder (one turn: up to EOS or ``max_new_tokens``)."""
 
     def sample(ids: torch.Tensor, mask: torch.Tensor, seed: int) -> Mapping[str, torch.Tensor]:
-        return generate_completions(
-            model,
-            ids,
-            mask,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=resolve_pad_token_id(tokenizer),
-            eos_token_id=resolve_eos_token_id(model, tokenizer),
-            do_sample=False,
-        )
+        return complete_prompts(model, tokenizer, ids, mask, max_new_tokens=max_new_tokens)
 
     return sample
 

@@ -14,10 +14,10 @@ from lightning_gkd.teachers.base import (
     next_tokens,
     supervised_positions,
 )
-from lightning_gkd.teachers.cache import CacheTeacher, HiddenCacheTeacher
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.hidden_server import HiddenServerTeacher
 from lightning_gkd.teachers.local import LocalTeacher
+from lightning_gkd.teachers.offline.reader import CacheTeacher, HiddenCacheTeacher
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Dense teachers without a teacher model in the process: the teacher's final hidden states (after the final norm,
 what its head multiplies) come from elsewhere (a vLLM pooling server, ``teachers.hidden_server``; an offline cache,
-``teachers.cache``) and only its head (``LogitHead``: the ``V × H`` projection, bias, scale, soft-cap) lives here.
+``teachers.offline``) and only its head (``LogitHead``: the ``V × H`` projection, bias, scale, soft-cap) lives here.
 
 ``z_T = softcap(scale · (h_T Wᵀ + b))`` is then exactly the teacher's logits, so every dense loss (any β, the
 full-vocabulary reverse KL, OPD's ``kl_coef`` term) reads such a teacher as it reads the in-process model: through

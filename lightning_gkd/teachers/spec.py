@@ -9,7 +9,7 @@ in-process model, as before), a built teacher object, or a *teacher spec*, a map
   ``lightning_gkd.losses.cross_tokenizer``; null = the model spec's ``tokenizer``, else the one in the model's folder);
 - ``{kind: cache, path: <folder>, top_k: null}``: top-k log-probs (or, for a cache built with ``signal=hidden``,
   final hidden states and the head: full distributions) precomputed by ``lightning-gkd-cache``
-  (``lightning_gkd.teachers.cache``); no teacher model in memory;
+  (``lightning_gkd.teachers.offline``); no teacher model in memory;
 - ``{kind: server, url: ..., model: null, top_k: 20, timeout: 60, concurrency: 4, retries: 4, backoff: 1}``: a vLLM
   OpenAI-compatible server scoring each batch's token ids (``lightning_gkd.teachers.server``); with ``signal: hidden``
   (and ``head: null, dtype: bfloat16``, no ``top_k``) a vLLM pooling server sending the teacher's final hidden
@@ -70,7 +70,7 @@ class TeacherEntry:
         if self.kind == "server":
             return self.settings.get("signal") == "hidden"
         if self.kind == "cache":
-            from lightning_gkd.teachers.cache import read_manifest
+            from lightning_gkd.teachers.offline.manifest import read_manifest
 
             manifest = read_manifest(str(self.settings["path"])) or {}
             return manifest.get("signal") == "hidden"
@@ -180,7 +180,7 @@ def build_remote_teacher(entry: TeacherEntry) -> Any:
         return entry.built
     settings = {key: value for key, value in entry.settings.items() if value is not None}
     if entry.kind == "cache":
-        from lightning_gkd.teachers.cache import open_teacher_cache
+        from lightning_gkd.teachers.offline.reader import open_teacher_cache
 
         return open_teacher_cache(settings.pop("path"), **settings)
     if entry.kind == "server":

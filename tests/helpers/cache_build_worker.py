@@ -1,4 +1,4 @@
-"""A teacher-cache build with 2 CPU processes (gloo DDP) for tests/teachers/test_cache.py.
+"""A teacher-cache build with 2 CPU processes (gloo DDP) for tests/teachers/offline/test_build.py.
 
     python tests/helpers/cache_build_worker.py <cache_dir> [--kill-after-first-shard]
 
@@ -21,8 +21,8 @@ import lightning as L
 import torch
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.teachers.cache import shard_name
-from lightning_gkd.teachers.cache_build import build_teacher_cache_report
+from lightning_gkd.teachers.offline.build import build_teacher_cache_report
+from lightning_gkd.teachers.offline.shards import shard_name
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import asset_path
 

@@ -1,5 +1,5 @@
 """Offline SeqKD completions (``build_teacher_completions``) with 2 CPU processes (gloo DDP) for
-tests/teachers/test_teacher_completions.py.
+tests/teachers/offline/test_completions.py.
 
     python tests/helpers/completions_build_worker.py <folder> [--kill-after-first-part]
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers.
 
 from helpers.cache_build_worker import KillAfterFirstFile  # noqa: E402
 from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.teachers.teacher_completions import PARTS_DIR, build_teacher_completions, part_name  # noqa: E402
+from lightning_gkd.teachers.offline.completions import PARTS_DIR, build_teacher_completions, part_name  # noqa: E402
 from lightning_gkd.toy import addition_rows  # noqa: E402
 from lightning_gkd.toy.tiny import asset_path  # noqa: E402
 

@@ -19,8 +19,8 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.models.loading import vocab_size
 from lightning_gkd.ops.hf.heads import SharedRangeHead
 from lightning_gkd.samplers import KVCacheSampler
-from lightning_gkd.teachers.cache import HiddenCacheTeacher
-from lightning_gkd.teachers.cache_build import build_teacher_cache
+from lightning_gkd.teachers.offline.build import build_teacher_cache
+from lightning_gkd.teachers.offline.reader import HiddenCacheTeacher
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 

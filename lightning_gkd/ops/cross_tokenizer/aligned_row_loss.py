@@ -7,7 +7,7 @@ EOS and anything after it, such as ChatML's trailing ``"\n"``) are zero-width at
 ``probs[k]`` is always a model's distribution *for* completion token ``k`` (from the logits of the position before
 it, the usual shift).
 
-One row's loss (``cross_tokenizer_row_loss``):
+One row's loss (``cross_tokenizer_row_terms``):
 
 1. ``softmax(z_s / τ_s)`` and ``softmax(z_t / τ_t)`` over the completion positions; with ``skip_*_eos`` a side's
    trailing end tokens are dropped first.
@@ -90,7 +90,6 @@ __all__ = [
     "CrossTokenizerLoss",
     "CrossTokenizerTerms",
     "align_byte_spans",
-    "cross_tokenizer_row_loss",
     "cross_tokenizer_row_terms",
     "end_token_count",
     "hybrid_distance",
@@ -218,7 +217,25 @@ def cross_tokenizer_row_terms(
     chunk_size: int | None = None,
     projection: ProjectionTables | None = None,
 ) -> CrossTokenizerTerms:
-    """``cross_tokenizer_row_loss`` with the hybrid's two parts as well (for logging)."""
+    """The cross-tokenizer distance of one row's completion, per aligned group (the module docstring's steps 1-4).
+
+    Args:
+        student_logits: ``[N_s, V_s]``, shifted: row ``k`` gives the distribution for completion token ``k``.
+        teacher_logits: ``[N_t, V_t]``, the same for the teacher's tokenization of the same text.
+        student_ids, teacher_ids: the ``N_s`` / ``N_t`` completion token ids.
+        student_spans, teacher_spans: their UTF-8 byte spans relative to the content's start, end tokens
+            zero-width at the content's end. Also needed with ``alignment="positions"``: they mark the end tokens.
+        settings: the ``CrossTokenizerLoss``.
+        matched: ``matched_vocabulary(...)`` (required for ``loss="hybrid"``; ignored for ``"uld"``), on any device.
+        chunk_size: groups sorted at a time (see ``uld_distance``).
+        projection: ``projection_tables(student_tokenizer, teacher_tokenizer)`` (``data.token_projection``; required
+            for ``loss="projected"``).
+
+    Returns:
+        ``CrossTokenizerTerms``: ``loss`` ``[G]`` per aligned group (``G`` may be 0), float32 for half-precision
+        logits, else the logits' dtype (TRL's row loss is ``.loss.mean()``; differentiable with respect to both
+        logits), and for the hybrid its unweighted ``matched`` and ``unmatched`` parts (for logging).
+    """
     s_ids, t_ids = token_id_list(student_ids), token_id_list(teacher_ids)
     _check_side(student_logits, s_ids, student_spans, "student")
     _check_side(teacher_logits, t_ids, teacher_spans, "teacher")
@@ -280,51 +297,6 @@ def cross_tokenizer_row_terms(
         chunk_size=chunk_size,
     )
     return CrossTokenizerTerms(w_m * matched_part + w_u * unmatched_part, matched_part, unmatched_part)
-
-
-def cross_tokenizer_row_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    student_ids: Sequence[int] | torch.Tensor,
-    teacher_ids: Sequence[int] | torch.Tensor,
-    student_spans: Sequence[Span],
-    teacher_spans: Sequence[Span],
-    *,
-    settings: CrossTokenizerLoss,
-    matched: tuple[torch.Tensor, torch.Tensor] | None,
-    chunk_size: int | None = None,
-    projection: ProjectionTables | None = None,
-) -> torch.Tensor:
-    """The cross-tokenizer distance of one row's completion, per aligned group (the module docstring's steps 1-4).
-
-    Args:
-        student_logits: ``[N_s, V_s]``, shifted: row ``k`` gives the distribution for completion token ``k``.
-        teacher_logits: ``[N_t, V_t]``, the same for the teacher's tokenization of the same text.
-        student_ids, teacher_ids: the ``N_s`` / ``N_t`` completion token ids.
-        student_spans, teacher_spans: their UTF-8 byte spans relative to the content's start, end tokens
-            zero-width at the content's end. Also needed with ``alignment="positions"``: they mark the end tokens.
-        settings: the ``CrossTokenizerLoss``.
-        matched: ``matched_vocabulary(...)`` (required for ``loss="hybrid"``; ignored for ``"uld"``), on any device.
-        chunk_size: groups sorted at a time (see ``uld_distance``).
-        projection: ``projection_tables(student_tokenizer, teacher_tokenizer)`` (``data.token_projection``; required
-            for ``loss="projected"``).
-
-    Returns:
-        ``[G]`` per aligned group (``G`` may be 0), float32 for half-precision logits, else the logits' dtype;
-        TRL's row loss is ``.mean()`` of it. Differentiable with respect to both logits.
-    """
-    return cross_tokenizer_row_terms(
-        student_logits,
-        teacher_logits,
-        student_ids,
-        teacher_ids,
-        student_spans,
-        teacher_spans,
-        settings=settings,
-        matched=matched,
-        chunk_size=chunk_size,
-        projection=projection,
-    ).loss
 
 
 def _flat_side(
@@ -402,13 +374,13 @@ def cross_tokenizer_batch_loss(
     chunk_elements: int = 1 << 24,
 ) -> torch.Tensor:
     """The ``likelihood`` / ``projected`` loss of a batch, per aligned group, vectorised over the tokens of all rows:
-    equal to concatenating ``cross_tokenizer_row_loss`` over the rows.
+    equal to concatenating ``cross_tokenizer_row_terms(...).loss`` over the rows.
 
     Args:
         student_logits: ``[Σ N_s, V_S]``: the rows' completion positions, row after row (shifted).
         teacher_logits: ``[Σ N_t, V_T]``, the same for the teacher.
         student_ids, teacher_ids: per row, the completion token ids.
-        student_spans, teacher_spans: per row, their byte spans (see ``cross_tokenizer_row_loss``).
+        student_spans, teacher_spans: per row, their byte spans (see ``cross_tokenizer_row_terms``).
         settings: the ``CrossTokenizerLoss`` (``loss`` ``likelihood`` or ``projected``).
         projection: the ``ProjectionTables`` (required for ``projected``).
         chunk_elements: the projected part runs over chunks of about this many logits (positions × ``V_S``): the

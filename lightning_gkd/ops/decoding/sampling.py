@@ -27,9 +27,11 @@ from lightning_gkd.ops.hf.forward import (
     is_sharded,
     position_ids_from_mask,
     resolve_eos_token_id,
+    resolve_pad_token_id,
 )
 
 __all__ = [
+    "complete_prompts",
     "completion_batch",
     "completion_lengths",
     "completion_mask",
@@ -413,3 +415,34 @@ def generate_completions(
             logprobs_out=logprobs,
         )
     return completion_batch(prompt_ids, prompt_attention_mask, completion_ids, eos_token_id, logprobs[0])
+
+
+def complete_prompts(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt_ids: torch.Tensor,
+    prompt_attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: EosTokenId | None = None,
+) -> dict[str, torch.Tensor]:
+    """``generate_completions`` as the commands and evaluations ask for it: greedy at ``temperature`` 0 (``top_k``,
+    ``top_p`` and ``seed`` then change nothing), else sampled at ``temperature``; padded with ``tokenizer``'s pad id
+    and stopped at ``eos_token_id`` (None: ``resolve_eos_token_id(model, tokenizer)``)."""
+    return generate_completions(
+        model,
+        prompt_ids,
+        prompt_attention_mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=resolve_pad_token_id(tokenizer),
+        eos_token_id=resolve_eos_token_id(model, tokenizer) if eos_token_id is None else eos_token_id,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )

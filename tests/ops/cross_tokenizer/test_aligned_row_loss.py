@@ -14,7 +14,6 @@ import torch
 from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import (
     CrossTokenizerLoss,
     align_byte_spans,
-    cross_tokenizer_row_loss,
     cross_tokenizer_row_terms,
     end_token_count,
     hybrid_distance,
@@ -274,7 +273,7 @@ def test_settings_errors_name_the_option(kwargs, message) -> None:
 def test_hybrid_row_without_matched_vocabulary_says_what_to_pass() -> None:
     logits = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"needs the matched vocabulary: pass matched=matched_vocabulary\("):
-        cross_tokenizer_row_loss(
+        cross_tokenizer_row_terms(
             logits,
             logits,
             [0, 1],
@@ -297,9 +296,9 @@ def test_row_with_identical_tokenizers_is_plain_gkd(beta: float) -> None:
         beta=beta, student_temperature=1.7, teacher_temperature=1.7, skip_student_eos=False, skip_teacher_eos=False
     )
     vocab = {f"t{i}": i for i in range(9)}
-    ours = cross_tokenizer_row_loss(
+    ours = cross_tokenizer_row_terms(
         s_logits, t_logits, ids, ids, spans, spans, settings=settings, matched=matched_vocabulary(vocab, vocab)
-    )
+    ).loss
     reference = generalized_jsd_loss(s_logits, t_logits, beta=beta, temperature=1.7, reduction="none").sum(-1)
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-13)
     ours_grads = torch.autograd.grad(ours.mean(), (s_logits, t_logits))
@@ -332,9 +331,9 @@ def test_positions_alignment_pairs_the_first_tokens_after_skipping_every_end_tok
     s_spans = [(0, 1), (1, 3), (3, 3), (3, 3)]  # 2 content tokens, <|im_end|>, "\n"
     t_spans = [(0, 1), (1, 2), (2, 3), (3, 3), (3, 3)]  # 3 content tokens, 2 end tokens
     settings = GOLD(loss="uld", alignment="positions", skip_student_eos=skip, skip_teacher_eos=skip)
-    ours = cross_tokenizer_row_loss(
+    ours = cross_tokenizer_row_terms(
         s_logits, t_logits, [0] * 4, [0] * 5, s_spans, t_spans, settings=settings, matched=None
-    )
+    ).loss
     expected = uld_distance(s_logits[:groups].softmax(-1), t_logits[:groups].softmax(-1))
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-15)
 
@@ -423,7 +422,7 @@ def _row_parity(settings: CrossTokenizerLoss, rows: list[_Row], trl_factory, voc
         ours_in = (row.student_logits.clone().requires_grad_(), row.teacher_logits.clone().requires_grad_())
         trl_in = (row.student_logits.clone().requires_grad_(), row.teacher_logits.clone().requires_grad_())
         ids_and_spans = (row.student_ids, row.teacher_ids, row.student_spans, row.teacher_spans)
-        ours = cross_tokenizer_row_loss(*ours_in, *ids_and_spans, settings=settings, matched=matched).mean()
+        ours = cross_tokenizer_row_terms(*ours_in, *ids_and_spans, settings=settings, matched=matched).loss.mean()
         theirs = trl_row_loss(uld, *trl_in, *ids_and_spans)
         ours_grads = torch.autograd.grad(ours, ours_in)
         trl_grads = torch.autograd.grad(theirs, trl_in)

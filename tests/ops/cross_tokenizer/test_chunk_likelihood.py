@@ -10,7 +10,7 @@ import torch
 
 from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import (
     CrossTokenizerLoss,
-    cross_tokenizer_row_loss,
+    cross_tokenizer_row_terms,
     matched_vocabulary,
 )
 from lightning_gkd.ops.cross_tokenizer.chunk_likelihood import (
@@ -146,7 +146,7 @@ def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_dow
     gradients = {}
     for loss in ("hybrid", "likelihood", "projected"):
         logits = student_logits.clone().requires_grad_(True)
-        value = cross_tokenizer_row_loss(
+        value = cross_tokenizer_row_terms(
             logits,
             teacher_logits,
             [0, 1],
@@ -156,14 +156,14 @@ def test_on_a_chunk_split_differently_the_hybrid_pushes_the_right_first_byte_dow
             settings=CrossTokenizerLoss(loss=loss, beta=0.0, skip_student_eos=False, skip_teacher_eos=False),
             matched=matched,
             projection=projection,
-        )
+        ).loss
         assert value.shape == (1,)
         value.sum().backward()
         gradients[loss] = logits.grad[0, 0]  # d loss / d logit of "5" at the first position
     assert gradients["hybrid"] > 0  # gradient descent lowers the student's "5"
     assert gradients["likelihood"] < 0 and gradients["projected"] < gradients["likelihood"]
     with pytest.raises(ValueError, match="needs the projection tables"):
-        cross_tokenizer_row_loss(
+        cross_tokenizer_row_terms(
             student_logits,
             teacher_logits,
             [0, 1],

@@ -1,10 +1,9 @@
-"""Build a teacher cache (the format is in ``lightning_gkd.teachers.cache``) with a Lightning predict loop.
+"""Build a teacher cache (the format: ``teachers.offline.format``) with a Lightning predict loop.
 
-The training rows are cut into shards of ``shard_size`` consecutive rows; the shards still to write are dealt to the
-ranks round-robin (a fresh build: shard ``s`` to rank ``s % world_size``), whole shards per rank, through each rank's
-own loader (no ``DistributedSampler``, which would pad with duplicated rows). A rank's batches never cross a shard,
-so a shard's bytes do not depend on the rank, the world size or an earlier interrupted run. ``ShardWriter`` writes a
-shard once all its rows are predicted: to ``<name>.tmp``, then an atomic rename. Rank 0 writes a "building"
+The training rows are cut into shards of ``shard_size`` consecutive rows and written by the offline room's one
+resumable, sharded predict loop (``teachers.offline.sharded_writer``: the missing shards dealt to the ranks, batches
+that never cross a shard, each shard written whole with an atomic rename once all its rows are predicted), so a
+shard's bytes do not depend on the rank, the world size or an earlier interrupted run. Rank 0 writes a "building"
 manifest with every setting before the first shard and the complete one at the end; a rerun with the same settings
 writes only the missing shards, a rerun with others is refused before any model loads.
 
@@ -18,10 +17,8 @@ describe is refused) and written once to ``head.safetensors`` by rank 0 when the
 
 from __future__ import annotations
 
-import math
 import os
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +28,11 @@ import lightning as L
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter
-from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat import ChatMLCollator, prepare_tokenizer
 from lightning_gkd.data.rows import ROW_INDEX, RowDataset
+from lightning_gkd.data.tokenizer import tokenizer_fingerprint
 from lightning_gkd.models.loading import (
     ModelSource,
     limit_output_rows,
@@ -47,39 +43,27 @@ from lightning_gkd.models.loading import (
 from lightning_gkd.ops.hf.forward import unwrap
 from lightning_gkd.ops.hf.heads import LeanForwardUnsupported, check_output_head, output_head
 from lightning_gkd.teachers.base import supervised_positions
-from lightning_gkd.teachers.cache import (
-    FORMAT,
+from lightning_gkd.teachers.local import LocalTeacher
+from lightning_gkd.teachers.offline.completions import COMPLETIONS_FILE, PARTS_DIR, SETTINGS_FILE
+from lightning_gkd.teachers.offline.fingerprints import data_fingerprint, row_keys, teacher_identity
+from lightning_gkd.teachers.offline.format import (
     FORMAT_VERSION,
     HEAD_NAME,
     MANIFEST_NAME,
     HiddenRecord,
     Record,
     check_signal,
-    data_fingerprint,
     encode_hidden,
     manifest_signal,
-    missing_shards,
-    read_head_description,
-    read_manifest,
-    row_keys,
-    shard_name,
-    shard_rows,
-    teacher_identity,
-    tokenizer_fingerprint,
-    write_head,
-    write_manifest,
-    write_shard,
 )
-from lightning_gkd.teachers.local import LocalTeacher
-from lightning_gkd.teachers.teacher_completions import COMPLETIONS_FILE, PARTS_DIR, SETTINGS_FILE
+from lightning_gkd.teachers.offline.head import read_head_description, write_head
+from lightning_gkd.teachers.offline.manifest import missing_shards, new_manifest, read_manifest, write_manifest
+from lightning_gkd.teachers.offline.sharded_writer import ShardedWriter, count_shards, shard_rows
+from lightning_gkd.teachers.offline.shards import read_shards, shard_name, write_shard_file
 
 COMPLETION_FILES = (COMPLETIONS_FILE, SETTINGS_FILE, COMPLETIONS_FILE + ".tmp", PARTS_DIR)
 #: tokens of the first row that prove a teacher's head before a hidden-state build (``TeacherCacheModule``)
 PROBE_TOKENS = 8
-
-
-def _manifest(settings: Mapping[str, Any], status: str, **stats: Any) -> dict[str, Any]:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "status": status, **settings, **stats}
 
 
 def check_cache_folder(path: str | Path, settings: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -127,67 +111,6 @@ class IndexedChatCollator:
         out = {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}
         out["row_index"] = torch.tensor([int(row[ROW_INDEX]) for row in rows], dtype=torch.long)
         return out
-
-
-def shard_batches(shards: Sequence[int], num_rows: int, shard_size: int, batch_size: int) -> list[range]:
-    """The row indices of each batch of ``shards``, in order: ``batch_size`` rows a batch, none crossing a shard."""
-    batches = []
-    for shard in shards:
-        indices = shard_rows(shard, num_rows, shard_size)
-        batches += [indices[start : start + batch_size] for start in range(0, len(indices), batch_size)]
-    return batches
-
-
-class CollatedBatches(IterableDataset):
-    """``collator`` over the rows of each index batch, in order (an iterable: Lightning adds no sampler)."""
-
-    def __init__(self, rows: Sequence[Mapping[str, Any]], collator: IndexedChatCollator, batches: list[range]):
-        self.rows, self.collator, self.batches = RowDataset(rows), collator, batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for indices in self.batches:
-            yield self.collator([self.rows[index] for index in indices])
-
-
-class CacheBuildData(L.LightningDataModule):
-    """Each rank's loader over its share of the shards still to write. ``setup``: rank 0 writes the "building"
-    manifest and lists the missing shards (then broadcast, so no rank writes before every rank has the list)."""
-
-    def __init__(
-        self,
-        rows: Sequence[Mapping[str, Any]],
-        tokenizer: PreTrainedTokenizerBase,
-        folder: Path,
-        settings: Mapping[str, Any],
-        *,
-        batch_size: int,
-    ) -> None:
-        super().__init__()
-        self.rows, self.folder, self.settings = rows, folder, dict(settings)
-        self.collator = IndexedChatCollator(tokenizer, settings["max_length"])
-        self.batch_size = batch_size
-        self.pending: list[int] = []  # the shards this run writes, over all ranks
-        self.shards: list[int] = []  # this rank's
-        self.started = time.perf_counter()
-
-    def setup(self, stage: str) -> None:
-        trainer = self.trainer
-        assert trainer is not None  # Lightning calls setup from a trainer
-        pending: list[int] = []
-        if trainer.is_global_zero:
-            pending = [s for s in range(self.settings["num_shards"]) if not (self.folder / shard_name(s)).is_file()]
-            if pending:
-                write_manifest(self.folder, _manifest(self.settings, "building"))
-        self.pending = list(trainer.strategy.broadcast(pending, src=0))
-        self.shards = self.pending[trainer.global_rank :: trainer.world_size]
-        self.started = time.perf_counter()
-
-    def predict_dataloader(self) -> DataLoader:
-        batches = shard_batches(self.shards, len(self.rows), self.settings["shard_size"], self.batch_size)
-        return DataLoader(CollatedBatches(self.rows, self.collator, batches), batch_size=None)
 
 
 class TeacherCacheModule(L.LightningModule):
@@ -271,71 +194,63 @@ def prove_head(teacher: torch.nn.Module, probe: Mapping[str, torch.Tensor]) -> N
         ) from None
 
 
-class ShardWriter(BasePredictionWriter):
-    """Collects ``TeacherCacheModule.predict_step`` records per shard and writes each shard when it is whole.
-    ``width``: ``k``, or the hidden size for ``signal=hidden`` (whose head rank 0 writes when the loop starts)."""
+class CacheShardWriter(ShardedWriter):
+    """The cache's shards (``ShardedWriter``): the batches of ``rows`` as ``collator`` makes them, the records of
+    ``TeacherCacheModule.predict_step``, one Arrow shard file per ``shard_size`` rows (``width``: ``k``, or the hidden
+    size for ``signal=hidden``, whose head rank 0 writes when the loop starts). Rank 0 writes the "building" manifest
+    of ``settings`` before the first shard."""
+
+    what = "Teacher cache shards"
 
     def __init__(
         self,
         folder: Path,
+        rows: Sequence[Mapping[str, Any]],
+        collator: IndexedChatCollator,
+        settings: Mapping[str, Any],
         *,
-        num_rows: int,
-        shard_size: int,
+        batch_size: int,
         width: int,
-        signal: str = "topk",
-        hidden_dtype: str = "float16",
     ) -> None:
-        super().__init__(write_interval="batch")
-        self.folder, self.num_rows, self.shard_size, self.width = folder, num_rows, shard_size, width
-        self.signal, self.hidden_dtype = signal, hidden_dtype
-        self.buffers: dict[int, list[Record | HiddenRecord]] = {}
+        super().__init__(folder, RowDataset(rows), collator, shard_size=settings["shard_size"], batch_size=batch_size)
+        self.settings, self.width = dict(settings), width
+        self.signal, self.hidden_dtype = settings["signal"], settings["hidden_dtype"] or "float16"
+
+    def shard_name(self, shard: int) -> str:
+        return shard_name(shard)
+
+    def before_writing(self, pending: list[int]) -> None:
+        write_manifest(self.folder, new_manifest(self.settings, "building"))
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.signal == "hidden" and trainer.is_global_zero:  # the same bytes on a resume: a function of the teacher
             assert isinstance(pl_module, TeacherCacheModule)
             write_head(self.folder, output_head(pl_module.teacher))
 
-    def write_on_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        prediction: Any,
-        batch_indices: Sequence[int] | None,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def predicted_rows(self, prediction: Mapping[str, Any]) -> Iterator[tuple[int, Record | HiddenRecord]]:
         ends = np.cumsum(prediction["counts"])
         for row, (key, index) in enumerate(zip(prediction["keys"], prediction["row_index"], strict=True)):
             lo, hi = (int(ends[row - 1]) if row else 0), int(ends[row])
-            record: Record | HiddenRecord
             if self.signal == "hidden":
-                record = HiddenRecord(int(index), key, prediction["hidden"][lo:hi])
+                yield int(index), HiddenRecord(int(index), key, prediction["hidden"][lo:hi])
             else:
-                record = Record(
+                yield (
                     int(index),
-                    key,
-                    prediction["ids"][lo:hi],
-                    prediction["logprobs"][lo:hi],
-                    prediction["next_logprobs"][lo:hi],
+                    Record(
+                        int(index),
+                        key,
+                        prediction["ids"][lo:hi],
+                        prediction["logprobs"][lo:hi],
+                        prediction["next_logprobs"][lo:hi],
+                    ),
                 )
-            shard = record.row_index // self.shard_size
-            buffer = self.buffers.setdefault(shard, [])
-            buffer.append(record)
-            if len(buffer) == len(shard_rows(shard, self.num_rows, self.shard_size)):
-                buffer.sort(key=lambda each: each.row_index)
-                write_shard(self.folder, shard, buffer, self.width, signal=self.signal, hidden_dtype=self.hidden_dtype)
-                del self.buffers[shard]
 
-    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.buffers:  # every shard a rank starts it finishes: a partial one means rows went missing
-            raise RuntimeError(f"Teacher cache shards {sorted(self.buffers)} did not receive all their rows.")
+    def write_records(self, path: Path, records: list[Any]) -> None:
+        write_shard_file(path, records, self.width, signal=self.signal, hidden_dtype=self.hidden_dtype)
 
 
 def finalize_cache(folder: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
     """Check every shard and write the complete manifest (per-shard rows, tokens, bytes; totals)."""
-    from datasets import Dataset
-
     hidden = settings["signal"] == "hidden"
     if hidden and not (folder / HEAD_NAME).is_file():
         raise RuntimeError(f"The hidden-state cache at {folder} has no {HEAD_NAME}: rerun the build to write it.")
@@ -343,7 +258,7 @@ def finalize_cache(folder: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
     shards, max_token_id = [], -1
     for shard in range(settings["num_shards"]):
         path = folder / shard_name(shard)
-        table = Dataset.from_file(str(path)).data.table
+        table = read_shards([path]).data.table
         expected = len(shard_rows(shard, settings["num_rows"], settings["shard_size"]))
         if table.num_rows != expected:
             raise RuntimeError(f"{path} holds {table.num_rows} rows, expected {expected}: delete it and resume.")
@@ -355,7 +270,7 @@ def finalize_cache(folder: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
         shards.append({"name": path.name, "rows": table.num_rows, "tokens": int(tokens), "bytes": path.stat().st_size})
     total_tokens = sum(shard["tokens"] for shard in shards)
     total_bytes = sum(shard["bytes"] for shard in shards)
-    manifest = _manifest(
+    manifest = new_manifest(
         settings,
         "complete",
         shards=shards,
@@ -455,15 +370,15 @@ def build_teacher_cache_report(
         "max_length": max_length,
         "num_rows": len(rows),
         "shard_size": shard_size,
-        "num_shards": math.ceil(len(rows) / shard_size),
+        "num_shards": count_shards(len(rows), shard_size),
     }
     existing = check_cache_folder(folder, settings)
     if existing is not None and existing["status"] == "complete" and not missing_shards(folder, existing):
         return CacheBuildReport(folder, existing, 0, 0, 0.0)
-    data = CacheBuildData(rows, tokenizer, folder, settings, batch_size=batch_size)
+    collator = IndexedChatCollator(tokenizer, max_length)
     probe = None
     if hidden:  # the first row's first tokens: enough to prove the head, cheap for any teacher on the CPU
-        first = data.collator([RowDataset(rows)[0]])
+        first = collator([RowDataset(rows)[0]])
         probe = {key: first[key][:, :PROBE_TOKENS] for key in ("input_ids", "attention_mask")}
     module = TeacherCacheModule(
         teacher,
@@ -474,32 +389,15 @@ def build_teacher_cache_report(
         trust_remote_code=trust_remote_code,
         vocab_rows=vocab_rows,
     )
-    writer = ShardWriter(
-        folder,
-        num_rows=len(rows),
-        shard_size=shard_size,
-        width=module.width,
-        signal=signal,
-        hidden_dtype=hidden_dtype,
-    )
-    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-    callbacks.insert(0, writer)  # first: a callback after it sees this batch's shard on disk
-    try:
-        with warnings.catch_warnings():  # expected: the loader is an iterable of batches whose rows carry their index
-            warnings.filterwarnings("ignore", message=".*IterableDataset` has `__len__` defined")
-            warnings.filterwarnings("ignore", message="Couldn't infer the batch indices")
-            trainer.predict(module, datamodule=data, return_predictions=False)
-    finally:
-        callbacks.remove(writer)
-    trainer.strategy.barrier("teacher_cache_shards")
+    writer = CacheShardWriter(folder, rows, collator, settings, batch_size=batch_size, width=module.width)
+    pending = set(writer.predict(trainer, module))
     if trainer.is_global_zero:
         finalize_cache(folder, settings)
     trainer.strategy.barrier("teacher_cache_manifest")
     manifest = read_manifest(folder)
     assert manifest is not None  # rank 0 just wrote it
-    pending = set(data.pending)
     built = sum(shard["tokens"] for index, shard in enumerate(manifest["shards"]) if index in pending)
-    return CacheBuildReport(folder, manifest, len(pending), built, time.perf_counter() - data.started)
+    return CacheBuildReport(folder, manifest, len(pending), built, time.perf_counter() - writer.started)
 
 
 def build_teacher_cache(

@@ -1,4 +1,4 @@
-"""Offline SeqKD completions (lightning_gkd/teachers/teacher_completions.py): the sharded predict-loop build equals
+"""Offline SeqKD completions (lightning_gkd/teachers/offline/completions.py): the sharded predict-loop build equals
 the one-process rows, resumes writing only its missing parts (one process, and two gloo processes killed after their
 first part), and refuses another run's settings before the teacher loads."""
 
@@ -15,10 +15,10 @@ import torch
 from helpers.completions_build_worker import ROWS, arguments
 from helpers.launch import clean_env
 from helpers.paths import TESTS
+from helpers.teacher_cache import TEACHER, predict_trainer
 from transformers import AutoModelForCausalLM
 
-from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.teachers.teacher_completions import (
+from lightning_gkd.teachers.offline.completions import (
     PARTS_DIR,
     TeacherCompletionModule,
     build_teacher_completions,
@@ -26,14 +26,6 @@ from lightning_gkd.teachers.teacher_completions import (
     teacher_completion_rows,
 )
 from lightning_gkd.toy import addition_rows
-from lightning_gkd.toy.tiny import asset_path
-
-TEACHER = asset_path("toy/teacher")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TEACHER)
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +39,6 @@ def reference(tokenizer, rows) -> list[dict]:
     teacher = AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float32).eval()
     settings = {k: v for k, v in arguments().items() if k != "shard_size"}
     return json.loads(json.dumps(teacher_completion_rows(teacher, tokenizer, rows, **settings), sort_keys=True))
-
-
-def trainer(callbacks: list | None = None) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=callbacks or [],
-    )
 
 
 def read(path: Path) -> list[dict]:
@@ -82,7 +62,9 @@ def test_an_interrupted_build_resumes_with_the_missing_parts_and_equals_the_one_
     folder = tmp_path / "cache"
     build = {"folder": folder, "settings": {"teacher": "toy"}, **arguments()}
     with pytest.raises(RuntimeError, match="stopped after parts"):
-        build_teacher_completions(str(TEACHER), tokenizer, rows, trainer=trainer([StopAfterParts(folder, 2)]), **build)
+        build_teacher_completions(
+            str(TEACHER), tokenizer, rows, trainer=predict_trainer([StopAfterParts(folder, 2)]), **build
+        )
     assert sorted(p.name for p in (folder / PARTS_DIR).glob("*.jsonl")) == [part_name(0), part_name(1)]
     assert not (folder / "completions.jsonl").exists()
     kept = {p: (folder / PARTS_DIR / p).stat().st_mtime_ns for p in (part_name(0), part_name(1))}
@@ -94,17 +76,17 @@ def test_an_interrupted_build_resumes_with_the_missing_parts_and_equals_the_one_
         "predict_step",
         lambda self, batch, idx: answered.append(batch["first_row"]) or original(self, batch, idx),
     )
-    path = build_teacher_completions(str(TEACHER), tokenizer, rows, trainer=trainer(), **build)
+    path = build_teacher_completions(str(TEACHER), tokenizer, rows, trainer=predict_trainer(), **build)
     assert answered == list(range(16, ROWS, 4))  # parts 2..4 only (rows 16..39), 4 rows a batch
     assert {p: (folder / PARTS_DIR / p).stat().st_mtime_ns for p in kept} == kept  # not rewritten
     assert read(path) == reference
     # a rerun reuses the file; other settings are refused before the teacher loads
     answered.clear()
-    assert build_teacher_completions(str(TEACHER), tokenizer, rows, trainer=trainer(), **build) == path
+    assert build_teacher_completions(str(TEACHER), tokenizer, rows, trainer=predict_trainer(), **build) == path
     assert answered == []
     with pytest.raises(ValueError, match=r"other settings .*max_new_tokens.*\(6, 5\)"):
         build_teacher_completions(
-            "no/such/teacher", tokenizer, rows, trainer=trainer(), **{**build, "max_new_tokens": 5}
+            "no/such/teacher", tokenizer, rows, trainer=predict_trainer(), **{**build, "max_new_tokens": 5}
         )
 
 
