@@ -85,13 +85,13 @@ def greedy_completions(
     sampler: Any = None,
 ) -> torch.Tensor:
     """The greedy completion tokens ``(B, N)`` of the batch prompts, ``N <= max_new_tokens`` (after a row's first
-    EOS: padding); through ``sampler.greedy`` when the sampler has one (a serving engine), else our KV-cache
-    decoder."""
+    EOS: padding); through ``sampler.greedy`` (a ``lightning_gkd.samplers.Sampler``) when it decodes (a serving
+    engine), else our KV-cache decoder."""
     prompts = batch["prompts"]
-    greedy = getattr(sampler, "greedy", None)
-    if not callable(greedy):
+    mask = batch["prompt_attention_mask"]
+    out = None if sampler is None else sampler.greedy(model, prompts, mask, max_new_tokens=max_new_tokens)
+    if out is None:
         return decoder_completions(model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-    out = greedy(model, prompts, batch["prompt_attention_mask"], max_new_tokens=max_new_tokens)
     return out["input_ids"][:, prompts.shape[1] :]
 
 

@@ -53,7 +53,7 @@ from lightning_gkd.data.rows import fit_rows
 from lightning_gkd.data.tokenizer import tokenizer_fingerprint
 from lightning_gkd.evaluation.model_card import describe_source
 from lightning_gkd.ops.hf.heads import LogitHead
-from lightning_gkd.teachers.base import TopKSignal
+from lightning_gkd.teachers.base import TeacherBase, TopKSignal
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 
 FORMAT = "lightning_gkd.teacher_cache"
@@ -497,7 +497,7 @@ class CacheMiss(LookupError):
     """A batch row that the cache does not hold."""
 
 
-class CacheReader:
+class CacheReader(TeacherBase):
     """What both cache teachers share: the complete manifest (read and checked here), the memory-mapped shards
     (opened on the first lookup), each batch row found by ``row_key``, and the checks of the student's tokenizer and
     of the data. ``signal``: what the reading class reads; a cache holding the other is refused, naming the class
