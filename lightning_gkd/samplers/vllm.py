@@ -148,7 +148,7 @@ class VLLMSampler(Sampler):
             shutdown_engine(engine.llm, keep_process_group=engine.keep_process_group)
             engine.folder.cleanup()
 
-    # -- the Sampler protocol ---------------------------------------------------------------------------------------
+    # -- the Sampler ------------------------------------------------------------------------------------------------
     def sample(
         self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
     ) -> dict[str, torch.Tensor]:
