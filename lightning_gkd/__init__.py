@@ -11,12 +11,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # `import X as X`: an explicit re-export, for type checkers and linters
     from lightning_gkd.data.chat import ChatDataModule as ChatDataModule
     from lightning_gkd.data.preference import PreferenceDataModule as PreferenceDataModule
+    from lightning_gkd.evaluation.settings import ValidationSettings as ValidationSettings
+    from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings as CrossTokenizerSettings
+    from lightning_gkd.losses.settings import DivergenceSettings as DivergenceSettings
+    from lightning_gkd.losses.settings import PolicyGradientSettings as PolicyGradientSettings
     from lightning_gkd.methods.dpo import DPOModule as DPOModule
     from lightning_gkd.methods.gkd import GKDModule as GKDModule
     from lightning_gkd.methods.opd import OPDModule as OPDModule
     from lightning_gkd.methods.sft import SFTModule as SFTModule
     from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss as generalized_jsd_loss
     from lightning_gkd.ops.divergence.preference import preference_loss as preference_loss
+    from lightning_gkd.rollouts.settings import RolloutSettings as RolloutSettings
+    from lightning_gkd.samplers.settings import SamplingSettings as SamplingSettings
+    from lightning_gkd.training.settings import TrainingSettings as TrainingSettings
 
 __version__ = "0.1.0"
 

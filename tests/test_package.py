@@ -19,8 +19,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "evaluation": {"data", "ops"},
     "models": {"ops"},
     "samplers": {"models", "ops"},
-    "teachers": {"data", "evaluation", "models", "ops"},
-    "training": {"evaluation", "ops", "teachers"},
+    "teachers": {"data", "evaluation", "models", "ops", "samplers"},
+    "training": {"evaluation", "models", "ops", "teachers"},
     "losses": {"data", "models", "ops", "teachers"},
     "rollouts": {"data", "ops"},
     "methods": {"data", "evaluation", "losses", "models", "ops", "rollouts", "samplers", "teachers", "training"},
@@ -61,10 +61,12 @@ def test_the_public_api_resolves_lazily_to_the_defining_modules():
     from lightning_gkd.data.chat import ChatDataModule
     from lightning_gkd.methods.gkd import GKDModule
     from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
+    from lightning_gkd.samplers.settings import SamplingSettings
 
     assert lightning_gkd.GKDModule is GKDModule
     assert lightning_gkd.ChatDataModule is ChatDataModule
     assert lightning_gkd.generalized_jsd_loss is generalized_jsd_loss
+    assert lightning_gkd.SamplingSettings is SamplingSettings
     assert set(lightning_gkd.__all__) <= set(dir(lightning_gkd))
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         lightning_gkd.NoSuchThing  # noqa: B018
@@ -73,11 +75,18 @@ def test_the_public_api_resolves_lazily_to_the_defining_modules():
 def test_dir_lists_the_public_names_and_nothing_else():
     public = [
         "ChatDataModule",
+        "CrossTokenizerSettings",
         "DPOModule",
+        "DivergenceSettings",
         "GKDModule",
         "OPDModule",
+        "PolicyGradientSettings",
         "PreferenceDataModule",
+        "RolloutSettings",
         "SFTModule",
+        "SamplingSettings",
+        "TrainingSettings",
+        "ValidationSettings",
         "generalized_jsd_loss",
         "preference_loss",
     ]

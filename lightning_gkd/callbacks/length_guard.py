@@ -26,8 +26,8 @@ _OPTION = "callbacks.length_guard"
 
 class LengthGuard(L.Callback):
     """At each validation of a fit (not the sanity check), measure the greedy completions of the validation prompts
-    (all validation sets together) at ``eval_max_new_tokens``: the student's, and the teacher's on the same prompts
-    once per fit (the teacher is frozen: measured at the first validation, reused after). Logged:
+    (all validation sets together) at the method's ``validation.max_new_tokens``: the student's, and the teacher's on
+    the same prompts once per fit (the teacher is frozen: measured at the first validation, reused after). Logged:
 
     - ``val/length/student``, ``val/length/teacher``: mean completion tokens per prompt, EOS included;
     - ``val/eos_rate/student``, ``val/eos_rate/teacher``: the share of prompts whose completion emitted an EOS
@@ -123,7 +123,7 @@ class LengthGuard(L.Callback):
         module: Any = pl_module
         eos = resolve_eos_token_id(self._teacher, module.tokenizer)
         completions = greedy_completions(
-            self._teacher, module.tokenizer, batch, max_new_tokens=module.eval_max_new_tokens, eos_token_id=eos
+            self._teacher, module.tokenizer, batch, max_new_tokens=module.validation.max_new_tokens, eos_token_id=eos
         )
         self._measuring_teacher.add(completions, eos)
 
@@ -156,7 +156,7 @@ class LengthGuard(L.Callback):
         for name, value in self.figures.items():  # the same value on every rank: their mean is that value
             pl_module.log(name, value, add_dataloader_idx=False, sync_dist=True)
         if "val/length_ratio" in self.figures:
-            self._check(trainer.global_step, module.eval_max_new_tokens)
+            self._check(trainer.global_step, module.validation.max_new_tokens)
 
     # -- checking ---------------------------------------------------------------------------------------------------
     def _check(self, step: int, budget: int) -> None:
@@ -180,9 +180,10 @@ class LengthGuard(L.Callback):
             f"LengthGuard at step {step}: the student's greedy completions of the validation prompts average "
             f"{figures['val/length/student']:.2f} tokens with EOS rate {figures['val/eos_rate/student']:.2f}, the "
             f"teacher's {figures['val/length/teacher']:.2f} tokens with EOS rate "
-            f"{figures['val/eos_rate/teacher']:.2f} (eval_max_new_tokens={budget}): {'; '.join(breaches)}. The "
+            f"{figures['val/eos_rate/teacher']:.2f} (validation.max_new_tokens={budget}): {'; '.join(breaches)}. The "
             "student's completions are collapsing: lower optimizer.lr, or the divergence's pull toward short "
-            "answers (GKD: method.beta below 1; OPD: method.gamma=0 and method.kl_coef=1.0). Thresholds: "
+            "answers (GKD: method.divergence.beta below 1; OPD: method.policy_gradient.gamma=0 and "
+            "method.policy_gradient.kl_coef=1.0). Thresholds: "
             f"{_OPTION}.min_length_ratio, {_OPTION}.max_eos_drop; "
             + ("stopping the run (stop=true)." if self.stop else f"{_OPTION}.stop=true stops the run here.")
         )

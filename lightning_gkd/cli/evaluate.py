@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,7 +42,7 @@ from lightning_gkd.methods.sft import SFTModule
 from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
 from lightning_gkd.ops.decoding.sampling import eos_ids
 from lightning_gkd.ops.hf.forward import float32_matmul_precision, resolve_eos_token_id
-from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
+from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 from lightning_gkd.training.checkpoint_io import CheckpointError
 from lightning_gkd.training.quiet import quiet_run
@@ -231,7 +231,7 @@ def build_module(cfg: DictConfig, mode: str, datamodule: Any) -> Any:
             module.check_datamodule(datamodule)
         return module
     spec = student_spec(cfg)
-    return SFTModule(spec, datamodule.tokenizer, trust_remote_code=bool(spec.get("trust_remote_code")))
+    return SFTModule(spec, datamodule.tokenizer, training={"trust_remote_code": bool(spec.get("trust_remote_code"))})
 
 
 def validation_losses(trainer: L.Trainer, module: Any, datamodule: Any, mode: str, chat: bool) -> dict[str, float]:
@@ -301,18 +301,16 @@ def scored_generations(
 
 
 def method_rollout(cfg: DictConfig, module: Any, tokenizer: Any) -> MultiTurnRollout | None:
-    """The configured method's multi-turn rollout (``method.tools`` or ``method.environment``): the module's own, or
-    built from the settings when only the student loaded (``eval.loss=cross_entropy``); None without tools."""
+    """The configured method's multi-turn rollout (``method.rollout.tools`` or ``method.rollout.environment``): the
+    module's own, or built from the settings when only the student loaded (``eval.loss=cross_entropy``); None
+    without tools."""
     if getattr(module, "rollout", None) is not None:
         return cast(MultiTurnRollout, module.rollout)
-    keys = ("tools", "environment", "max_tool_calling_iterations", "tool_timeout", "max_transcript_tokens")
     method = cast(dict[str, Any], OmegaConf.to_container(cfg.method, resolve=True))
-    chosen = {key: method[key] for key in keys if method.get(key) is not None}
-    if not chosen.get("tools") and chosen.get("environment") is None:
+    settings = RolloutSettings(**(method.get("rollout") or {}))
+    if not settings.enabled:
         return None
-    columns = list(method.get("tool_state_columns") or [])
-    eos = eos_ids(resolve_eos_token_id(module.model, tokenizer))
-    return build_rollout(tokenizer, eos_token_ids=eos, tool_state_columns=columns, **chosen)
+    return build_rollout(tokenizer, settings, eos_token_ids=eos_ids(resolve_eos_token_id(module.model, tokenizer)))
 
 
 def generation_results(
@@ -390,11 +388,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         module = build_module(cfg, mode if mode != "none" else "cross_entropy", datamodule)
         if checkpoint is not None:
             load_weights(module, checkpoint, str(target.source))
-        metrics: dict[str, GenerationMetric] = dict(getattr(module, "metrics", None) or {})
+        metrics: dict[str, GenerationMetric] = dict(module.validation.metrics)
         if mode == "cross_entropy" or (mode == "none" and chat):
-            metrics = dict(instantiate(cfg.method.get("metrics"), _convert_="all") or {})
-        if chat:
-            module.metrics = {}  # generation runs once below, over every set, keeping the texts
+            configured = (cfg.method.get("validation") or {}).get("metrics")
+            metrics = dict(instantiate(configured, _convert_="all") or {})
+        if chat:  # generation runs once below, over every set, keeping the texts
+            module.validation = replace(module.validation, metrics={})
         trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[], logger=False)
         values = validation_losses(trainer, module, datamodule, mode, chat)
         counts: dict[str, int] = {}
@@ -459,7 +458,7 @@ def print_summary(result: Mapping[str, Any], target: EvalTarget) -> None:
         rows = f"  ({result['num_rows'][prefix]} rows, greedy)" if generated else ""
         lines.append(f"{key}: {metrics[key]:.4f}{rows}")
     if not metrics:
-        lines.append("nothing to report: no validation rows and no generation metrics (method.metrics)")
+        lines.append("nothing to report: no validation rows and no generation metrics (method.validation.metrics)")
     gap = result.get("gap_closed")
     if gap is not None:
         undefined = [name for name, value in (gap.get("scores") or {}).items() if value is None]

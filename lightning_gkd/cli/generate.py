@@ -33,7 +33,7 @@ from lightning_gkd.evaluation.metrics import decode_until_eos
 from lightning_gkd.models.loading import check_hub_id_reachable, load_causal_lm
 from lightning_gkd.ops.decoding.sampling import complete_prompts, derive_seed, eos_ids
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
-from lightning_gkd.rollouts import MultiTurnRollout, build_rollout
+from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 from lightning_gkd.rollouts.rollout import SampleTurn
 
@@ -322,15 +322,15 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
         if folder is None:  # a hub id: fail now when it can be neither downloaded nor found in the cache
             check_hub_id_reachable("model", args.model)
         tokenizer = chat_tokenizer(args)
-        rollout_settings: dict[str, Any] = dict(
-            tools=args.tools,
+        rollout_settings = RolloutSettings(
+            tools=args.tools or (),
             max_tool_calling_iterations=args.max_tool_calling_iterations,
             tool_timeout=args.tool_timeout,
             max_transcript_tokens=args.max_transcript_tokens,
-            tool_state_columns=args.tool_state_columns,
+            tool_state_columns=args.tool_state_columns or (),
         )
         if args.tools:  # the tools and the template, before the model loads
-            build_rollout(tokenizer, eos_token_ids=[], **rollout_settings)
+            build_rollout(tokenizer, rollout_settings, eos_token_ids=[])
     except (FileNotFoundError, ValueError) as error:
         p.error(str(error))
     add_system_prompt(rows, args.system)
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
     turn = decoding_turn(model, tokenizer, args)
     if args.tools:
         rollout = build_rollout(
-            tokenizer, eos_token_ids=eos_ids(resolve_eos_token_id(model, tokenizer)), **rollout_settings
+            tokenizer, rollout_settings, eos_token_ids=eos_ids(resolve_eos_token_id(model, tokenizer))
         )
         transcripts = act(
             model,

@@ -1,9 +1,9 @@
 """Multirun sweeps: job folders named by their swept overrides, and a summary table of the sweep's results.
 
 - ``${sweep_job_dir:${hydra.job.num}}`` (``hydra.sweep.subdir`` in conf/hydra/default.yaml) names a job's folder
-  ``<job number>_<its swept overrides>``, e.g. ``0_method.beta=0``: the overrides that vary across the sweep (read
-  from the ``multirun.yaml`` Hydra writes in the sweep folder before any job starts; without it, all of the job's
-  overrides but ``hydra.job.config.override_dirname.exclude_keys``). Characters other than letters, digits and
+  ``<job number>_<its swept overrides>``, e.g. ``0_method.divergence.beta=0``: the overrides that vary across the
+  sweep (read from the ``multirun.yaml`` Hydra writes in the sweep folder before any job starts; without it, all of
+  the job's overrides but ``hydra.job.config.override_dirname.exclude_keys``). Characters other than letters, digits and
   ``_.,=+~-`` become ``_`` (a value with a slash stays one folder), and a name longer than ``MAX_NAME`` characters is
   cut and ends in a short hash. The name depends only on the job's own config, so a requeued job finds its folder.
 - ``SweepSummary`` (a Hydra callback, registered under ``hydra.callbacks``): each job writes ``result.json`` (status,
@@ -43,7 +43,7 @@ def _parse(overrides: Iterable[str]) -> list[Any]:
 
 
 def swept_keys(multirun_config: DictConfig | Mapping[str, Any]) -> list[str]:
-    """The keys a sweep varies: its sweep overrides (``method.beta=0,1``) and ``hydra.sweeper.params``."""
+    """The keys a sweep varies: its sweep overrides (``method.divergence.beta=0,1``) and ``hydra.sweeper.params``."""
     hydra = multirun_config.get("hydra") or {}
     overrides = (hydra.get("overrides") or {}).get("task") or []
     keys = [o.key_or_group for o in _parse(overrides) if o.is_sweep_override() and not o.is_hydra_override()]

@@ -39,7 +39,7 @@ def _is_toy_data(data: Mapping[str, Any]) -> bool:
 
 
 def _samples_during_training(method: Mapping[str, Any]) -> bool:
-    if "max_new_tokens" not in method:
+    if "max_new_tokens" not in (method.get("sampling") or {}):
         return False
     if str(method.get("_target_", "")).endswith("OPDModule"):
         return True
@@ -64,25 +64,27 @@ def toy_defaults_for_real_model(cfg: DictConfig) -> list[str]:
             f"optimizer.lr={lr:g} is the toy models' rate; real models train at about 1e-6 to 2e-5 "
             "(a step this large can wreck a pretrained model in a few updates)."
         )
-    budget = method.get("max_new_tokens")
+    budget = (method.get("sampling") or {}).get("max_new_tokens")
     if isinstance(budget, int) and budget <= TOY_NEW_TOKENS and _samples_during_training(method):
         found.append(
-            f"method.max_new_tokens={budget}: every on-policy or teacher sample is cut after {budget} tokens "
+            f"method.sampling.max_new_tokens={budget}: every on-policy or teacher sample is cut after {budget} tokens "
             "(real answers need 128-512)."
         )
-    eval_budget = method.get("eval_max_new_tokens")
+    validation = method.get("validation") or {}
+    eval_budget = validation.get("max_new_tokens")
     if isinstance(eval_budget, int) and eval_budget <= TOY_NEW_TOKENS:
         found.append(
-            f"method.eval_max_new_tokens={eval_budget}: validation completions, the sample table and the held-out "
-            f"evaluation stop after {eval_budget} tokens."
+            f"method.validation.max_new_tokens={eval_budget}: validation completions, the sample table and the "
+            f"held-out evaluation stop after {eval_budget} tokens."
         )
-    metrics = method.get("metrics") or {}
+    metrics = validation.get("metrics") or {}
     data = container.get("data") or {}
     exact = [name for name, entry in metrics.items() if "exact_match" in str((entry or {}).get("_target_", ""))]
     if exact and not _is_toy_data(data):
         found.append(
-            f"method.metrics.{exact[0]} is exact match against the dataset completion: on free-form chat it stays "
-            "near 0 and costs a generation pass per validation; method.metrics=null validates on the loss alone."
+            f"method.validation.metrics.{exact[0]} is exact match against the dataset completion: on free-form chat "
+            "it stays near 0 and costs a generation pass per validation; method.validation.metrics=null validates on "
+            "the loss alone."
         )
     scheduler = container.get("scheduler") or {}
     steps, max_steps = scheduler.get("num_warmup_steps"), (container.get("trainer") or {}).get("max_steps")

@@ -111,14 +111,8 @@ def build(cfg: DictConfig) -> Run:
         check_push_settings(cfg.get("hub_model_id"))  # before training, not after
     datamodule = build_data(cfg)
     check_cross_tokenizer_config(cfg, datamodule)  # a teacher with another tokenizer: what it cannot train on
-    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
-    module = instantiate(
-        cfg.method,
-        tokenizer=datamodule.tokenizer,
-        optimizer=instantiate(cfg.optimizer),
-        scheduler=scheduler,
-        _convert_="all",
-    )
+    # the optimizer and scheduler groups reach the method through method.training (${optimizer}, ${scheduler})
+    module = instantiate(cfg.method, tokenizer=datamodule.tokenizer, _convert_="all")
     if hasattr(module, "check_datamodule"):
         module.check_datamodule(datamodule)
     if ckpt_path and record is not None and cfg.get("logger"):  # a resume continues its MLflow / W&B runs

@@ -10,9 +10,11 @@ from lightning_gkd.evaluation.metrics import (
     greedy_texts,
     reference_texts,
 )
+from lightning_gkd.evaluation.settings import ValidationSettings
 
 __all__ = [
     "GenerationMetric",
+    "ValidationSettings",
     "decode_until_eos",
     "evaluate_generations",
     "exact_match",

@@ -85,13 +85,11 @@ def greedy_completions(
     sampler: Any = None,
 ) -> torch.Tensor:
     """The greedy completion tokens ``(B, N)`` of the batch prompts, ``N <= max_new_tokens`` (after a row's first
-    EOS: padding); through ``sampler.greedy`` when the sampler has one (a serving engine), else our KV-cache
-    decoder."""
+    EOS: padding); through ``sampler.greedy`` (a ``lightning_gkd.samplers.Sampler``) when it decodes (a serving
+    engine), else our KV-cache decoder."""
     prompts, mask = batch["prompts"], batch["prompt_attention_mask"]
-    greedy = getattr(sampler, "greedy", None)
-    if callable(greedy):
-        out = greedy(model, prompts, mask, max_new_tokens=max_new_tokens)
-    else:
+    out = None if sampler is None else sampler.greedy(model, prompts, mask, max_new_tokens=max_new_tokens)
+    if out is None:
         out = complete_prompts(
             model, tokenizer, prompts, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id
         )

@@ -78,6 +78,18 @@ def card_info_from_trainer(module: Any) -> dict[str, Any]:
     return info
 
 
+def _dotted(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings (a method's settings groups) flattened to dotted keys, as Hydra names them
+    (``divergence.beta``); an empty mapping stays a value."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def model_card(module: Any, card_info: Mapping[str, Any] | None = None) -> str:
     """The model card text (YAML front matter + markdown) for ``module``'s export."""
     info = {**card_info_from_trainer(module), **dict(card_info or {})}
@@ -104,7 +116,9 @@ def model_card(module: Any, card_info: Mapping[str, Any] | None = None) -> str:
         for name, source in sources.items()
     ]
     lines += ["", f"## Method: {method}", ""]
-    lines += [f"- {key}: `{value!r}`" for key, value in sorted(hparams.items())] or ["- (no hyperparameters recorded)"]
+    lines += [f"- {key}: `{value!r}`" for key, value in sorted(_dotted(hparams).items())] or [
+        "- (no hyperparameters recorded)"
+    ]
     data = info.pop("data", None)
     if data:
         lines += ["", "## Data", ""]

@@ -13,9 +13,10 @@ top-1 agreement with the sampled tokens, the teacher's mass on the student's top
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -87,14 +88,21 @@ class LossOutput:
     finite: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
-@runtime_checkable
-class DistillationLoss(Protocol):
+class DistillationLoss(ABC):
     """A distillation loss with its teacher signal inside: ``loss(student, batch) -> LossOutput``.
 
-    It may also have (the method calls each one when present): ``check_datamodule(datamodule)`` before fitting
-    (what the loss needs from the rows: a routing column, the prompt messages), and ``close()`` at teardown."""
+    The method also calls, each doing nothing here: ``check_datamodule(datamodule)`` before fitting (what the loss
+    needs from the rows: a routing column, the prompt messages), and ``close()`` at teardown."""
 
-    def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput: ...
+    @abstractmethod
+    def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
+        """The loss of ``batch`` (``input_ids``, ``attention_mask``, ``labels`` ``(B, L)``) for ``student``."""
+
+    def check_datamodule(self, datamodule: Any) -> None:
+        """Raise for training data this loss cannot read; ask the datamodule for the columns it needs."""
+
+    def close(self) -> None:
+        """Release what the loss holds."""
 
 
 def combine(parts: list[LossOutput]) -> LossOutput:

@@ -10,7 +10,7 @@ completion positions are projected to logits (``[N, V]`` per model, from final h
 lean forward is unsupported).
 
 The batch loss is the mean over *all aligned groups of the batch* (a row weighs by its group count; TRL averages
-per-row means instead), times ``distillation_weight``, plus ``crossentropy_weight`` times the student's
+per-row means instead), times the settings' ``distillation_weight``, plus ``crossentropy_weight`` times the student's
 cross-entropy on its completion tokens (a token mean). Its ``count`` is the group count, so the optimizer step's
 normaliser counts groups, not student tokens.
 
@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.retokenize import student_completions, teacher_batch
 from lightning_gkd.data.token_projection import ProjectionTables, projection_tables
-from lightning_gkd.losses.base import LeanPath, Logged, LossOutput, finite_flag
+from lightning_gkd.losses.base import DistillationLoss, LeanPath, Logged, LossOutput, finite_flag
 from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings, check_cross_tokenizer_datamodule
 from lightning_gkd.models.loading import vocab_size
 from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import (
@@ -45,15 +45,15 @@ from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.local import LocalTeacher
 
 
-class CrossTokenizerDistillation:
+class CrossTokenizerDistillation(DistillationLoss):
     """The cross-tokenizer loss of a batch (see the module docstring) against ``teacher`` (an in-process model with
     ``teacher_tokenizer``). The matched vocabulary (token strings both tokenizers hold, within both models' logit
     columns) and the projection tables are computed once, here.
 
     Logged: ``cross_tokenizer/groups`` (aligned groups per batch), and ``cross_tokenizer/matched`` /
     ``cross_tokenizer/unmatched`` (the hybrid's unweighted parts, group means) and ``cross_tokenizer/crossentropy``
-    (with ``crossentropy_weight > 0``). ``max_new_tokens``: how much longer than the datamodule's ``max_length`` a
-    sampled row can be (the teacher's input budget, ``check_datamodule``)."""
+    (with ``settings.crossentropy_weight > 0``). ``max_new_tokens``: how much longer than the datamodule's
+    ``max_length`` a sampled row can be (the teacher's input budget, ``check_datamodule``)."""
 
     def __init__(
         self,
@@ -63,15 +63,12 @@ class CrossTokenizerDistillation:
         settings: CrossTokenizerSettings,
         *,
         student: nn.Module,
-        distillation_weight: float = 1.0,
-        crossentropy_weight: float = 0.0,
         max_new_tokens: int = 0,
         lean: LeanPath | None = None,
     ) -> None:
         self.teacher = teacher
         self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
         self.settings, self.loss_settings = settings, settings.loss
-        self.distillation_weight, self.crossentropy_weight = distillation_weight, crossentropy_weight
         eos = resolve_eos_token_id(student, student_tokenizer)  # a sample ends at any of the model's EOS ids
         self.student_end_ids: Collection[int] = {eos} if isinstance(eos, int) else set(eos or [])
         if student_tokenizer.eos_token_id is not None:
@@ -218,12 +215,12 @@ class CrossTokenizerDistillation:
             unmatched_part = torch.cat([t.unmatched for t in terms if t.unmatched is not None]).detach().mean()
             logs["cross_tokenizer/matched"] = Logged(matched_part, float(groups))
             logs["cross_tokenizer/unmatched"] = Logged(unmatched_part, float(groups))
-        if self.distillation_weight != 1.0:
-            loss = self.distillation_weight * loss
-        if self.crossentropy_weight > 0:
+        if self.settings.distillation_weight != 1.0:
+            loss = self.settings.distillation_weight * loss
+        if self.settings.crossentropy_weight > 0:
             targets = torch.tensor([i for c in completions for i in c.ids], dtype=torch.long, device=device)
             crossentropy = F.cross_entropy(s_logits, targets) if targets.numel() else s_logits.sum() * 0.0
-            loss = loss + self.crossentropy_weight * crossentropy
+            loss = loss + self.settings.crossentropy_weight * crossentropy
             logs["cross_tokenizer/crossentropy"] = Logged(crossentropy.detach(), float(max(groups, 1)))
         finite = {"student": finite_flag(s_states), "teacher": finite_flag(t_states)}
         return LossOutput(loss, torch.tensor(groups, device=device), logs, finite)

@@ -24,8 +24,8 @@ from lightning_gkd.teachers.spec import (
 
 Enabled = Literal["auto", "always", "never"]
 ENABLED: tuple[str, ...] = get_args(Enabled)
-#: ``cross_tokenizer`` keys read by the method (the rest are ``CrossTokenizerLoss``'s).
-_METHOD_KEYS = ("enabled", "teacher_max_length", "projection_cache")
+#: ``cross_tokenizer`` keys read by the method and the loss object (the rest are ``CrossTokenizerLoss``'s).
+_METHOD_KEYS = ("enabled", "teacher_max_length", "projection_cache", "distillation_weight", "crossentropy_weight")
 _LOSS_KEYS = tuple(f.name for f in fields(CrossTokenizerLoss))
 _OPTION = "cross_tokenizer"
 
@@ -35,29 +35,49 @@ class CrossTokenizerSettings:
     """``GKDModule(cross_tokenizer=...)``: ``enabled`` (``auto``: when the tokenizers differ; ``always``: also with
     the same tokenizer; ``never``: GKD's usual path only, the teacher's tokenizer is not looked at), the loss
     (``CrossTokenizerLoss``) and ``teacher_max_length`` (the teacher's input budget in its tokens; None: the
-    datamodule's ``max_length`` plus ``max_new_tokens``, at most the teacher's positions) and ``projection_cache``
+    datamodule's ``max_length`` plus ``max_new_tokens``, at most the teacher's positions), ``projection_cache``
     (a folder where the ``projected`` loss's tables are cached, keyed by both tokenizers' fingerprints; None: built
-    each run)."""
+    each run) and the batch loss's weights (TRL's ``uld_distillation_weight`` / ``uld_crossentropy_weight``):
+    ``distillation_weight`` times the cross-tokenizer loss plus ``crossentropy_weight`` times the student's
+    cross-entropy on its completion tokens. Checked when made."""
 
     enabled: Enabled = "auto"
     loss: CrossTokenizerLoss = field(default_factory=CrossTokenizerLoss)
     teacher_max_length: int | None = None
     projection_cache: str | None = None
+    distillation_weight: float = 1.0
+    crossentropy_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.enabled not in ENABLED:
+            raise ValueError(
+                f"{_OPTION}.enabled must be one of {', '.join(ENABLED)}, got {self.enabled!r} (auto: when the "
+                "teacher's tokenizer differs from the student's; always: also when they are the same; never: off)."
+            )
+        length = self.teacher_max_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 2):
+            raise ValueError(f"{_OPTION}.teacher_max_length must be an integer >= 2 or null, got {length!r}.")
+        if self.projection_cache is not None and not isinstance(self.projection_cache, str | Path):
+            raise ValueError(
+                f"{_OPTION}.projection_cache must be a folder path or null, got {self.projection_cache!r}."
+            )
+        if self.projection_cache is not None:
+            object.__setattr__(self, "projection_cache", str(self.projection_cache))
+        for name in ("distillation_weight", "crossentropy_weight"):
+            weight = getattr(self, name)
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight >= 0:
+                raise ValueError(f"{_OPTION}.{name} must be a number >= 0, got {weight!r}.")
 
     def as_dict(self) -> dict[str, Any]:
         """The flat mapping of conf/cross_tokenizer/ (plain values: checkpoints' hyper-parameters load weights-only)."""
         loss = {f.name: getattr(self.loss, f.name) for f in fields(CrossTokenizerLoss)}
-        return {
-            "enabled": self.enabled,
-            **loss,
-            "teacher_max_length": self.teacher_max_length,
-            "projection_cache": self.projection_cache,
-        }
+        method = {key: getattr(self, key) for key in _METHOD_KEYS}
+        return {**method, **loss}
 
 
 def cross_tokenizer_settings(value: Any, *, beta: float, loss_temperature: float) -> CrossTokenizerSettings:
     """``value`` (None, a mapping as in conf/cross_tokenizer/, a ``CrossTokenizerLoss`` or settings) as settings.
-    A null ``beta`` takes the method's ``beta``, null temperatures its ``loss_temperature``."""
+    A null ``beta`` takes the method's ``divergence.beta``, null temperatures its ``loss_temperature``."""
     if isinstance(value, CrossTokenizerSettings):
         return value
     if isinstance(value, CrossTokenizerLoss):
@@ -71,62 +91,43 @@ def cross_tokenizer_settings(value: Any, *, beta: float, loss_temperature: float
             f"{_OPTION}: unknown key(s) {', '.join(sorted(unknown))}; it takes "
             f"{', '.join(sorted((*_METHOD_KEYS, *_LOSS_KEYS)))}."
         )
-    enabled = given.pop("enabled", "auto")
-    if enabled not in ENABLED:
-        raise ValueError(
-            f"{_OPTION}.enabled must be one of {', '.join(ENABLED)}, got {enabled!r} (auto: when the teacher's "
-            "tokenizer differs from the student's; always: also when they are the same; never: off)."
-        )
-    max_length = given.pop("teacher_max_length", None)
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
-        raise ValueError(f"{_OPTION}.teacher_max_length must be an integer >= 2 or null, got {max_length!r}.")
-    cache = given.pop("projection_cache", None)
-    if cache is not None and not isinstance(cache, str | Path):
-        raise ValueError(f"{_OPTION}.projection_cache must be a folder path or null, got {cache!r}.")
+    method = {key: given.pop(key) for key in _METHOD_KEYS if key in given}
     defaults = {"beta": beta, "student_temperature": loss_temperature, "teacher_temperature": loss_temperature}
     for key, default in defaults.items():  # null: the method's own
         if given.get(key) is None:
             given[key] = default
-    return CrossTokenizerSettings(
-        enabled, CrossTokenizerLoss(**given), max_length, None if cache is None else str(cache)
-    )
+    return CrossTokenizerSettings(loss=CrossTokenizerLoss(**given), **method)
 
 
-def _changed_settings(value: Any) -> list[str]:
+def _changed_settings(value: Any, defaults: CrossTokenizerSettings) -> list[str]:
     """The ``cross_tokenizer`` settings in ``value`` (a mapping, ``CrossTokenizerLoss`` or settings) that differ from
-    the defaults (``enabled`` and nulls aside): ``key=value`` strings."""
+    ``defaults`` (``enabled`` and nulls aside): ``key=value`` strings."""
     if isinstance(value, CrossTokenizerSettings):
-        given: dict[str, Any] = {f.name: getattr(value.loss, f.name) for f in fields(CrossTokenizerLoss)}
-        given["teacher_max_length"] = value.teacher_max_length
-        given["projection_cache"] = value.projection_cache
+        given: dict[str, Any] = value.as_dict()
     elif isinstance(value, CrossTokenizerLoss):
         given = {f.name: getattr(value, f.name) for f in fields(CrossTokenizerLoss)}
     else:
         given = dict(value or {})
-    defaults = {f.name: f.default for f in fields(CrossTokenizerLoss)}
+    default = defaults.as_dict()
     return [
         f"{_OPTION}.{key}={item!r}"
         for key, item in given.items()
-        if key != "enabled" and item is not None and item != defaults.get(key)
+        if key != "enabled" and item is not None and item != default.get(key)
     ]
 
 
-def unread_cross_tokenizer_settings(value: Any, *, distillation_weight: float, crossentropy_weight: float) -> None:
+def unread_cross_tokenizer_settings(value: Any, *, beta: float, loss_temperature: float) -> None:
     """``ValueError`` for settings only the cross-tokenizer loss reads, given to a run that does not take it (the
-    teacher shares the student's tokenizer, or ``enabled=never``): ``distillation_weight`` other than 1,
-    ``crossentropy_weight`` other than 0, ``cross_tokenizer`` loss settings other than the defaults."""
-    unread = _changed_settings(value)
-    if distillation_weight != 1.0:
-        unread.append(f"distillation_weight={distillation_weight}")
-    if crossentropy_weight != 0.0:
-        unread.append(f"crossentropy_weight={crossentropy_weight}")
+    teacher shares the student's tokenizer, or ``enabled=never``): ``cross_tokenizer`` settings other than the
+    defaults (the loss's, its weights, its budget and cache), where a null ``beta`` means the method's ``beta`` and
+    null temperatures its ``loss_temperature`` (a checkpoint records them resolved)."""
+    unread = _changed_settings(value, cross_tokenizer_settings(None, beta=beta, loss_temperature=loss_temperature))
     if unread:
         raise ValueError(
             f"{', '.join(unread)}: read only by the cross-tokenizer loss, and this run trains with GKD's usual loss "
             "(the teacher shares the student's tokenizer, or cross_tokenizer.enabled=never). Drop "
-            f"{'it' if len(unread) == 1 else 'them'} (Hydra: method.distillation_weight=1.0, "
-            "method.crossentropy_weight=0.0, cross_tokenizer=auto), or train across tokenizers: give the teacher's "
-            "own tokenizer (model.teacher.tokenizer; Python: teacher_tokenizer=...) or set "
+            f"{'it' if len(unread) == 1 else 'them'} (Hydra: cross_tokenizer=auto), or train across tokenizers: give "
+            "the teacher's own tokenizer (model.teacher.tokenizer; Python: teacher_tokenizer=...) or set "
             f"{_OPTION}.enabled=always."
         )
 
@@ -186,8 +187,9 @@ def plan_cross_tokenizer(
         )
     if sparse_loss != "topk":
         raise ValueError(
-            f"method.sparse_loss={sparse_loss} with {why}: the sparse losses read a top-k signal in the student's "
-            f"token ids; the cross-tokenizer loss ({_OPTION}.loss) replaces them. Leave method.sparse_loss=topk."
+            f"method.divergence.sparse_loss={sparse_loss} with {why}: the sparse losses read a top-k signal in the "
+            f"student's token ids; the cross-tokenizer loss ({_OPTION}.loss) replaces them. Leave "
+            "method.divergence.sparse_loss=topk."
         )
     return tokenizer
 
@@ -239,10 +241,11 @@ def check_cross_tokenizer_config(cfg: Any, datamodule: Any) -> None:
         return
     method = OmegaConf.to_container(cfg.method, resolve=True)
     assert isinstance(method, dict)
+    divergence = method.get("divergence") or {}
     settings = cross_tokenizer_settings(
         method.get("cross_tokenizer"),
-        beta=method.get("beta", 0.5),
-        loss_temperature=method.get("loss_temperature", 1.0),
+        beta=divergence.get("beta", 0.5),
+        loss_temperature=divergence.get("loss_temperature", 1.0),
     )
     if settings.enabled == "never":
         return
@@ -273,7 +276,7 @@ def check_cross_tokenizer_config(cfg: Any, datamodule: Any) -> None:
         settings,
         owner=target,
         seq_kd=bool(method.get("seq_kd", False)),
-        sparse_loss=str(method.get("sparse_loss", "topk")),
+        sparse_loss=str(divergence.get("sparse_loss", "topk")),
     )
     if active is not None:
         raise ValueError(_ASSISTANT_TURNS)

@@ -5,29 +5,25 @@ Per teacher: an in-process model without ``top_k`` gives full distributions (``D
 teacher a top-k signal (``TopKDistillation`` with ``sparse_loss=topk|topk_renorm``, ``SampledDistillation`` with
 ``k1|k3``). Under ``teacher.kind=multi`` one loss per teacher name, routed by the rows' column
 (``RoutedDistillation``). OPD's policy gradient picks its teacher signal the same way (``policy_gradient_loss``).
+The settings themselves: ``losses.settings``.
 A setting that the chosen losses would not read is refused (``refuse_unread_settings``), naming it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any
 
 from lightning_gkd.losses.base import DistillationLoss, LeanPath
 from lightning_gkd.losses.dense import DenseDistillation
 from lightning_gkd.losses.opd import DensePolicyGradient, TopKPolicyGradient
 from lightning_gkd.losses.routed import RoutedDistillation
+from lightning_gkd.losses.settings import DivergenceSettings, PolicyGradientSettings
 from lightning_gkd.losses.sparse import SampledDistillation, TopKDistillation
+from lightning_gkd.ops.hf.forward import EosTokenId
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.local import LocalTeacher
 from lightning_gkd.teachers.spec import TeacherPlan
-
-#: The loss against a sparse teacher: ``topk`` the generalized JSD (``beta``) of the coarse distributions over the
-#: teacher's top-k and one bucket for the rest (exact KL of those; equals the full loss at k = V), ``topk_renorm``
-#: both renormalised over the top-k (no rest bucket), ``k1``/``k3`` the sampled-token reverse-KL estimators on the
-#: student's own samples (``lightning_gkd.ops.divergence.sparse_kd``).
-SparseLoss = Literal["topk", "topk_renorm", "k1", "k3"]
-SPARSE_LOSSES: tuple[str, ...] = get_args(SparseLoss)
 
 
 def _is_dense(source: Any) -> bool:
@@ -37,40 +33,37 @@ def _is_dense(source: Any) -> bool:
 
 
 def divergence_loss(
-    sources: Mapping[str, Any],
-    column: str | None,
-    *,
-    beta: float,
-    temperature: float,
-    sparse_loss: str,
-    chunk_size: int,
-    lean: LeanPath,
+    sources: Mapping[str, Any], column: str | None, divergence: DivergenceSettings, *, lean: LeanPath
 ) -> DistillationLoss:
     """GKD's loss against the run's teachers (``sources``: name -> teacher; ``""`` the only one unless routed by
-    ``column``): the generalized JSD (``beta``, ``temperature``) over each dense teacher's full distributions, and
-    ``sparse_loss`` against each sparse one."""
+    ``column``): ``divergence``'s generalized JSD over each dense teacher's full distributions (``lean``: the run's
+    shared fallback policy), and its ``sparse_loss`` against each sparse one."""
 
     def one(source: Any) -> DistillationLoss:
         if _is_dense(source):
-            return DenseDistillation(source, beta=beta, temperature=temperature, chunk_size=chunk_size, lean=lean)
-        if sparse_loss in ("k1", "k3"):
-            return SampledDistillation(source, estimator=sparse_loss, chunk_size=chunk_size)
-        return TopKDistillation(source, beta=beta, tail=sparse_loss == "topk", chunk_size=chunk_size)
+            return DenseDistillation(source, divergence, lean=lean)
+        if divergence.sparse_loss in ("k1", "k3"):
+            return SampledDistillation(source, divergence)
+        return TopKDistillation(source, divergence)
 
     return _routed(column, {name: one(source) for name, source in sources.items()})
 
 
 def policy_gradient_loss(
-    sources: Mapping[str, Any], column: str | None, *, sparse_loss: str, **settings: Any
+    sources: Mapping[str, Any],
+    column: str | None,
+    policy_gradient: PolicyGradientSettings,
+    divergence: DivergenceSettings,
+    *,
+    eos_token_id: EosTokenId,
 ) -> DistillationLoss:
     """OPD's training loss against the run's teachers: ``DensePolicyGradient`` for a dense teacher,
     ``TopKPolicyGradient`` (its ``kl_coef`` term: ``sparse_loss`` ``topk`` with a tail bucket, or ``topk_renorm``)
-    for a sparse one; ``settings`` are ``PolicyGradientDistillation``'s."""
+    for a sparse one."""
 
     def one(source: Any) -> DistillationLoss:
-        if _is_dense(source):
-            return DensePolicyGradient(source, **settings)
-        return TopKPolicyGradient(source, tail=sparse_loss == "topk", **settings)
+        kind = DensePolicyGradient if _is_dense(source) else TopKPolicyGradient
+        return kind(source, policy_gradient, divergence, eos_token_id=eos_token_id)
 
     return _routed(column, {name: one(source) for name, source in sources.items()})
 
@@ -82,16 +75,8 @@ def _routed(column: str | None, losses: dict[str, DistillationLoss]) -> Distilla
 # --------------------------------------------------------------------------- before models load
 
 
-def check_sparse_loss(sparse_loss: str) -> None:
-    if sparse_loss not in SPARSE_LOSSES:
-        raise ValueError(f"sparse_loss must be one of {', '.join(SPARSE_LOSSES)}, got {sparse_loss!r}.")
-
-
-def check_teacher_settings(
-    plan: TeacherPlan, *, lmbda: float, beta: float, seq_kd: bool, loss_temperature: float, sparse_loss: str
-) -> None:
+def check_teacher_settings(plan: TeacherPlan, divergence: DivergenceSettings, *, lmbda: float, seq_kd: bool) -> None:
     """GKD: raise ``ValueError`` for settings a run's teachers cannot serve, naming the setting and what to do."""
-    check_sparse_loss(sparse_loss)
     kinds = {entry.kind for entry in plan.entries.values()}
     if seq_kd and any(entry.kind == "server" and entry.dense for entry in plan.entries.values()):
         raise ValueError(
@@ -101,11 +86,11 @@ def check_teacher_settings(
         )
     if plan.all_dense and "cache" not in kinds:
         return
-    if loss_temperature != 1.0 and not plan.all_dense:
+    if divergence.loss_temperature != 1.0 and not plan.all_dense:
         raise ValueError(
-            f"loss_temperature={loss_temperature}: a top-k teacher signal carries log-probs at temperature 1 only "
-            "(the full logits are not there to rescale). Set method.loss_temperature=1.0, or use an in-process "
-            "teacher without top_k."
+            f"loss_temperature={divergence.loss_temperature}: a top-k teacher signal carries log-probs at "
+            "temperature 1 only (the full logits are not there to rescale). Set "
+            "method.divergence.loss_temperature=1.0, or use an in-process teacher without top_k."
         )
     if "cache" in kinds and (lmbda > 0 or seq_kd):
         raise ValueError(
@@ -118,29 +103,30 @@ def check_teacher_settings(
             "seq_kd=true needs one teacher that can write completions (kind=local or kind=server); "
             f"this run's teachers are {', '.join(sorted(kinds))}{' (multi)' if plan.routed else ''}."
         )
+    sparse_loss, beta = divergence.sparse_loss, divergence.beta
     if sparse_loss in ("k1", "k3") and (lmbda < 1 or seq_kd or beta != 1):
         raise ValueError(
             f"sparse_loss={sparse_loss} estimates the reverse KL from the student's own samples: set "
-            f"method.lmbda=1.0, method.seq_kd=false and method.beta=1.0 (got lmbda={lmbda}, seq_kd={seq_kd}, "
-            f"beta={beta}), or use sparse_loss=topk."
+            f"method.lmbda=1.0, method.seq_kd=false and method.divergence.beta=1.0 (got lmbda={lmbda}, "
+            f"seq_kd={seq_kd}, beta={beta}), or use sparse_loss=topk."
         )
 
 
-def refuse_unread_settings(plan: TeacherPlan, *, sparse_loss: str, lean_loss: bool, owner: str) -> None:
+def refuse_unread_settings(plan: TeacherPlan, divergence: DivergenceSettings, *, owner: str) -> None:
     """``ValueError`` for a loss setting no teacher of this run reads: ``sparse_loss`` other than ``topk`` with only
     dense teachers (full distributions), ``lean_loss=False`` with only sparse ones (their losses always read hidden
     states). ``owner``: the method, for the message."""
     dense = [entry.dense for entry in plan.entries.values()]
-    if sparse_loss != "topk" and all(dense):
+    if divergence.sparse_loss != "topk" and all(dense):
         raise ValueError(
-            f"{owner}(sparse_loss={sparse_loss!r}): sparse_loss is read only against a sparse teacher (teacher=cache"
-            "|server, or teacher.top_k set), and this run's teacher gives full distributions (the generalized JSD "
-            "over the whole vocabulary). Leave sparse_loss=topk (Hydra: method.sparse_loss=topk), or set "
-            "teacher.top_k to train on the teacher's top-k."
+            f"{owner}(divergence.sparse_loss={divergence.sparse_loss!r}): sparse_loss is read only against a sparse "
+            "teacher (teacher=cache|server, or teacher.top_k set), and this run's teacher gives full distributions "
+            "(the generalized JSD over the whole vocabulary). Leave sparse_loss=topk (Hydra: "
+            "method.divergence.sparse_loss=topk), or set teacher.top_k to train on the teacher's top-k."
         )
-    if not lean_loss and not any(dense):
+    if not divergence.lean_loss and not any(dense):
         raise ValueError(
-            f"{owner}(lean_loss=False): lean_loss chooses between final hidden states and full logits for an "
-            "in-process teacher's full distributions, and this run has only sparse teachers, whose losses always "
-            "read hidden states. Leave lean_loss=True (Hydra: method.lean_loss=true)."
+            f"{owner}(divergence.lean_loss=False): lean_loss chooses between final hidden states and full logits for "
+            "an in-process teacher's full distributions, and this run has only sparse teachers, whose losses always "
+            "read hidden states. Leave lean_loss=True (Hydra: method.divergence.lean_loss=true)."
         )

@@ -13,7 +13,7 @@ from lightning_gkd.losses.base import DistillationLoss, Logged, LossOutput, comb
 from lightning_gkd.teachers.routing import route_rows
 
 
-class RoutedDistillation:
+class RoutedDistillation(DistillationLoss):
     """Each teacher's loss (``losses[name]``) on the rows whose ``column`` value names it; the batch's loss is the
     count-weighted mean over all of them (``combine``: a token mean over the whole batch), and per teacher
     ``teacher/<name>/loss`` and ``teacher/<name>/tokens`` are logged."""
@@ -47,6 +47,4 @@ class RoutedDistillation:
             )
         carry([self.column])
         for loss in self.losses.values():
-            check = getattr(loss, "check_datamodule", None)
-            if callable(check):
-                check(datamodule)
+            loss.check_datamodule(datamodule)

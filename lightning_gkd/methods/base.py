@@ -4,10 +4,11 @@ checkpoints, export), each of which lives in its own room."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeAlias, TypeVar
 
 import lightning as L
 import torch
@@ -18,13 +19,13 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import (
     CompletionLengths,
-    GenerationMetric,
     GenerationScores,
     decode_until_eos,
     greedy_completions,
     reference_texts,
 )
 from lightning_gkd.evaluation.model_card import describe_source
+from lightning_gkd.evaluation.settings import ValidationSettings
 from lightning_gkd.losses.base import LossOutput
 from lightning_gkd.models.loading import (
     ModelSource,
@@ -36,31 +37,78 @@ from lightning_gkd.models.loading import (
     vocab_size,
 )
 from lightning_gkd.models.loading import disable_dropout as disable_dropout_in
-from lightning_gkd.models.precision import check_frozen_dtype, frozen_model_dtype, is_quantized
+from lightning_gkd.models.precision import frozen_model_dtype, is_quantized
 from lightning_gkd.models.tied_embedding import sparse_tied_embedding_gradient
 from lightning_gkd.ops.decoding.sampling import derive_seed
 from lightning_gkd.ops.hf.forward import causal_lm_logits, resolve_eos_token_id
+from lightning_gkd.samplers.base import Sampler
 from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
 from lightning_gkd.training.export import export_module
-from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFinitePolicy
-from lightning_gkd.training.normalization import LossNormalization, StepTokenNormalizer
+from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
+from lightning_gkd.training.normalization import StepTokenNormalizer
 from lightning_gkd.training.optimizers import adamw, amp_clipping, build_optimizer
 from lightning_gkd.training.quiet import ignore_frozen_eval_warning
+from lightning_gkd.training.settings import TrainingSettings
 from lightning_gkd.training.throughput import TokenThroughput
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",
     "CausalLMModule",
     "check_data_format",
-    "NonFinitePolicy",
-    "OptimizerFactory",
-    "SchedulerFactory",
     "derive_seed",
+    "Group",
+    "plain_settings",
     "require_lm_module",
+    "settings_group",
 ]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+Settings = TypeVar("Settings")
+#: A settings-group argument of a method: the settings themselves, a mapping of the fields to change from the
+#: method's defaults (Hydra passes one), or None for those defaults (``settings_group``).
+Group: TypeAlias = Settings | Mapping[str, Any] | None
+_NOT_PLAIN = object()
+
+
+def settings_group(value: Group[Settings], default: Settings, name: str) -> Settings:
+    """A method's settings group from its argument ``name``: the settings themselves, a mapping of overrides applied
+    onto the method's ``default`` (Hydra passes one), or None: ``default``. The overrides are checked as the
+    settings class checks its fields; an unknown key is a ValueError naming the ones it takes."""
+    if value is None:
+        return default
+    if isinstance(value, type(default)):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be a {type(default).__name__}, a mapping of its fields or None, got {type(value).__name__}."
+        )
+    known = [f.name for f in fields(default)]  # type: ignore[arg-type]  # every settings class is a dataclass
+    if unknown := sorted(str(key) for key in value if key not in known):
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; it takes {', '.join(known)}.")
+    return replace(default, **value)  # type: ignore[type-var]
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain data (None, bool, numbers, strings, lists and string-keyed dicts of them), or ``_NOT_PLAIN``
+    for an object (a model, a factory, a callable)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        items = [_plain(item) for item in value]
+        return _NOT_PLAIN if any(item is _NOT_PLAIN for item in items) else items
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        entries = {key: _plain(item) for key, item in value.items()}
+        return _NOT_PLAIN if any(item is _NOT_PLAIN for item in entries.values()) else entries
+    return _NOT_PLAIN
+
+
+def plain_settings(settings: Any) -> dict[str, Any]:
+    """The fields of ``settings`` (a settings dataclass, or a mapping) whose values are plain data, by name: what a
+    checkpoint records of a settings group (objects such as a sampler, an optimizer factory or the metrics stay
+    out), and what the constructor takes back as a mapping."""
+    values = (
+        settings if isinstance(settings, Mapping) else {f.name: getattr(settings, f.name) for f in fields(settings)}
+    )
+    return {name: plain for name, value in values.items() if (plain := _plain(value)) is not _NOT_PLAIN}
 
 
 _DATA_FORMATS = {
@@ -109,14 +157,19 @@ class CausalLMModule(L.LightningModule):
     (validation logs its ``loss`` as ``val/loss`` and its ``logs`` under ``val/``), and ``training_step``, which for a
     mean loss returns ``finish_training_step(out, batch)``: the non-finite check (``skip_nonfinite``), the trained
     token count (``train/tokens_per_sec``), ``train/<name>`` of ``out.logs``, and ``step_loss(out.loss, out.count)``
-    (with ``loss_normalization="step"`` the optimizer step then trains on the mean over all its micro-batches' and
-    ranks' units). ``metrics`` (name -> ``fn(predictions, references) -> float``) score greedy completions of the
-    validation prompts against the dataset completions once per validation epoch, logged as ``val/<name>``.
+    (with ``training.loss_normalization="step"`` the optimizer step then trains on the mean over all its
+    micro-batches' and ranks' units). ``validation.metrics`` (name -> ``fn(predictions, references) -> float``) score
+    greedy completions of the validation prompts against the dataset completions once per validation epoch, logged
+    as ``val/<name>``.
+
+    Settings come in groups (``training``: ``TrainingSettings``, ``validation``: ``ValidationSettings``; a method
+    adds its own): each argument takes the settings, a mapping of overrides applied onto the method's defaults (the
+    class's ``default_<group>``; Hydra passes one), or None for those defaults (``settings_group``).
 
     Every training loss is checked (``lightning_gkd.training.nonfinite``): a non-finite one raises
     ``RuntimeError`` naming the global step and which model (``model_role`` or a frozen model) produced
-    non-finite logits, before anything is updated with it; with ``nonfinite="skip"`` the batch is skipped with a
-    warning instead (single process only).
+    non-finite logits, before anything is updated with it; with ``training.nonfinite="skip"`` the batch is skipped
+    with a warning instead (single process only).
     """
 
     frozen_names: tuple[str, ...] = ()
@@ -124,46 +177,41 @@ class CausalLMModule(L.LightningModule):
     #: The rows this method trains on, matched against a datamodule's ``data_format`` (``check_data_format``).
     data_format = "chat"
     causal_lm_logits = staticmethod(causal_lm_logits)
+    #: The method's own defaults of its ``training`` and ``validation`` groups (a mapping given changes these).
+    default_training: ClassVar[TrainingSettings] = TrainingSettings()
+    default_validation: ClassVar[ValidationSettings] = ValidationSettings()
+    #: The engine validation's greedy completions go through (``Sampler.greedy``); None: our KV-cache decoder.
+    sampler: Sampler | None = None
 
     def __init__(
         self,
         model: ModelSource,
         tokenizer: PreTrainedTokenizerBase | str,
         *,
-        optimizer: OptimizerFactory | None = None,
-        scheduler: SchedulerFactory | None = None,
-        disable_dropout: bool = True,
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
-        seed: int = 0,
-        metrics: Mapping[str, GenerationMetric] | None = None,
-        eval_max_new_tokens: int = 32,
-        nonfinite: NonFinitePolicy = "raise",
-        loss_normalization: LossNormalization = "step",
-        frozen_dtype: str = "auto",
+        training: Group[TrainingSettings] = None,
+        validation: Group[ValidationSettings] = None,
     ) -> None:
+        # checked before any model loads
+        training = settings_group(training, self.default_training, "training")
+        validation = settings_group(validation, self.default_validation, "validation")
         super().__init__()
-        self.nonfinite_guard = NonFiniteGuard(nonfinite)  # checks the policy before any model loads
-        check_frozen_dtype(frozen_dtype)
-        #: dtype of the frozen models (see ``models.precision.frozen_model_dtype``); "auto" spares models whose
-        #: dtype was chosen (a spec's init_kwargs.dtype, an nn.Module not in float32), a dtype name casts every one.
-        self.frozen_dtype = frozen_dtype
-        self.nonfinite = nonfinite
+        #: How the model trains (``TrainingSettings``; ``training`` is ``nn.Module``'s mode flag).
+        self.training_settings = training
+        #: What validation generates and scores besides the loss (``ValidationSettings``).
+        self.validation = validation
+        self.nonfinite_guard = NonFiniteGuard(training.nonfinite)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         # from_pretrained returns eval-mode models; Lightning keeps module modes as found, so set train mode here.
-        self.model: nn.Module = load_causal_lm(model, trust_remote_code=trust_remote_code, role=self.model_role).train()
+        self.model: nn.Module = load_causal_lm(
+            model, trust_remote_code=training.trust_remote_code, role=self.model_role
+        ).train()
         check_tokenizer_fits(self.tokenizer, vocab_size(self.model), role=self.model_role)
-        if disable_dropout:
+        if training.disable_dropout:
             disable_dropout_in(self.model)
-        if gradient_checkpointing:
+        if training.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         # a tied embedding's gradient: the rows looked up, added into the head's (no dense V x H zero-fill)
         sparse_tied_embedding_gradient(self.model)
-        self.optimizer_factory = optimizer or partial(adamw, lr=5e-5)  # fused where torch can
-        self.scheduler_factory = scheduler
-        self.seed = seed
-        self.metrics = dict(metrics or {})
-        self.eval_max_new_tokens = eval_max_new_tokens
         self.generation_scores = GenerationScores()  # greedy validation texts, scored at the epoch's end
         #: Set by a ``LengthGuard`` for a validation it measures: the greedy completions' lengths are counted there
         #: (made for it when no metric needs them). None: nothing counted.
@@ -172,20 +220,34 @@ class CausalLMModule(L.LightningModule):
         self.model_sources: dict[str, str | None] = {self.model_role: describe_source(model)}
         self.throughput = TokenThroughput()
         #: Token-mean losses: over the whole optimizer step ("step") or per micro-batch ("micro_batch").
-        self.token_normalizer = StepTokenNormalizer(loss_normalization)
+        self.token_normalizer = StepTokenNormalizer(training.loss_normalization)
         self._checked_datamodule: L.LightningDataModule | None = None
         self._frozen_dtype_open: set[str] = set()  # frozen models whose source did not choose a dtype
         self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
 
-    def load_frozen(self, source: ModelSource, *, role: str, trust_remote_code: bool = False) -> nn.Module:
+    def load_frozen(self, source: ModelSource, *, role: str) -> nn.Module:
         """Load a frozen helper model. Unless its dtype was chosen (a spec with ``init_kwargs.dtype`` other than
-        ``auto``, or an ``nn.Module`` in another dtype than float32), it takes ``frozen_dtype``'s dtype when fitting
-        starts: with "auto", the trainer's 16-bit precision, or bfloat16 under 32-bit where the hardware multiplies
-        bf16 fast. A float32 ``nn.Module`` passed in is cast in place like a model loaded from a folder."""
+        ``auto``, or an ``nn.Module`` in another dtype than float32), it takes ``training.frozen_dtype``'s dtype when
+        fitting starts: with "auto", the trainer's 16-bit precision, or bfloat16 under 32-bit where the hardware
+        multiplies bf16 fast. A float32 ``nn.Module`` passed in is cast in place like a model loaded from a folder."""
         self.model_sources[role] = describe_source(source)
         if not dtype_chosen(source):
             self._frozen_dtype_open.add(role)
-        return load_frozen_causal_lm(source, role=role, trust_remote_code=trust_remote_code)
+        return load_frozen_causal_lm(source, role=role, trust_remote_code=self.training_settings.trust_remote_code)
+
+    def settings_groups(self) -> dict[str, Any]:
+        """The method's settings groups by argument name (a subclass adds its own), as its hyper-parameters record
+        them (``save_settings``)."""
+        return {"training": self.training_settings, "validation": self.validation}
+
+    def save_settings(self, *objects: str) -> None:
+        """Save the constructor's arguments as hyper-parameters (a subclass's own arguments too: Lightning reads them
+        from the constructors' frames) without the ``objects`` among them (models, the tokenizer, a loss object), and
+        each settings group as its plain values (``plain_settings``): a checkpoint's hyper-parameters load
+        weights-only, and ``load_from_checkpoint`` makes the same groups from them."""
+        groups = self.settings_groups()
+        self.save_hyperparameters(ignore=[*objects, *groups])
+        self.save_hyperparameters({**self.hparams, **{name: plain_settings(value) for name, value in groups.items()}})
 
     def frozen_models(self) -> dict[str, nn.Module]:
         """name -> frozen model, for those present (DPO with cached reference log-probs has none)."""
@@ -204,7 +266,7 @@ class CausalLMModule(L.LightningModule):
 
     def step_seed(self, batch_idx: int, *salt: int) -> int:
         """Seed for this training batch: a function of (seed, global step, batch index, salt) only."""
-        return derive_seed(self.seed, self.global_step, batch_idx, *salt)
+        return derive_seed(self.training_settings.seed, self.global_step, batch_idx, *salt)
 
     def skip_nonfinite(self, loss: torch.Tensor) -> bool:
         """Check a training loss: True when the batch must be skipped (``nonfinite="skip"``), False when it is
@@ -275,22 +337,20 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
         trainer = getattr(self, "_trainer", None)  # None when called outside a fit
-        optimizer = build_optimizer(
-            self.optimizer_factory, params, allow_fused=trainer is None or not amp_clipping(trainer)
-        )
-        if self.scheduler_factory is None:
+        factory = self.training_settings.optimizer or partial(adamw, lr=5e-5)  # fused where torch can
+        optimizer = build_optimizer(factory, params, allow_fused=trainer is None or not amp_clipping(trainer))
+        scheduler = self.training_settings.scheduler
+        if scheduler is None:
             return optimizer
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
-        }
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler(optimizer), "interval": "step"}}
 
     # -- checks before training -----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         # The frozen models' dtype for every stage: trainer.validate/test score with the teacher training used.
-        dtype = frozen_model_dtype(self.frozen_dtype, str(self.trainer.precision), self.trainer.strategy.root_device)
+        frozen_dtype = self.training_settings.frozen_dtype
+        dtype = frozen_model_dtype(frozen_dtype, str(self.trainer.precision), self.trainer.strategy.root_device)
         for name, model in self.frozen_models().items():
-            chosen = self.frozen_dtype == "auto" and name not in self._frozen_dtype_open
+            chosen = frozen_dtype == "auto" and name not in self._frozen_dtype_open
             if dtype is not None and not chosen and not is_quantized(model):
                 self._log_frozen_cast(name, model, dtype)
                 model.to(dtype)
@@ -312,8 +372,8 @@ class CausalLMModule(L.LightningModule):
         was = ", ".join(sorted(str(d).removeprefix("torch.") for d in before))
         now = str(dtype).removeprefix("torch.")
         message = f"The {name} runs in {now} (its weights were {was}; it is never trained)"
-        if self.frozen_dtype != "auto":
-            rank_zero_info(f"{message}: frozen_dtype={self.frozen_dtype!r}.")
+        if self.training_settings.frozen_dtype != "auto":
+            rank_zero_info(f"{message}: frozen_dtype={self.training_settings.frozen_dtype!r}.")
             return
         where = f"precision {self.trainer.precision!r} on {self.trainer.strategy.root_device}"
         keep = f" frozen_dtype='{was}' keeps it {was}." if len(before) == 1 else ""
@@ -389,9 +449,10 @@ class CausalLMModule(L.LightningModule):
         return out.loss
 
     def collect_generations(self, batch: Mapping[str, torch.Tensor], dataloader_idx: int = 0) -> None:
-        """With ``metrics``: greedy completions of the batch prompts and the batch's dataset completions
-        (``labels``), scored at the end of the validation epoch. With ``completion_lengths``: their lengths counted."""
-        if not self.metrics and self.completion_lengths is None:
+        """With ``validation.metrics``: greedy completions of the batch prompts (through ``sampler.greedy`` where it
+        decodes) and the batch's dataset completions (``labels``), scored at the end of the validation epoch. With
+        ``completion_lengths``: their lengths counted."""
+        if not self.validation.metrics and self.completion_lengths is None:
             return
         eos = resolve_eos_token_id(self.model, self.tokenizer)
         completions = greedy_completions(
@@ -399,18 +460,18 @@ class CausalLMModule(L.LightningModule):
             self.tokenizer,
             batch,
             eos_token_id=eos,
-            max_new_tokens=self.eval_max_new_tokens,
-            sampler=getattr(self, "sampler", None),
+            max_new_tokens=self.validation.max_new_tokens,
+            sampler=self.sampler,
         )
         if self.completion_lengths is not None:
             self.completion_lengths.add(completions, eos)
-        if self.metrics:
+        if self.validation.metrics:
             predictions = decode_until_eos(self.tokenizer, completions.tolist(), eos)
             self.generation_scores.add(dataloader_idx, predictions, reference_texts(self.tokenizer, batch, eos))
 
     def on_validation_epoch_end(self) -> None:
-        if self.metrics:
-            for key, value in self.generation_scores.compute(self.metrics, self.val_names()).items():
+        if self.validation.metrics:
+            for key, value in self.generation_scores.compute(self.validation.metrics, self.val_names()).items():
                 self.log(key, value, prog_bar=True, add_dataloader_idx=False)
 
     # -- sharding: FSDP2 under ModelParallelStrategy (trainer=fsdp) -------------------------------------------------

@@ -11,9 +11,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.evaluation.metrics import GenerationMetric
+from lightning_gkd.evaluation.settings import ValidationSettings
 from lightning_gkd.losses.base import Logged, LossOutput
-from lightning_gkd.methods.base import CausalLMModule, NonFinitePolicy, OptimizerFactory, SchedulerFactory
+from lightning_gkd.methods.base import CausalLMModule, Group, settings_group
 from lightning_gkd.models.loading import ModelSource, limit_output_rows, shared_vocab_rows, vocab_size
 from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.ops.divergence.preference import (
@@ -23,6 +23,7 @@ from lightning_gkd.ops.divergence.preference import (
     unused_label_smoothing,
 )
 from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, eval_mode, is_peft_model, position_ids_from_mask
+from lightning_gkd.training.settings import TrainingSettings
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels")
 _CHECKPOINT_KEY = "dpo_reference_logps"
@@ -53,6 +54,10 @@ class DPOModule(CausalLMModule):
     Logs ``{train,val}/loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
     ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, where rewards are ``beta * (logps - ref_logps)``,
     and ``val/<name>`` for each generation metric (greedy completions scored against the chosen completions).
+
+    ``training`` (``TrainingSettings``) and ``validation`` (``ValidationSettings``): as ``GKDModule``'s; the loss is
+    each micro-batch's mean over its pairs, so ``training.loss_normalization`` other than ``"step"`` is refused (it
+    is read by the token-mean losses only).
     """
 
     model_role = "policy"
@@ -68,42 +73,28 @@ class DPOModule(CausalLMModule):
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
         precompute_ref_logps: bool = False,
-        optimizer: OptimizerFactory | None = None,
-        scheduler: SchedulerFactory | None = None,
-        disable_dropout: bool = True,
-        gradient_checkpointing: bool = False,
-        trust_remote_code: bool = False,
-        seed: int = 0,
-        metrics: Mapping[str, GenerationMetric] | None = None,
-        eval_max_new_tokens: int = 32,
-        nonfinite: NonFinitePolicy = "raise",
-        frozen_dtype: str = "auto",
+        training: Group[TrainingSettings] = None,
+        validation: Group[ValidationSettings] = None,
     ) -> None:
         check_preference_args(beta, loss_type, label_smoothing)
         if note := unused_label_smoothing(loss_type, label_smoothing):
             rank_zero_warn(note)
+        training = settings_group(training, self.default_training, "training")
+        if training.loss_normalization != "step":
+            raise ValueError(
+                f"DPOModule(training.loss_normalization={training.loss_normalization!r}): the DPO loss is each "
+                "micro-batch's mean over its pairs, and loss_normalization is read by the token-mean losses (GKD, "
+                "OPD, SFT) only. Leave it 'step' (Hydra: drop method.training.loss_normalization)."
+            )
         if isinstance(model, nn.Module) and reference is model:
             raise ValueError(
                 "reference is the policy object itself, so freezing it would freeze the policy. Pass a "
                 "copy (copy.deepcopy(model)), or reference=None with precompute_ref_logps=True to use "
                 "the policy's starting weights without a second model."
             )
-        super().__init__(
-            model,
-            tokenizer,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            disable_dropout=disable_dropout,
-            gradient_checkpointing=gradient_checkpointing,
-            trust_remote_code=trust_remote_code,
-            seed=seed,
-            metrics=metrics,
-            eval_max_new_tokens=eval_max_new_tokens,
-            nonfinite=nonfinite,
-            frozen_dtype=frozen_dtype,
-        )
+        super().__init__(model, tokenizer, training=training, validation=validation)
         if reference is not None:
-            self.reference = self.load_frozen(reference, role="reference", trust_remote_code=trust_remote_code)
+            self.reference = self.load_frozen(reference, role="reference")
             self._share_vocabulary(reference)
             self.frozen_names = ("reference",)
             self.reference_source = "model"
@@ -122,7 +113,7 @@ class DPOModule(CausalLMModule):
         self.precompute_ref_logps = precompute_ref_logps
         self.reference_logps_cache: dict[str, torch.Tensor] = {}  # split -> (num_rows, 2); NaN where not computed
         self._precomputing = False
-        self.save_hyperparameters(ignore=["model", "reference", "tokenizer", "optimizer", "scheduler", "metrics"])
+        self.save_settings("model", "reference", "tokenizer")
 
     def _share_vocabulary(self, reference: ModelSource) -> None:
         """The policy and the reference compare log-probs over the vocabulary rows both have (one tokenizer, padded

@@ -5,8 +5,8 @@ validation's dataset completions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, cast
 
 import lightning as L
 import torch
@@ -16,19 +16,22 @@ from transformers import PreTrainedTokenizerBase
 from lightning_gkd.data.loader import GenerationGroup, group_slot, shuffled_micro_batches
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import reference_texts
+from lightning_gkd.evaluation.settings import ValidationSettings
 from lightning_gkd.losses.base import STUDENT_SAMPLES, DistillationLoss, LeanPath, LossOutput
 from lightning_gkd.losses.plan import divergence_loss
-from lightning_gkd.methods.base import CausalLMModule
+from lightning_gkd.losses.settings import DivergenceSettings, check_range
+from lightning_gkd.methods.base import CausalLMModule, Group, settings_group
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.constants import IGNORE_INDEX
-from lightning_gkd.ops.decoding.sampling import eos_ids, validate_sampling_args
+from lightning_gkd.ops.decoding.sampling import eos_ids
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.rollouts import MultiTurnRollout, ToolCallParser, build_rollout
-from lightning_gkd.rollouts.evaluate import final_answers, greedy_engine_turn, greedy_turn
-from lightning_gkd.samplers import KVCacheSampler, Sampler, SamplerFactory, build_sampler, check_sampler
+from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, build_rollout
+from lightning_gkd.rollouts.evaluate import final_answers, greedy_turn
+from lightning_gkd.samplers import Sampler, SamplingSettings
 from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable
 from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
 from lightning_gkd.training.sampler_shutdown import SamplerShutdown
+from lightning_gkd.training.settings import TrainingSettings
 from lightning_gkd.training.teacher_outage import TeacherOutage, stop_ranks_together
 
 Source = Literal["dataset", "student", "teacher"]  # where a batch's completions come from
@@ -52,20 +55,16 @@ def refuse_rollouts_with(*, same_vocab: bool) -> None:
         )
 
 
-def check_range(name: str, value: float, low: float, high: float) -> None:
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}.")
-
-
 class OnPolicyModule(CausalLMModule):
     """A student trained on completions that come, per step, from the student itself (with probability ``lmbda``),
     the teacher (``seq_kd``) or the dataset, against the teachers of ``teachers`` (a ``TeacherPlan``).
 
-    The coin flip and the sampler's seed are functions of (``seed``, global step, batch index), so every rank flips
-    the same coin and a resumed run repeats them. Sampling uses ``temperature``, ``top_k``, ``top_p`` and at most
-    ``max_new_tokens`` new tokens, always with the KV cache, through ``sampler`` (our KV-cache decoder unless one is
-    given; a factory, Hydra ``sampler=hf|vllm|skd``, is called with the tokenizer and those options); a served teacher's
-    samples come from its server.
+    The coin flip and the sampler's seed are functions of (``training.seed``, global step, batch index), so every rank
+    flips the same coin and a resumed run repeats them. Sampling (``sampling``: ``SamplingSettings``) uses
+    ``temperature``, ``top_k``, ``top_p`` and at most ``max_new_tokens`` new tokens, always with the KV cache, through
+    ``sampling.sampler`` (our KV-cache decoder unless one is given; a factory, Hydra ``sampler=hf|vllm|skd``, is called
+    with the tokenizer and those options); a served teacher's samples come from its server. ``divergence``
+    (``DivergenceSettings``): the generalized JSD of the method's losses and how it is computed.
 
     Grouped generation (``ChatDataModule(steps_per_generation=k)``): the coin is flipped once per group of ``k``
     micro-batches; when it says sample, one sampling call covers the group's ``k * batch_size`` prompts, the result
@@ -76,17 +75,24 @@ class OnPolicyModule(CausalLMModule):
     ``training_loss`` and ``completion_loss``; ``loss_objects`` lists every loss object it calls (their
     ``check_datamodule`` and ``close`` run with the fit).
 
-    Multi-turn rollouts (``lightning_gkd.rollouts``): with ``tools`` (callables or import paths) or an
-    ``environment``, a sampled completion is a whole transcript: the model writes a turn, the tools (or the
-    environment) answer, until it answers without a call, ``max_tool_calling_iterations`` replies have been made or
-    the transcript reaches ``max_transcript_tokens``. Only the model's tokens are labels. Each call gets
+    Multi-turn rollouts (``lightning_gkd.rollouts``; ``rollout``: ``RolloutSettings``): with ``tools`` (callables or
+    import paths) or an ``environment``, a sampled completion is a whole transcript: the model writes a turn, the
+    tools (or the environment) answer, until it answers without a call, ``max_tool_calling_iterations`` replies have
+    been made or the transcript reaches ``max_transcript_tokens``. Only the model's tokens are labels. Each call gets
     ``tool_timeout`` seconds and the row's ``tool_state_columns`` as ``row_state()``; ``tool_parser`` reads calls
     (default: the tokenizer's response schema, else ``<tool_call>{json}</tool_call>``). Prompts end before each
-    row's first assistant turn; validation's generation metrics score the final answer of greedy rollouts."""
+    row's first assistant turn; validation's generation metrics score the final answer of greedy rollouts.
+
+    Each group argument takes the settings, a mapping of overrides applied onto the method's defaults
+    (``default_sampling``, ``default_divergence``, ``default_rollout``), or None for those."""
 
     frozen_names = ("teacher",)
     model_role = "student"
     loss: DistillationLoss
+    sampler: Sampler
+    default_sampling: ClassVar[SamplingSettings] = SamplingSettings()
+    default_divergence: ClassVar[DivergenceSettings] = DivergenceSettings()
+    default_rollout: ClassVar[RolloutSettings] = RolloutSettings()
 
     def __init__(
         self,
@@ -96,47 +102,34 @@ class OnPolicyModule(CausalLMModule):
         *,
         lmbda: float,
         seq_kd: bool,
-        temperature: float,
-        max_new_tokens: int,
-        top_k: int,
-        top_p: float,
-        sampler: Sampler | SamplerFactory | None,
-        lean_loss: bool = True,
-        loss_chunk_size: int = 64,
+        sampling: Group[SamplingSettings] = None,
+        divergence: Group[DivergenceSettings] = None,
+        rollout: Group[RolloutSettings] = None,
+        training: Group[TrainingSettings] = None,
+        validation: Group[ValidationSettings] = None,
         same_vocab: bool = True,
-        trust_remote_code: bool = False,
-        tools: Sequence[Callable[..., Any] | str] | None = None,
-        environment: Callable[..., Any] | str | None = None,
-        max_tool_calling_iterations: int = 5,
-        tool_timeout: float = 10.0,
-        max_transcript_tokens: int | None = None,
-        tool_state_columns: Sequence[str] = (),
-        tool_parser: ToolCallParser | None = None,
-        **common: Any,
     ) -> None:
-        check_sampler(sampler, teachers)  # before any model loads
+        # before any model loads
+        sampling = settings_group(sampling, self.default_sampling, "sampling")
+        divergence = settings_group(divergence, self.default_divergence, "divergence")
+        rollout = settings_group(rollout, self.default_rollout, "rollout")
+        sampling.check_teachers(teachers)
         check_range("lmbda", lmbda, 0.0, 1.0)
-        if loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be >= 1, got {loss_chunk_size}.")
-        validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
         tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        rollout_settings: dict[str, Any] = dict(
-            tools=list(tools or []),
-            environment=environment,
-            max_tool_calling_iterations=max_tool_calling_iterations,
-            tool_timeout=tool_timeout,
-            max_transcript_tokens=max_transcript_tokens,
-            tool_state_columns=tool_state_columns,
-            tool_parser=tool_parser,
-        )
-        if tools or environment is not None:  # before any model loads: the template and the teachers can take them
-            build_rollout(tokenizer, eos_token_ids=[], **rollout_settings)
+        if rollout.enabled:  # the template and the teachers can take them
+            build_rollout(tokenizer, rollout, eos_token_ids=[])
             refuse_rollouts_with(same_vocab=same_vocab)
-        super().__init__(student, tokenizer, trust_remote_code=trust_remote_code, **common)
+        super().__init__(student, tokenizer, training=training, validation=validation)
+        #: How completions are sampled (``SamplingSettings``; the engine itself: ``sampler``).
+        self.sampling = sampling
+        #: The generalized JSD of the method's losses (``DivergenceSettings``).
+        self.divergence = divergence
+        #: Multi-turn rollouts' settings (``RolloutSettings``; the rollout itself: ``rollout``).
+        self.rollout_settings = rollout
         #: Where the losses read each teacher's signal (``lightning_gkd.teachers``), by name (``""``: the only one).
         self.teacher_sources, models = build_teachers(
             teachers,
-            lambda source, role: self.load_frozen(source, role=role, trust_remote_code=trust_remote_code),
+            lambda source, role: self.load_frozen(source, role=role),
             self.student,
             self.tokenizer,
             same_vocab=same_vocab,
@@ -150,14 +143,7 @@ class OnPolicyModule(CausalLMModule):
         self.teacher_column = teachers.column  # the rows' routing column under ``multi``
         self._same_vocab = same_vocab  # False: a teacher with another tokenizer (cross-tokenizer losses)
         #: Hidden states or full logits for the in-process teachers' losses (``LeanPath``: the fallback policy).
-        self.lean_path = LeanPath(lean_loss)
-        self.loss_chunk_size = loss_chunk_size
-        sampling: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_k": top_k,
-            "top_p": top_p,
-        }
+        self.lean_path = LeanPath(divergence.lean_loss)
         #: seq_kd with a served teacher: the server writes the teacher's completions (None: ``sampler`` does).
         self.teacher_sampler: Sampler | None = None
         if seq_kd and self.teacher is None:
@@ -167,23 +153,18 @@ class OnPolicyModule(CausalLMModule):
                 cast(Any, self.teacher_source),
                 eos_token_id=resolve_eos_token_id(self.student, self.tokenizer),
                 pad_token_id=resolve_pad_token_id(self.tokenizer),
-                **sampling,
+                **sampling.options(),
             )
         #: How completions are sampled (``lightning_gkd.samplers``).
-        self.sampler: Sampler = build_sampler(sampler or KVCacheSampler, self.tokenizer, **sampling)
-        bind_teachers = getattr(self.sampler, "bind_teachers", None)
-        if callable(bind_teachers):  # a sampler that consults the teacher (speculative KD)
-            bind_teachers(self.teacher_sources)
+        self.sampler = sampling.build(self.tokenizer)
+        self.sampler.bind_teachers(self.teacher_sources)  # a sampler that consults the teacher (speculative KD)
         self.lmbda, self.seq_kd = lmbda, seq_kd
-        self.temperature, self.max_new_tokens, self.top_k, self.top_p = temperature, max_new_tokens, top_k, top_p
         self._batches = self._on_policy_batches = 0
         self._group: GenerationGroup | None = None
         self.sampling_calls = 0  # sampling calls in this process's current fit
         #: Multi-turn rollouts with tools or an environment (None: one completion per prompt).
         self.rollout: MultiTurnRollout | None = build_rollout(
-            self.tokenizer,
-            eos_token_ids=eos_ids(resolve_eos_token_id(self.student, self.tokenizer)),
-            **rollout_settings,
+            self.tokenizer, rollout, eos_token_ids=eos_ids(resolve_eos_token_id(self.student, self.tokenizer))
         )
 
     @property
@@ -197,25 +178,25 @@ class OnPolicyModule(CausalLMModule):
         return self.teacher if self._same_vocab and isinstance(self.teacher_source, LocalTeacher) else None
 
     # -- the method's losses ----------------------------------------------------------------------------------------
-    def divergence_loss(self, *, beta: float, temperature: float, sparse_loss: str) -> DistillationLoss:
-        """GKD's loss against this run's teachers (``losses.plan.divergence_loss``): the generalized JSD over each
-        in-process teacher's full distributions, ``sparse_loss`` over each sparse one's top-k."""
-        return divergence_loss(
-            self.teacher_sources,
-            self.teacher_column,
-            beta=beta,
-            temperature=temperature,
-            sparse_loss=sparse_loss,
-            chunk_size=self.loss_chunk_size,
-            lean=self.lean_path,
-        )
+    def divergence_loss(self) -> DistillationLoss:
+        """GKD's loss against this run's teachers (``losses.plan.divergence_loss``): ``divergence``'s generalized JSD
+        over each in-process teacher's full distributions, its ``sparse_loss`` over each sparse one's top-k."""
+        return divergence_loss(self.teacher_sources, self.teacher_column, self.divergence, lean=self.lean_path)
+
+    def settings_groups(self) -> dict[str, Any]:
+        return {
+            **super().settings_groups(),
+            "sampling": self.sampling,
+            "divergence": self.divergence,
+            "rollout": self.rollout_settings,
+        }
 
     def training_loss(self, batch: dict[str, Any]) -> LossOutput:
         """The loss a training step takes on ``batch`` (dataset completions or samples)."""
         raise NotImplementedError
 
-    def loss_objects(self) -> list[Any]:
-        """Every loss object the method calls (``check_datamodule`` and ``close`` run on those that have them)."""
+    def loss_objects(self) -> list[DistillationLoss]:
+        """Every loss object the method calls (their ``check_datamodule`` and ``close`` run with the fit)."""
         return [self.loss]
 
     def completion_requirement(self) -> str | None:
@@ -228,24 +209,22 @@ class OnPolicyModule(CausalLMModule):
             "seq_kd=True (teacher samples; method.seq_kd=true)."
         )
 
-    # -- the sampling engine's lifecycle (a serving engine such as VLLMSampler; KVCacheSampler has none) ---------
+    # -- the sampling engine's lifecycle (a serving engine such as VLLMSampler; KVCacheSampler's do nothing) ------
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        start = getattr(self.sampler, "start", None)
-        if callable(start):  # the engines' length, before callbacks (held-out evaluation) first use them
-            max_length = getattr(getattr(self._trainer, "datamodule", None), "max_length", None)
-            if max_length and self.rollout is not None:  # a transcript grows past the prompt, turn by turn
-                max_length = self.rollout.max_transcript_tokens or ROLLOUT_CONTEXT_FACTOR * max_length
-            start(
-                {},
-                max_model_len=max_length + max(self.max_new_tokens, self.eval_max_new_tokens) if max_length else None,
-            )
+        # the engines' length, before callbacks (held-out evaluation) first use them
+        max_length = getattr(getattr(self._trainer, "datamodule", None), "max_length", None)
+        if max_length and self.rollout is not None:  # a transcript grows past the prompt, turn by turn
+            max_length = self.rollout.max_transcript_tokens or ROLLOUT_CONTEXT_FACTOR * max_length
+        longest = max(self.sampling.max_new_tokens, self.validation.max_new_tokens)
+        self.sampler.start({}, max_model_len=max_length + longest if max_length else None)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        start = getattr(self.sampler, "start", None)
-        if callable(start):  # engines start from the weights as fitting starts (after a checkpoint restore)
-            start({"student": self.student, **({"teacher": self.teacher} if self.seq_kd and self.teacher else {})})
+        # engines start from the weights as fitting starts (after a checkpoint restore)
+        self.sampler.start(
+            {"student": self.student, **({"teacher": self.teacher} if self.seq_kd and self.teacher else {})}
+        )
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -253,13 +232,11 @@ class OnPolicyModule(CausalLMModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         super().on_before_optimizer_step(optimizer)
-        weights_updated = getattr(self.sampler, "weights_updated", None)
-        if callable(weights_updated):  # the step about to run changes the student: its engine re-syncs when due
-            weights_updated()
+        self.sampler.weights_updated()  # the step about to run changes the student: its engine re-syncs when due
 
     def configure_callbacks(self) -> list[L.Callback]:
         # an interrupted fit calls no module hook: this callback stops the engines then (SIGTERM, errors)
-        callbacks: list[L.Callback] = [SamplerShutdown()] if callable(getattr(self.sampler, "close", None)) else []
+        callbacks: list[L.Callback] = [SamplerShutdown(self.sampler.close)]
         if self.teacher_can_be_unavailable:
             callbacks.append(TeacherOutage())  # a teacher server that stays down: checkpoint, resume hint
         return callbacks
@@ -288,17 +265,13 @@ class OnPolicyModule(CausalLMModule):
             if self.rollout.state_columns:
                 cast(Any, datamodule).carry_columns(self.rollout.state_columns)
         for part in (*self.loss_objects(), *self.teacher_sources.values()):
-            check = getattr(part, "check_datamodule", None)
-            if callable(check):  # a routing column, prompt messages; a cache made from these rows
-                check(datamodule)
+            part.check_datamodule(datamodule)  # a routing column, prompt messages; a cache made from these rows
 
     def teardown(self, stage: str) -> None:
         super().teardown(stage)
         engines = (self.sampler, self.teacher_sampler, *self.teacher_sources.values(), *self.loss_objects())
-        for engine in {id(engine): engine for engine in engines}.values():
-            close = getattr(engine, "close", None)
-            if callable(close):
-                close()
+        for engine in {id(engine): engine for engine in engines if engine is not None}.values():
+            engine.close()
 
     # -- where a step's completions come from ----------------------------------------------------------------------
     def choose_source(self, batch_idx: int) -> Source:
@@ -333,20 +306,16 @@ class OnPolicyModule(CausalLMModule):
     def log_sampler_stats(self, sampler: Sampler, size: int) -> None:
         """The sampler's figures of its last call (``last_stats``, e.g. speculative KD's replacement rate) as
         ``train/sampler/<name>``."""
-        last_stats = getattr(sampler, "last_stats", None)
-        if callable(last_stats):
-            for name, value in last_stats().items():
-                self.log(f"train/sampler/{name}", value, batch_size=size)
+        for name, value in sampler.last_stats().items():
+            self.log(f"train/sampler/{name}", value, batch_size=size)
 
     def collect_generations(self, batch: Mapping[str, torch.Tensor], dataloader_idx: int = 0) -> None:
         """With rollouts, validation's generation metrics score the final answers of greedy rollouts (through the
         sampler's ``greedy`` where it has one) against the rows' last assistant turns."""
-        if self.rollout is None or not self.metrics:
+        if self.rollout is None or not self.validation.metrics:
             super().collect_generations(batch, dataloader_idx)
             return
-        turn = greedy_engine_turn(self.sampler, self.student, self.eval_max_new_tokens) or greedy_turn(
-            self.student, self.tokenizer, self.eval_max_new_tokens
-        )
+        turn = greedy_turn(self.student, self.tokenizer, self.validation.max_new_tokens, self.sampler)
         out, _ = self.rollout.run(turn, batch, seed=0)
         eos = resolve_eos_token_id(self.student, self.tokenizer)
         predictions = final_answers(out["transcripts"])

@@ -3,34 +3,25 @@ reward); the loss is ``lightning_gkd.losses.opd`` on top of ``lightning_gkd.ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.evaluation.metrics import GenerationMetric
+from lightning_gkd.evaluation.settings import ValidationSettings
 from lightning_gkd.losses.base import DistillationLoss, LossOutput
 from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings, plan_cross_tokenizer
-from lightning_gkd.losses.plan import (
-    SparseLoss,
-    check_sparse_loss,
-    check_teacher_settings,
-    policy_gradient_loss,
-    refuse_unread_settings,
-)
-from lightning_gkd.methods.base import NonFinitePolicy, OptimizerFactory, SchedulerFactory
-from lightning_gkd.methods.on_policy import OnPolicyModule, check_range
+from lightning_gkd.losses.plan import check_teacher_settings, policy_gradient_loss, refuse_unread_settings
+from lightning_gkd.losses.settings import DivergenceSettings, PolicyGradientSettings
+from lightning_gkd.methods.base import Group, settings_group
+from lightning_gkd.methods.on_policy import OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
-from lightning_gkd.ops.divergence.opd import Baseline, check_advantage_options
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
-from lightning_gkd.rollouts import ToolCallParser
-from lightning_gkd.samplers import Sampler, SamplerFactory, sampled_logprobs_problem
+from lightning_gkd.rollouts import RolloutSettings
+from lightning_gkd.samplers import SamplingSettings
 from lightning_gkd.teachers import CacheTeacher
 from lightning_gkd.teachers.spec import TeacherSource, teacher_plan
-from lightning_gkd.training.normalization import LossNormalization
-
-_NOT_HYPERPARAMETERS = "student teacher tokenizer optimizer scheduler metrics sampler tools environment tool_parser"
+from lightning_gkd.training.settings import TrainingSettings
 
 
 class OPDModule(OnPolicyModule):
@@ -73,23 +64,27 @@ class OPDModule(OnPolicyModule):
     ``train/opd/divergence`` (the full-distribution term, with ``kl_coef > 0``), ``train/opd/clipped_fraction``
     (tokens whose gradient ``clip_ratio`` removed, when set), and ``train/loss``, ``train/completion_length``.
 
-    Args (the others are ``GKDModule``'s, e.g. ``sampler``, ``max_new_tokens``, ``optimizer``):
-        gamma: discount of later rewards in [0, 1]: 0 = per-token reward, 1 = the whole remaining return.
-        max_is_weight: truncation (> 0) of the importance weights.
-        length_normalize: divide each return by its discounted number of terms (MiniLLM): with ``gamma = 1`` the
-            mean of the remaining rewards, so a long sample is not penalised for its length.
-        baseline: ``"row"``: subtract from each advantage its row's mean advantage (a variance reducer from the
-            row's own tokens, slightly biased); ``"none"``.
-        clip_ratio: PPO's ``ε`` in (0, 1) for stale samples: no gradient for a token whose ratio ``p_S / p_sampler``
-            is already past ``1 ± ε`` in its advantage's direction; None: no clipping. Needs ``importance_weights``.
-        kl_coef: weight (>= 0) of the added full-distribution term.
-        importance_weights: weight by ``p_S / p_sampler`` from the batch's ``sampled_logprobs``.
-        beta: the generalized JSD of the ``kl_coef`` term and of the validation loss (1 = reverse KL).
-        temperature: the sampling temperature.
-        loss_temperature: the softmax temperature of the ``kl_coef`` term and the validation loss (the reward uses 1).
+    Args (the groups ``sampling``, ``divergence``, ``rollout``, ``training`` and ``validation`` are ``GKDModule``'s;
+    each takes the settings, a mapping of overrides applied onto OPD's defaults, or None for those):
+        policy_gradient: ``PolicyGradientSettings``: ``gamma`` (discount of later rewards in [0, 1]: 0 = per-token
+            reward, 1 = the whole remaining return), ``max_is_weight`` (truncation, > 0, of the importance weights),
+            ``length_normalize`` (divide each return by its discounted number of terms, MiniLLM: with ``gamma = 1``
+            the mean of the remaining rewards, so a long sample is not penalised for its length), ``baseline``
+            (``"row"``: subtract from each advantage its row's mean advantage, a variance reducer from the row's own
+            tokens, slightly biased; ``"none"``), ``clip_ratio`` (PPO's ``ε`` in (0, 1) for stale samples: no
+            gradient for a token whose ratio ``p_S / p_sampler`` is already past ``1 ± ε`` in its advantage's
+            direction; None: no clipping; needs ``importance_weights``), ``kl_coef`` (weight, >= 0, of the added
+            full-distribution term), ``importance_weights`` (weight by ``p_S / p_sampler`` from the batch's
+            ``sampled_logprobs``).
+        divergence: the generalized JSD of the ``kl_coef`` term and of the validation loss (OPD's default ``beta`` is
+            1 = reverse KL; ``loss_temperature``: their softmax temperature, the reward uses 1).
+        sampling: OPD's default ``temperature`` is 1.0.
     """
 
     cross_tokenizer_supported = False  # the reward needs log p_T of the student's own tokens
+    default_sampling: ClassVar[SamplingSettings] = SamplingSettings(temperature=1.0)
+    default_divergence: ClassVar[DivergenceSettings] = DivergenceSettings(beta=1.0)
+    default_policy_gradient: ClassVar[PolicyGradientSettings] = PolicyGradientSettings()
 
     def __init__(
         self,
@@ -97,61 +92,20 @@ class OPDModule(OnPolicyModule):
         teacher: TeacherSource,
         tokenizer: PreTrainedTokenizerBase | str,
         *,
-        gamma: float = 0.0,
-        max_is_weight: float = 2.0,
-        length_normalize: bool = False,
-        baseline: Baseline = "none",
-        clip_ratio: float | None = None,
-        kl_coef: float = 0.0,
-        importance_weights: bool = True,
-        beta: float = 1.0,
-        temperature: float = 1.0,
-        loss_temperature: float = 1.0,
-        max_new_tokens: int = 128,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        disable_dropout: bool = True,
-        gradient_checkpointing: bool = False,
-        optimizer: OptimizerFactory | None = None,
-        scheduler: SchedulerFactory | None = None,
-        trust_remote_code: bool = False,
-        seed: int = 0,
-        metrics: Mapping[str, GenerationMetric] | None = None,
-        eval_max_new_tokens: int = 32,
-        nonfinite: NonFinitePolicy = "raise",
-        loss_normalization: LossNormalization = "step",
-        lean_loss: bool = True,
-        loss_chunk_size: int = 64,
-        sampler: Sampler | SamplerFactory | None = None,
-        frozen_dtype: str = "auto",
-        tools: Sequence[Callable[..., Any] | str] | None = None,
-        environment: Callable[..., Any] | str | None = None,
-        max_tool_calling_iterations: int = 5,
-        tool_timeout: float = 10.0,
-        max_transcript_tokens: int | None = None,
-        tool_state_columns: Sequence[str] = (),
-        tool_parser: ToolCallParser | None = None,
-        sparse_loss: SparseLoss = "topk",
+        policy_gradient: Group[PolicyGradientSettings] = None,
+        sampling: Group[SamplingSettings] = None,
+        divergence: Group[DivergenceSettings] = None,
+        rollout: Group[RolloutSettings] = None,
+        training: Group[TrainingSettings] = None,
+        validation: Group[ValidationSettings] = None,
     ) -> None:
-        check_range("gamma (the discount of later rewards)", gamma, 0.0, 1.0)
-        if not max_is_weight > 0:
-            raise ValueError(f"max_is_weight (the importance weights' truncation) must be > 0, got {max_is_weight}.")
-        check_advantage_options(length_normalize=length_normalize, baseline=baseline, clip_ratio=clip_ratio)
-        if clip_ratio is not None and not importance_weights:
+        policy_gradient = settings_group(policy_gradient, self.default_policy_gradient, "policy_gradient")
+        divergence = settings_group(divergence, self.default_divergence, "divergence")
+        if divergence.sparse_loss in ("k1", "k3"):
             raise ValueError(
-                f"clip_ratio={clip_ratio} clips the ratio p_S / p_sampler, which importance_weights=False fixes at 1 "
-                "(nothing would be clipped): set importance_weights=true, or clip_ratio=null."
-            )
-        if not kl_coef >= 0:
-            raise ValueError(f"kl_coef (the full-distribution term's weight) must be >= 0, got {kl_coef}.")
-        check_range("beta", beta, 0.0, 1.0)
-        if not loss_temperature > 0:
-            raise ValueError(f"loss_temperature must be > 0, got {loss_temperature}.")
-        check_sparse_loss(sparse_loss)
-        if sparse_loss in ("k1", "k3"):
-            raise ValueError(
-                f"sparse_loss={sparse_loss}: OPD's loss already is a sampled-token estimator; sparse_loss picks the "
-                "full-distribution term (kl_coef) and the validation loss: set sparse_loss=topk or topk_renorm."
+                f"divergence.sparse_loss={divergence.sparse_loss}: OPD's loss already is a sampled-token estimator; "
+                "sparse_loss picks the full-distribution term (kl_coef) and the validation loss: set "
+                "divergence.sparse_loss=topk or topk_renorm."
             )
         plan = teacher_plan(teacher)
         if any(entry.kind == "cache" or isinstance(entry.built, CacheTeacher) for entry in plan.entries.values()):
@@ -159,14 +113,18 @@ class OPDModule(OnPolicyModule):
                 "teacher.kind=cache holds the teacher's signal for the dataset completions only, and OPD scores "
                 "the student's new samples: use teacher=local (in process) or teacher=server (a vLLM server)."
             )
-        check_teacher_settings(
-            plan, lmbda=1.0, beta=beta, seq_kd=False, loss_temperature=loss_temperature, sparse_loss=sparse_loss
-        )
-        refuse_unread_settings(plan, sparse_loss=sparse_loss, lean_loss=lean_loss, owner=type(self).__name__)
+        check_teacher_settings(plan, divergence, lmbda=1.0, seq_kd=False)
+        refuse_unread_settings(plan, divergence, owner=type(self).__name__)
         tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         # a teacher with another tokenizer is refused (OPD has no cross-tokenizer path)
         plan_cross_tokenizer(
-            plan, tokenizer, None, CrossTokenizerSettings(), owner=type(self), seq_kd=False, sparse_loss=sparse_loss
+            plan,
+            tokenizer,
+            None,
+            CrossTokenizerSettings(),
+            owner=type(self),
+            seq_kd=False,
+            sparse_loss=divergence.sparse_loss,
         )
         super().__init__(
             student,
@@ -174,67 +132,40 @@ class OPDModule(OnPolicyModule):
             tokenizer,
             lmbda=1.0,
             seq_kd=False,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            top_k=top_k,
-            top_p=top_p,
-            sampler=sampler,
-            lean_loss=lean_loss,
-            loss_chunk_size=loss_chunk_size,
-            trust_remote_code=trust_remote_code,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            disable_dropout=disable_dropout,
-            gradient_checkpointing=gradient_checkpointing,
-            seed=seed,
-            metrics=metrics,
-            eval_max_new_tokens=eval_max_new_tokens,
-            nonfinite=nonfinite,
-            loss_normalization=loss_normalization,
-            frozen_dtype=frozen_dtype,
-            tools=tools,
-            environment=environment,
-            max_tool_calling_iterations=max_tool_calling_iterations,
-            tool_timeout=tool_timeout,
-            max_transcript_tokens=max_transcript_tokens,
-            tool_state_columns=tool_state_columns,
-            tool_parser=tool_parser,
+            sampling=sampling,
+            divergence=divergence,
+            rollout=rollout,
+            training=training,
+            validation=validation,
         )
-        self.beta, self.loss_temperature, self.sparse_loss = beta, loss_temperature, sparse_loss
-        self.importance_weights = importance_weights
+        #: The policy gradient's settings (``PolicyGradientSettings``).
+        self.policy_gradient = policy_gradient
         #: The policy-gradient loss a training step takes (``lightning_gkd.losses.opd``).
         self.loss: DistillationLoss = policy_gradient_loss(
             self.teacher_sources,
             self.teacher_column,
-            sparse_loss=sparse_loss,
-            gamma=gamma,
-            max_is_weight=max_is_weight,
-            length_normalize=length_normalize,
-            baseline=baseline,
-            clip_ratio=clip_ratio,
-            kl_coef=kl_coef,
-            importance_weights=importance_weights,
-            beta=beta,
-            temperature=loss_temperature,
-            chunk_size=self.loss_chunk_size,
+            policy_gradient,
+            self.divergence,
             eos_token_id=resolve_eos_token_id(self.student, self.tokenizer),
         )
         #: Validation's loss on the dataset completions: GKD's generalized JSD against the same teachers.
-        self.validation_loss = self.divergence_loss(beta=beta, temperature=loss_temperature, sparse_loss=sparse_loss)
-        self.save_hyperparameters(ignore=_NOT_HYPERPARAMETERS.split())
+        self.validation_loss = self.divergence_loss()
+        self.save_settings("student", "teacher", "tokenizer")
 
-    def loss_objects(self) -> list[Any]:
+    def settings_groups(self) -> dict[str, Any]:
+        return {**super().settings_groups(), "policy_gradient": self.policy_gradient}
+
+    def loss_objects(self) -> list[DistillationLoss]:
         return [self.loss, self.validation_loss]
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        problem = sampled_logprobs_problem(self.sampler) if self.importance_weights else None
-        if problem is not None:
+        if self.policy_gradient.importance_weights and (problem := self.sampler.sampled_logprobs_problem()):
             raise ValueError(
                 f"OPD's importance weights p_S / p_sampler need each sampled token's log-prob under the distribution "
                 f"it was sampled from, but {problem}. Restart the server with --logprobs-mode processed_logprobs, "
                 "or sample at temperature 1 without top_k / top_p, or train without the weights: "
-                "importance_weights=False (Hydra: method.importance_weights=false)."
+                "policy_gradient.importance_weights=False (Hydra: method.policy_gradient.importance_weights=false)."
             )
 
     def training_loss(self, batch: dict[str, Any]) -> LossOutput:

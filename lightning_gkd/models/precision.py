@@ -44,8 +44,8 @@ def bf16_matmul_is_fast(device: torch.device | str) -> bool:
     return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
-def check_frozen_dtype(choice: str) -> None:
-    """ValueError naming the value unless ``choice`` is 'auto' or a floating dtype name."""
+def check_frozen_dtype(choice: str, *, where: str = "") -> None:
+    """ValueError naming the value (after ``where``) unless ``choice`` is 'auto' or a floating dtype name."""
     if choice == "auto":
         return
     try:
@@ -53,7 +53,7 @@ def check_frozen_dtype(choice: str) -> None:
     except ValueError:
         dtype = None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"frozen_dtype must be {FROZEN_DTYPE_CHOICES}, got {choice!r}.")
+        raise ValueError(f"{where}frozen_dtype must be {FROZEN_DTYPE_CHOICES}, got {choice!r}.")
 
 
 def frozen_model_dtype(choice: str, trainer_precision: str, device: torch.device | str) -> torch.dtype | None:

@@ -15,10 +15,15 @@ from lightning_gkd.rollouts.environment import Message
 from lightning_gkd.rollouts.rollout import MultiTurnRollout, RolloutStats, SampleTurn
 
 
-def greedy_turn(model: nn.Module, tokenizer: Any, max_new_tokens: int) -> SampleTurn:
-    """A ``SampleTurn`` that decodes greedily with our KV-cache decoder (one turn: up to EOS or ``max_new_tokens``)."""
+def greedy_turn(model: nn.Module, tokenizer: Any, max_new_tokens: int, sampler: Any = None) -> SampleTurn:
+    """A ``SampleTurn`` that decodes greedily (one turn: up to EOS or ``max_new_tokens``): through ``sampler.greedy``
+    (a ``lightning_gkd.samplers.Sampler``: a serving engine's) when given one that decodes, else with our KV-cache
+    decoder."""
 
     def sample(ids: torch.Tensor, mask: torch.Tensor, seed: int) -> Mapping[str, torch.Tensor]:
+        served = None if sampler is None else sampler.greedy(model, ids, mask, max_new_tokens=max_new_tokens)
+        if served is not None:
+            return served
         return complete_prompts(model, tokenizer, ids, mask, max_new_tokens=max_new_tokens)
 
     return sample
@@ -39,9 +44,11 @@ def rollout_rows(
     max_new_tokens: int,
     batch_size: int = 64,
     sample: SampleTurn | None = None,
+    sampler: Any = None,
 ) -> tuple[list[list[Message]], RolloutStats]:
     """The transcripts ``model`` writes for ``rows`` (chat rows; their prompt is what precedes the first assistant
-    turn) with ``rollout``'s environment, greedy unless ``sample`` is given, and the stats over all of them."""
+    turn) with ``rollout``'s environment, ``sample``'s turns if given, else greedy ones (``greedy_turn``, through
+    ``sampler.greedy`` where it decodes), and the stats over all of them."""
     collator = ChatMLCollator(
         tokenizer,
         max_length=10**9,
@@ -53,7 +60,7 @@ def rollout_rows(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    turn = sample or greedy_turn(model, tokenizer, max_new_tokens)
+    turn = sample or greedy_turn(model, tokenizer, max_new_tokens, sampler)
     transcripts: list[list[Message]] = []
     total = RolloutStats()
     try:
@@ -73,18 +80,6 @@ def rollout_rows(
     finally:
         model.train(was_training)
     return transcripts, total
-
-
-def greedy_engine_turn(sampler: Any, model: nn.Module, max_new_tokens: int) -> SampleTurn | None:
-    """Greedy turns through a serving engine's ``greedy`` (``VLLMSampler``), or None when ``sampler`` has none."""
-    greedy = getattr(sampler, "greedy", None)
-    if not callable(greedy):
-        return None
-
-    def turn(ids: torch.Tensor, mask: torch.Tensor, seed: int) -> Mapping[str, torch.Tensor]:
-        return greedy(model, ids, mask, max_new_tokens=max_new_tokens)
-
-    return turn
 
 
 def evaluate_rollouts(
@@ -108,7 +103,7 @@ def evaluate_rollouts(
         rollout,
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
-        sample=greedy_engine_turn(sampler, model, max_new_tokens),
+        sampler=sampler,
     )
     references = [str(row["messages"][-1]["content"]) for row in rows]
     predictions = final_answers(transcripts)

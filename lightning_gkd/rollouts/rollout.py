@@ -20,6 +20,7 @@ from lightning_gkd.data.chat_tokens import left_pad
 from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.ops.decoding.sampling import derive_seed
 from lightning_gkd.rollouts.environment import Environment, EnvironmentReply, Message, as_reply
+from lightning_gkd.rollouts.settings import RolloutSettings
 from lightning_gkd.rollouts.tools import FAILURE_KINDS
 
 #: ``sample(context_ids, context_attention_mask, seed)`` -> the sampler's batch (``Sampler.sample`` with its model).
@@ -109,8 +110,9 @@ class MultiTurnRollout:
     ``max_iterations`` caps the environment replies (TRL's ``max_tool_calling_iterations``): after that many, the
     student's next turn is the last. ``max_transcript_tokens`` caps a transcript's length, prompt included: a turn
     or reply that would pass it is dropped and the transcript ends at the turn boundary before it (counted as
-    ``truncated``). ``tools`` are the schemas the chat template renders; ``state_columns`` the batch columns each
-    row's environment receives (its ``row``)."""
+    ``truncated``). Both are checked by ``RolloutSettings`` (``build_rollout`` makes this from them). ``tools`` are the
+    schemas the chat template renders; ``state_columns`` the batch columns each row's environment receives (its
+    ``row``)."""
 
     def __init__(
         self,
@@ -123,10 +125,6 @@ class MultiTurnRollout:
         tools: list[dict] | None = None,
         state_columns: Sequence[str] = (),
     ) -> None:
-        if max_iterations < 0:
-            raise ValueError(f"max_tool_calling_iterations must be >= 0, got {max_iterations}.")
-        if max_transcript_tokens is not None and max_transcript_tokens < 1:
-            raise ValueError(f"max_transcript_tokens must be >= 1 or None, got {max_transcript_tokens}.")
         self.tokenizer, self.environment = tokenizer, environment
         self.eos_token_ids = set(eos_token_ids)
         self.max_iterations, self.max_transcript_tokens = max_iterations, max_transcript_tokens
@@ -264,7 +262,8 @@ def build_environment(
 
     if tools and environment is not None:
         raise ValueError(
-            "Give tools (the student calls them; Hydra: method.tools=[...]) or an environment (method.environment), "
+            "Give tools (the student calls them; Hydra: method.rollout.tools=[...]) or an environment "
+            "(method.rollout.environment), "
             "not both: an environment that also runs tools builds a ToolEnvironment itself."
         )
     if tools:
@@ -280,22 +279,15 @@ def build_environment(
 
 
 def build_rollout(
-    tokenizer: Any,
-    *,
-    eos_token_ids: Sequence[int],
-    tools: Sequence[Any] | None = None,
-    environment: Environment | str | None = None,
-    max_tool_calling_iterations: int = 5,
-    tool_timeout: float = 10.0,
-    max_transcript_tokens: int | None = None,
-    tool_state_columns: Sequence[str] = (),
-    tool_parser: Any = None,
+    tokenizer: Any, settings: RolloutSettings, *, eos_token_ids: Sequence[int]
 ) -> MultiTurnRollout | None:
-    """The rollout a method's (or a command's) tool settings describe, its template checked; None without tools or
-    an environment. The one place the settings become a rollout: training, evaluation and generation share it."""
+    """The rollout ``settings`` describe, its template checked; None without tools or an environment. The one place
+    the settings become a rollout: training, evaluation and generation share it."""
     from lightning_gkd.rollouts.templates import check_template_renders_tools
 
-    built, schemas = build_environment(tools, environment, tokenizer, timeout=tool_timeout, parser=tool_parser)
+    built, schemas = build_environment(
+        settings.tools, settings.environment, tokenizer, timeout=settings.tool_timeout, parser=settings.tool_parser
+    )
     if built is None:
         return None
     check_template_renders_tools(tokenizer, schemas)
@@ -303,10 +295,10 @@ def build_rollout(
         tokenizer,
         built,
         eos_token_ids=eos_token_ids,
-        max_iterations=max_tool_calling_iterations,
-        max_transcript_tokens=max_transcript_tokens,
+        max_iterations=settings.max_tool_calling_iterations,
+        max_transcript_tokens=settings.max_transcript_tokens,
         tools=schemas,
-        state_columns=tool_state_columns,
+        state_columns=settings.tool_state_columns,
     )
 
 

@@ -33,8 +33,8 @@ def row_state() -> Mapping[str, Any]:
         return _ROW_STATE.get()
     except LookupError:
         raise RuntimeError(
-            "row_state() is only available inside a tool called by a rollout (it returns that row's carried "
-            "columns: GKDModule(tool_state_columns=[...]); Hydra: method.tool_state_columns=[...])."
+            "row_state() is only available inside a tool called by a rollout (it returns that row's carried columns: "
+            "GKDModule(rollout={'tool_state_columns': [...]}); Hydra: method.rollout.tool_state_columns=[...])."
         ) from None
 
 

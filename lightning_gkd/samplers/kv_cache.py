@@ -18,6 +18,7 @@ from lightning_gkd.ops.hf.forward import (
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
+from lightning_gkd.samplers.base import Sampler
 
 #: ``weights_dtype`` choices: the dtype of the sampling copy (``None``: sample with the model itself).
 SAMPLING_DTYPES = ("bfloat16", "float16")
@@ -32,7 +33,7 @@ class _SamplingCopy:
 
 
 @dataclass
-class KVCacheSampler:
+class KVCacheSampler(Sampler):
     """Ancestral sampling with ``temperature``, ``top_k`` (0: off) and ``top_p`` (1: off), at most
     ``max_new_tokens`` new tokens, always with the KV cache (also when training uses gradient checkpointing). EOS
     comes from the sampling model's generation config (else the tokenizer's); rows are padded with the tokenizer's

@@ -18,6 +18,7 @@ from lightning_gkd.ops.hf.forward import (
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
+from lightning_gkd.samplers.base import Sampler
 
 _TEACHER_NEEDED = (
     "sampler=skd verifies the student's drafts with one in-process teacher model, got {kinds}. Use teacher=local, "
@@ -26,7 +27,7 @@ _TEACHER_NEEDED = (
 
 
 @dataclass
-class SpeculativeKDSampler:
+class SpeculativeKDSampler(Sampler):
     """Interleaved sampling for on-policy distillation (SKD, Xu et al., 2024): the student drafts ``draft_tokens``
     tokens with its KV cache, one teacher forward verifies them, each draft the teacher ranks among its
     ``accept_top_k`` most likely tokens is kept, and the first rejected one is replaced by a draw from the teacher (the

@@ -31,6 +31,7 @@ from lightning_gkd.models.loading import vocab_size
 from lightning_gkd.models.weights import check_weights_exportable, hf_weights
 from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
 from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id, resolve_pad_token_id, unwrap
+from lightning_gkd.samplers.base import Sampler
 from lightning_gkd.samplers.vllm_engine import dtype_bytes, kv_cache_bytes, reload_on_worker, shutdown_engine
 
 __all__ = ["VLLMSampler", "import_vllm"]
@@ -61,7 +62,7 @@ class _Engine:
 
 
 @dataclass
-class VLLMSampler:
+class VLLMSampler(Sampler):
     """Sampling with vLLM engines living in this process, one per model (student; teacher for ``seq_kd``).
 
     Sampling options are ``KVCacheSampler``'s. Engine options:
@@ -107,7 +108,7 @@ class VLLMSampler:
         validate_sampling_args(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         if self.temperature < _MIN_TEMPERATURE:
             raise ValueError(
-                f"method.temperature={self.temperature} with sampler=vllm: vLLM raises temperatures below "
+                f"method.sampling.temperature={self.temperature} with sampler=vllm: vLLM raises temperatures below "
                 f"{_MIN_TEMPERATURE} to {_MIN_TEMPERATURE}, so samples would not follow softmax(logits / "
                 f"{self.temperature}). Use a temperature >= {_MIN_TEMPERATURE}, or sampler=hf."
             )
@@ -147,7 +148,7 @@ class VLLMSampler:
             shutdown_engine(engine.llm, keep_process_group=engine.keep_process_group)
             engine.folder.cleanup()
 
-    # -- the Sampler protocol ---------------------------------------------------------------------------------------
+    # -- the Sampler ------------------------------------------------------------------------------------------------
     def sample(
         self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
     ) -> dict[str, torch.Tensor]:

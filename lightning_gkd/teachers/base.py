@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,24 @@ class TopKSignal:
         )
 
 
+class TeacherBase:
+    """What a method calls on every teacher source besides its signal, each doing nothing here: ``check(tokenizer,
+    vocab_size)`` once the teachers are built, before training (raise an error naming what does not match the
+    student: a server serving another tokenizer, a cache built with one); ``check_datamodule(datamodule)`` before
+    fitting (what the source needs from the rows: a cache made from these rows); ``close()`` at teardown. Every
+    teacher source subclasses it (``LocalTeacher``, ``HiddenStateTeacher``, the caches, the servers), a user's own
+    too."""
+
+    def check(self, tokenizer: Any, vocab_size: int) -> None:
+        """Raise for a student tokenizer (its ids compared over ``vocab_size`` rows) this teacher cannot serve."""
+
+    def check_datamodule(self, datamodule: Any) -> None:
+        """Raise for training data this teacher cannot serve."""
+
+    def close(self) -> None:
+        """Release connections and files."""
+
+
 @runtime_checkable
 class Teacher(Protocol):
     """A dense teacher's view of a batch (``input_ids``, ``attention_mask`` ``(B, L)``, left-padded), without
@@ -84,10 +102,8 @@ class Teacher(Protocol):
 
 @runtime_checkable
 class SparseTeacher(Protocol):
-    """A teacher that gives top-k log-probs (``TopKSignal``) instead of logits.
-
-    It may also have (the method calls each one when present): ``check(tokenizer, vocab_size)`` before training,
-    raising an error naming what does not match the student; ``close()`` at teardown."""
+    """A teacher that gives top-k log-probs (``TopKSignal``) instead of logits (its checks and ``close``:
+    ``TeacherBase``)."""
 
     #: how many tokens per position the signal carries
     top_k: int

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from lightning_gkd.ops.hf.heads import LogitHead
-from lightning_gkd.teachers.base import supervised_positions
+from lightning_gkd.teachers.base import TeacherBase, supervised_positions
 
 
 def head_on(head: LogitHead, device: torch.device | str) -> LogitHead:
@@ -27,7 +27,7 @@ def head_on(head: LogitHead, device: torch.device | str) -> LogitHead:
     return LogitHead(head.weight.to(device), bias, head.scale, head.softcap)
 
 
-class HiddenStateTeacher:
+class HiddenStateTeacher(TeacherBase):
     """A ``Teacher`` (dense) whose final hidden states come from ``read_states`` and whose logits come from ``head``.
 
     Subclasses implement ``read_states(batch, positions) -> (N, H)``: the teacher's final hidden states at the ``N``

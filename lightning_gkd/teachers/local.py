@@ -10,10 +10,10 @@ from torch import nn
 from lightning_gkd.ops.divergence.topk import topk_log_probs
 from lightning_gkd.ops.hf.forward import causal_lm_logits
 from lightning_gkd.ops.hf.heads import LogitHead, hidden_states_and_head
-from lightning_gkd.teachers.base import TopKSignal, next_tokens
+from lightning_gkd.teachers.base import TeacherBase, TopKSignal, next_tokens
 
 
-class LocalTeacher:
+class LocalTeacher(TeacherBase):
     """Reads the signal from ``model`` itself (kept by reference: moving, casting or sharding the module in place is
     seen here). ``top_k``: what ``topk`` keeps (None: the whole vocabulary); the dense methods ignore it."""
 

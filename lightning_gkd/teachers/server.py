@@ -24,14 +24,15 @@ from torch import nn
 
 from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
 from lightning_gkd.ops.hf.forward import EosTokenId
-from lightning_gkd.teachers.base import TeacherUnavailable, TopKSignal
+from lightning_gkd.samplers.base import Sampler
+from lightning_gkd.teachers.base import TeacherBase, TeacherUnavailable, TopKSignal
 from lightning_gkd.teachers.http import TeacherRequestError, check_number, normalize_url, start_command
 from lightning_gkd.teachers.served_model import ServedModel, scored_rows
 
 __all__ = ["ServerSampler", "ServerTeacher", "TeacherRequestError", "TeacherUnavailable"]
 
 
-class ServerTeacher:
+class ServerTeacher(TeacherBase):
     """A ``SparseTeacher`` backed by a vLLM OpenAI-compatible server at ``url`` (``http://host:port``; a trailing
     ``/v1`` is fine), serving ``model`` (None: the only model it serves).
 
@@ -185,7 +186,7 @@ class ServerTeacher:
         return [entry or {} for entry in entries]
 
 
-class ServerSampler:
+class ServerSampler(Sampler):
     """Completions written by the teacher server (sequence-level KD), with the ``Sampler`` contract: the batch of
     ``ops.decoding.sampling.completion_batch``. The ``model`` argument is ignored (the server has the weights).
 

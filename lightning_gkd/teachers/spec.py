@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import ModelSource, limit_output_rows, shared_vocab_rows, vocab_size
-from lightning_gkd.teachers.base import SparseTeacher
+from lightning_gkd.teachers.base import SparseTeacher, TeacherBase
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.local import LocalTeacher
 
@@ -102,6 +102,11 @@ def teacher_plan(teacher: Any) -> TeacherPlan:
     in a spec."""
     if not is_teacher_spec(teacher):
         if hasattr(teacher, "topk") and not isinstance(teacher, nn.Module):  # a sparse teacher object
+            if not isinstance(teacher, TeacherBase):
+                raise TypeError(
+                    f"A teacher object must subclass lightning_gkd.teachers.base.TeacherBase (its check, "
+                    f"check_datamodule and close do nothing unless overridden), got {type(teacher).__name__}."
+                )
             return TeacherPlan({"": TeacherEntry("object", {"top_k": getattr(teacher, "top_k", None)}, teacher)})
         if isinstance(teacher, HiddenStateTeacher):  # a built dense teacher without a model (server, cache)
             return TeacherPlan({"": TeacherEntry("object", {}, teacher)})
@@ -203,7 +208,7 @@ def build_teachers(
     same_vocab: bool = True,
 ) -> tuple[dict[str, Any], dict[str, nn.Module]]:
     """Each teacher's source by name, and the in-process models among them. ``load(source, role)`` loads a frozen
-    model (role ``teacher``, or ``teacher.<name>`` under ``multi``); a remote teacher's ``check`` runs now, before
+    model (role ``teacher``, or ``teacher.<name>`` under ``multi``); each source's ``check`` runs now, before
     training: the server is up and serves the student's tokenizer, the cache was made with it.
 
     ``same_vocab`` (False: a cross-tokenizer teacher, compared through its own tokenizer): the student and its
@@ -219,9 +224,7 @@ def build_teachers(
             sources[name] = build_remote_teacher(entry)
     rows = share_vocabulary(plan, sources, student, tokenizer) if same_vocab else vocab_size(student)
     for source in sources.values():
-        check = getattr(source, "check", None)
-        if callable(check):
-            check(tokenizer, rows)
+        source.check(tokenizer, rows)
     return sources, models
 
 

@@ -63,7 +63,7 @@ TOY_STUDENT = {
     "hidden_size": 64,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
-    # head size 32: vLLM's CPU attention (method.sampler=vllm) supports head sizes >= 32 only
+    # head size 32: vLLM's CPU attention (sampler=vllm) supports head sizes >= 32 only
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,

@@ -52,7 +52,7 @@ def add(a: int, b: int) -> int:
     return int(a) + int(b)
 
 
-#: The task's tools, as ``method.tools`` names them.
+#: The task's tools, as ``method.rollout.tools`` names them.
 TOOLS = ("lightning_gkd.toy.tools.lookup", "lightning_gkd.toy.tools.add")
 
 
@@ -149,14 +149,13 @@ MAX_TOOL_CALLING_ITERATIONS, MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS = 4, 24, 128
 
 def task_rollout(tokenizer: Any) -> Any:
     """The ``MultiTurnRollout`` this task is trained and scored with (its tools, the row's ``facts``, its caps)."""
-    from lightning_gkd.rollouts import build_rollout
+    from lightning_gkd.rollouts import RolloutSettings, build_rollout
 
-    return build_rollout(
-        tokenizer,
-        eos_token_ids=[tokenizer.eos_token_id],
+    settings = RolloutSettings(
         tools=list(TOOLS),
         max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS,
         tool_timeout=5.0,
         max_transcript_tokens=MAX_TRANSCRIPT_TOKENS,
         tool_state_columns=["facts"],
     )
+    return build_rollout(tokenizer, settings, eos_token_ids=[tokenizer.eos_token_id])

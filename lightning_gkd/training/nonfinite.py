@@ -26,9 +26,7 @@ class NonFiniteGuard:
     """
 
     def __init__(self, policy: NonFinitePolicy = "raise") -> None:
-        if policy not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {policy!r}.")
-        self.policy = policy
+        self.policy = policy  # checked by TrainingSettings
         self.finite: dict[str, torch.Tensor] = {}  # role -> 0-dim bool of its latest forward
         self._handles: list[Any] = []
         self._skipped_in_a_row = 0
@@ -89,7 +87,7 @@ class NonFiniteGuard:
         if self.policy == "raise":
             raise RuntimeError(
                 message + " The model was not updated with it." + hint + " To skip such batches "
-                "instead, set nonfinite='skip' (Hydra: method.nonfinite=skip)."
+                "instead, set training.nonfinite='skip' (Hydra: method.training.nonfinite=skip)."
             )
         self._skipped_in_a_row += 1
         if self._skipped_in_a_row >= MAX_CONSECUTIVE_SKIPS:

@@ -24,9 +24,7 @@ class StepTokenNormalizer:
     """``micro_batch_loss`` in ``training_step``, ``finish_step`` in ``on_before_optimizer_step`` (see the module)."""
 
     def __init__(self, mode: LossNormalization = "step") -> None:
-        if mode not in ("step", "micro_batch"):
-            raise ValueError(f"loss_normalization must be 'step' or 'micro_batch', got {mode!r}.")
-        self.mode = mode
+        self.mode = mode  # checked by TrainingSettings
         self._sum: torch.Tensor | None = None  # the step's token-loss sum on this rank
         self._tokens: torch.Tensor | None = None
 

@@ -63,8 +63,11 @@ NOT_TRAINING = (
     "data.val_data",
     "data.test_data",
     "data.val_batch_size",
-    "method.eval_max_new_tokens",
-    "method.metrics",
+    "method.validation",
+    # the optimizer and scheduler groups as the method receives them (${optimizer}, ${scheduler}): recorded under
+    # their own keys (an override restoring them names those keys)
+    "method.training.optimizer",
+    "method.training.scheduler",
 )
 # Values that interpolate these keys are recorded with a placeholder in their place: a scheduler whose length is
 # ${trainer.max_steps} matches the same scheduler extended to more steps, and nothing under the run folder differs
@@ -88,7 +91,8 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def training_config(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved values of ``cfg`` that change the training, flattened to dotted keys (``method.beta``)."""
+    """The resolved values of ``cfg`` that change the training, flattened to dotted keys
+    (``method.divergence.beta``)."""
     masked = copy.deepcopy(cfg)
     with open_dict(masked):
         for key, placeholder in PLACEHOLDERS.items():

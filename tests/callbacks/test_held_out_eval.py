@@ -49,7 +49,14 @@ def test_the_gap_closed_is_reported_beside_the_scores(tmp_path):
     rows = addition_rows("test", 48)
     expected_teacher = evaluate_generations(teacher, tokenizer, rows, max_new_tokens=8)["accuracy"]
     expected_before = evaluate_generations(copy.deepcopy(student), tokenizer, rows, max_new_tokens=8)["accuracy"]
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, beta=0.0, optimizer=partial(torch.optim.AdamW, lr=3e-3))
+    module = GKDModule(
+        student,
+        teacher,
+        tokenizer,
+        lmbda=0.0,
+        divergence={"beta": 0.0},
+        training={"optimizer": partial(torch.optim.AdamW, lr=3e-3)},
+    )
     held_out = HeldOutEvaluation(max_new_tokens=8)
     fit(module, tokenizer, rows, tmp_path, held_out, max_steps=12)
     expected_after = evaluate_generations(module.student, tokenizer, rows, max_new_tokens=8)["accuracy"]
@@ -74,7 +81,7 @@ def test_the_gap_closed_is_reported_beside_the_scores(tmp_path):
 
 def test_without_a_gap_to_close_it_is_n_a_and_not_logged(student, teacher, tokenizer, tmp_path):
     rows = addition_rows("test", 4)
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, max_new_tokens=4)
+    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, sampling={"max_new_tokens": 4})
     held_out = HeldOutEvaluation(max_new_tokens=4)
     fit(module, tokenizer, rows, tmp_path, held_out, max_steps=1)
     # two untrained tiny models: neither answers one sum right

@@ -42,7 +42,7 @@ def test_validation_at_the_last_step(max_steps, with_callback, expected, tmp_pat
         default_root_dir=tmp_path,
         callbacks=[seen, *([LastStepValidation()] if with_callback else [])],
     )
-    module = SFTModule(student, tokenizer, optimizer=partial(torch.optim.SGD, lr=0.01))
+    module = SFTModule(student, tokenizer, training={"optimizer": partial(torch.optim.SGD, lr=0.01)})
     data = ChatDataModule(tokenizer, toy_rows["train"][:16], toy_rows["val"][:4], batch_size=4)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == max_steps

@@ -32,8 +32,10 @@ def fit(tmp_path, student, tokenizer, toy_rows, logger, optimizer=None) -> tuple
     module = SFTModule(
         student,
         tokenizer,
-        optimizer=optimizer or partial(torch.optim.SGD, lr=0.04),
-        scheduler=partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5),
+        training={
+            "optimizer": optimizer or partial(torch.optim.SGD, lr=0.04),
+            "scheduler": partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5),
+        },
     )
     trainer.fit(module, datamodule=ChatDataModule(tokenizer, toy_rows["train"], batch_size=4))
     return trainer, monitor

@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 from helpers.eos_boost import boost_eos
+from helpers.fitting import with_group_defaults
 from helpers.hydra_compose import compose_train
 from helpers.launch import TIMEOUT, clean_env
 from helpers.paths import TESTS
@@ -33,16 +34,19 @@ from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.training.checkpoint_io import SafeCheckpointIO
 
 FIGURES = ("val/length/student", "val/length/teacher", "val/eos_rate/student", "val/eos_rate/teacher")
-BUDGET = 8  # eval_max_new_tokens
+BUDGET = 8  # validation.max_new_tokens
 
 
 def make_module(student, teacher, tokenizer, method=GKDModule, **kwargs):
-    kwargs.setdefault("max_new_tokens", 4)
-    kwargs.setdefault("eval_max_new_tokens", BUDGET)
-    kwargs.setdefault("optimizer", partial(torch.optim.SGD, lr=0.0))
     if method is GKDModule:
         kwargs.setdefault("lmbda", 1.0)
-    return method(student, teacher, tokenizer, **kwargs)
+    defaults = with_group_defaults(
+        kwargs,
+        sampling={"max_new_tokens": 4},
+        training={"optimizer": partial(torch.optim.SGD, lr=0.0)},
+        validation={"max_new_tokens": BUDGET},
+    )
+    return method(student, teacher, tokenizer, **defaults)
 
 
 def fit(module, tokenizer, rows, tmp_path, callbacks, *, max_steps=4, limit_val_batches=2, ckpt_path=None):
@@ -102,7 +106,9 @@ def test_figures_match_a_hand_count_and_the_teacher_is_measured_once(student, te
     # are cut off; the teacher's stop after one or two tokens
     boost_eos(student, tokenizer, amount=0.9)
     boost_eos(teacher, tokenizer, amount=1.0)
-    module = make_module(student, teacher, tokenizer, metrics={})  # no metric: generated for the guard alone
+    module = make_module(
+        student, teacher, tokenizer, validation={"metrics": {}}
+    )  # no metric: generated for the guard alone
     decoded = []  # the models the guard decodes with itself
     real = length_guard.greedy_completions
     guard = LengthGuard(min_length_ratio=0.0, max_eos_drop=1.0)  # checks off: measure only
@@ -152,15 +158,15 @@ def test_completion_lengths_sum_over_ranks_not_a_mean_of_means():
 
 
 def test_without_a_guard_or_metric_validation_generates_nothing(student, teacher, tokenizer, toy_rows, tmp_path):
-    module = make_module(student, teacher, tokenizer, metrics={})
+    module = make_module(student, teacher, tokenizer, validation={"metrics": {}})
     calls = []
     with pytest.MonkeyPatch.context() as patch:
         real = base.greedy_completions
         patch.setattr(base, "greedy_completions", lambda *a, **k: calls.append(1) or real(*a, **k))
         fit(module, tokenizer, toy_rows, tmp_path, [], max_steps=2)
         assert calls == []
-        fit(make_module(student, teacher, tokenizer, metrics={}), tokenizer, toy_rows, tmp_path / "guarded",
-            [LengthGuard()], max_steps=2)  # fmt: skip
+        guarded = make_module(student, teacher, tokenizer, validation={"metrics": {}})
+        fit(guarded, tokenizer, toy_rows, tmp_path / "guarded", [LengthGuard()], max_steps=2)
         assert len(calls) == 2  # the one validation's two batches; not the sanity check
 
 
@@ -229,7 +235,7 @@ def test_a_collapsed_student_is_named_with_its_figures(method, student, teacher,
         f"EOS rate 1.00, the teacher's {teacher_length:.2f} tokens" in messages[0]
     )
     assert f"length ratio {1 / teacher_length:.2f} < min_length_ratio=0.5" in messages[0]
-    assert "callbacks.length_guard.min_length_ratio" in messages[0] and "eval_max_new_tokens=8" in messages[0]
+    assert "callbacks.length_guard.min_length_ratio" in messages[0] and "validation.max_new_tokens=8" in messages[0]
     assert "max_eos_drop=" not in messages[0].split("):")[1].split(".")[0]  # the EOS rate did not drop
     assert trainer.global_step == 4 and guard.stop_reason is None and guard.saved_path is None  # stop=False
 
@@ -311,7 +317,9 @@ def test_a_local_teacher_completes_prompts(student, teacher, tokenizer):
 
 
 def test_methods_without_a_teacher_are_left_alone(student, tokenizer, toy_rows, tmp_path):
-    module = SFTModule(student, tokenizer, metrics={}, optimizer=partial(torch.optim.SGD, lr=0.0))
+    module = SFTModule(
+        student, tokenizer, training={"optimizer": partial(torch.optim.SGD, lr=0.0)}, validation={"metrics": {}}
+    )
     guard = LengthGuard(stop=True)
     fit(module, tokenizer, toy_rows, tmp_path, [guard], max_steps=2)
     assert guard.figures == {} and module.completion_lengths is None

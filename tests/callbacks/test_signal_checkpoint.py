@@ -44,7 +44,12 @@ class SendSignal(L.Callback):
 
 def fit(student, teacher, tokenizer, rows, tmp_path, callbacks, max_steps, ckpt_path=None):
     module = GKDModule(
-        student, teacher, tokenizer, lmbda=0.5, max_new_tokens=4, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+        student,
+        teacher,
+        tokenizer,
+        lmbda=0.5,
+        sampling={"max_new_tokens": 4},
+        training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -177,7 +182,7 @@ def test_a_signal_before_the_first_step_saves_nothing(student, teacher, tokenize
     )
     data = ChatDataModule(tokenizer, toy_rows["train"], toy_rows["val"], batch_size=4, val_batch_size=4)
     with pytest.raises(SIGTERMException):
-        trainer.fit(GKDModule(student, teacher, tokenizer, max_new_tokens=4), datamodule=data)
+        trainer.fit(GKDModule(student, teacher, tokenizer, sampling={"max_new_tokens": 4}), datamodule=data)
     assert trainer.global_step == 0
     assert saver.saved_path is None and not (tmp_path / "checkpoints" / "last.ckpt").exists()
 
@@ -193,7 +198,7 @@ COMMON = [
     "callbacks.held_out_eval=null",
     "callbacks.sample_table=null",
     "data.batch_size=4",
-    "method.max_new_tokens=4",
+    "method.sampling.max_new_tokens=4",
     "trainer.log_every_n_steps=1",
 ]
 

@@ -30,7 +30,7 @@ def fit(bar: StepProgressBar, student, tokenizer, toy_rows, tmp_path, extra=(), 
         **trainer_kwargs,
     }
     trainer = L.Trainer(callbacks=[bar, *extra], **settings)
-    module = SFTModule(student, tokenizer, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    module = SFTModule(student, tokenizer, training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)})
     # 16 rows of 4: an epoch is 4 steps, so the 6 steps cross an epoch boundary
     trainer.fit(module, datamodule=ChatDataModule(tokenizer, toy_rows["train"][:16], toy_rows["val"], batch_size=4))
     return trainer

@@ -90,7 +90,9 @@ def test_without_a_teacher_the_loss_is_the_cross_entropy_sft_reports(tmp_path):
     assert sft["metrics"]["val/loss"] == pytest.approx(out["metrics"]["val/cross_entropy"])
     assert sft["metrics"]["val/cross_entropy"] == sft["metrics"]["val/loss"]
     assert sft["metrics"]["test/accuracy"] == out["metrics"]["test/accuracy"]
-    none = run(compose_eval(tmp_path, [*rows, f"eval.model={teacher}", "eval.loss=none", "method.metrics=null"]))
+    none = run(
+        compose_eval(tmp_path, [*rows, f"eval.model={teacher}", "eval.loss=none", "method.validation.metrics=null"])
+    )
     assert none["metrics"] == {} and (tmp_path / "eval" / "samples.jsonl").read_text() == ""
 
 

@@ -32,7 +32,7 @@ FAST = [
     "trainer.log_every_n_steps=1",
     "data.batch_size=4",
     "data.val_batch_size=8",
-    "method.max_new_tokens=4",
+    "method.sampling.max_new_tokens=4",
     "print_config=false",
     "callbacks.held_out_eval=null",
 ]
@@ -102,7 +102,7 @@ def test_local_submitit_multirun_runs_every_job(tmp_path, monkeypatch):
             "lightning_gkd.cli.train",
             "-m",
             "hydra/launcher=local",
-            "method.beta=0,1",
+            "method.divergence.beta=0,1",
             *FAST,
             f"paths.cache_dir={tmp_path}/cache",
         ],
@@ -115,9 +115,12 @@ def test_local_submitit_multirun_runs_every_job(tmp_path, monkeypatch):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
     jobs = sorted(path for path in sweep.iterdir() if (path / ".hydra").is_dir())
-    assert [job.name for job in jobs] == ["0_method.beta=0", "1_method.beta=1"]  # named by the swept key
+    assert [job.name for job in jobs] == [
+        "0_method.divergence.beta=0",
+        "1_method.divergence.beta=1",
+    ]  # named by the swept key
     for job, beta in zip(jobs, [0, 1], strict=True):
-        assert OmegaConf.load(job / ".hydra" / "config.yaml").method.beta == beta
+        assert OmegaConf.load(job / ".hydra" / "config.yaml").method.divergence.beta == beta
         assert (job / "student" / "model.safetensors").is_file()
         assert max(int(row["step"]) for row in _metrics(job)) == 2
         assert (job / "checkpoints" / "last.ckpt").is_file()
@@ -126,7 +129,7 @@ def test_local_submitit_multirun_runs_every_job(tmp_path, monkeypatch):
     # each job wrote its result in its own process; the launching process summarized and printed them
     with open(sweep / "summary.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert [(row["job"], row["method.beta"], row["status"], row["steps"]) for row in rows] == [
+    assert [(row["job"], row["method.divergence.beta"], row["status"], row["steps"]) for row in rows] == [
         ("0", "0", "finished", "2"),
         ("1", "1", "finished", "2"),
     ]

@@ -23,8 +23,8 @@ FAST = [
     "data.batch_size=4",
     "data.val_batch_size=8",
     "data.test_data=null",
-    "method.max_new_tokens=4",
-    "method.eval_max_new_tokens=4",
+    "method.sampling.max_new_tokens=4",
+    "method.validation.max_new_tokens=4",
     "print_config=false",
     "callbacks.held_out_eval=null",
     "callbacks.sample_table=null",
@@ -33,7 +33,7 @@ FAST = [
 
 
 def test_job_folder_names_are_one_valid_folder():
-    assert job_dir_name(0, ["method.beta=0"]) == "0_method.beta=0"
+    assert job_dir_name(0, ["method.divergence.beta=0"]) == "0_method.divergence.beta=0"
     assert job_dir_name(3, []) == "3"
     # a slash (or anything a shell or a file system minds) never makes a nested or odd folder
     assert job_dir_name(1, ["data.train_data=data/a b.jsonl", "+x='y'"]) == "1_+x=_y_,data.train_data=data_a_b.jsonl"
@@ -43,19 +43,25 @@ def test_job_folder_names_are_one_valid_folder():
 
 
 def test_the_sweep_subdir_names_a_job_by_the_overrides_the_sweep_varies(tmp_path):
-    cfg = compose_train(tmp_path, ["method.beta=0", "trainer.max_steps=2", "data.train_data=a/b.jsonl"])
+    cfg = compose_train(tmp_path, ["method.divergence.beta=0", "trainer.max_steps=2", "data.train_data=a/b.jsonl"])
     sweep = tmp_path / "sweep"
     with read_write(cfg.hydra), open_dict(cfg.hydra):
         cfg.hydra.job.num = 4
         cfg.hydra.sweep.dir = str(sweep)
     # no multirun.yaml (another sweeper): every override but the noisy ones
-    assert cfg.hydra.sweep.subdir == "4_data.train_data=a_b.jsonl,method.beta=0,trainer.max_steps=2"
+    assert cfg.hydra.sweep.subdir == "4_data.train_data=a_b.jsonl,method.divergence.beta=0,trainer.max_steps=2"
     sweep.mkdir()
     OmegaConf.save(
-        {"hydra": {"overrides": {"task": ["method.beta=0,1", "trainer.max_steps=2", "data.train_data=a/b.jsonl,c"]}}},
+        {
+            "hydra": {
+                "overrides": {
+                    "task": ["method.divergence.beta=0,1", "trainer.max_steps=2", "data.train_data=a/b.jsonl,c"]
+                }
+            }
+        },
         sweep / "multirun.yaml",
     )
-    assert cfg.hydra.sweep.subdir == "4_data.train_data=a_b.jsonl,method.beta=0"
+    assert cfg.hydra.sweep.subdir == "4_data.train_data=a_b.jsonl,method.divergence.beta=0"
 
 
 def fake_job(sweep: Path, num: int, overrides: list[str], result: dict | None = None, error: Exception | None = None):
@@ -81,14 +87,14 @@ def test_the_summary_has_a_row_per_job_and_a_failed_job_shows_as_failed(tmp_path
         "held_out": {"after": {"accuracy": 0.5}},
         "stopped_by_signal": False,
     }
-    fake_job(sweep, 0, ["method.beta=0", "seed=1"], done)
-    fake_job(sweep, 1, ["method.beta=1", "seed=1"], error=FileNotFoundError("no such file: x.jsonl\nmore"))
-    fake_job(sweep, 2, ["method.beta=2", "seed=1"])  # killed: no result.json
-    table = write_summary(sweep, swept=["method.beta"], final=True)
+    fake_job(sweep, 0, ["method.divergence.beta=0", "seed=1"], done)
+    fake_job(sweep, 1, ["method.divergence.beta=1", "seed=1"], error=FileNotFoundError("no such file: x.jsonl\nmore"))
+    fake_job(sweep, 2, ["method.divergence.beta=2", "seed=1"])  # killed: no result.json
+    table = write_summary(sweep, swept=["method.divergence.beta"], final=True)
     rows = read_csv(sweep / "summary.csv")
     assert list(rows[0]) == [
         "job",
-        "method.beta",
+        "method.divergence.beta",
         "status",
         "steps",
         "train/loss",
@@ -97,13 +103,13 @@ def test_the_summary_has_a_row_per_job_and_a_failed_job_shows_as_failed(tmp_path
         "held-out accuracy (after)",
         "folder",
     ]
-    assert [(r["job"], r["method.beta"], r["status"], r["steps"]) for r in rows] == [
+    assert [(r["job"], r["method.divergence.beta"], r["status"], r["steps"]) for r in rows] == [
         ("0", "0", "finished", "2"),
         ("1", "1", "failed: FileNotFoundError: no such file: x.jsonl", ""),
         ("2", "2", "failed (no result.json: the job was killed)", ""),
     ]
     assert rows[0]["val/loss"] == "0.25" and rows[0]["held-out accuracy (after)"] == "0.5"
-    assert "| 0 | 0 | finished | 2 | 0.5000 | 0.2500 | 0.7500 | 0.5000 | 0_method.beta=0,seed=1 |" in table
+    assert "| 0 | 0 | finished | 2 | 0.5000 | 0.2500 | 0.7500 | 0.5000 | 0_method.divergence.beta=0,seed=1 |" in table
     assert (sweep / "summary.md").read_text() == table + "\n"
 
 
@@ -115,7 +121,15 @@ def _env() -> dict[str, str]:
 @pytest.mark.slow
 def test_a_real_sweep_names_its_jobs_and_prints_the_summary(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_gkd.cli.train", "-m", "method.beta=0,1", *FAST, "paths.cache_dir=cache"],
+        [
+            sys.executable,
+            "-m",
+            "lightning_gkd.cli.train",
+            "-m",
+            "method.divergence.beta=0,1",
+            *FAST,
+            "paths.cache_dir=cache",
+        ],
         cwd=tmp_path,
         env=_env(),
         capture_output=True,
@@ -124,17 +138,20 @@ def test_a_real_sweep_names_its_jobs_and_prints_the_summary(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     (sweep,) = (tmp_path / "outputs" / "multirun").iterdir()
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0_method.beta=0", "1_method.beta=1"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
+        "0_method.divergence.beta=0",
+        "1_method.divergence.beta=1",
+    ]
     rows = read_csv(sweep / "summary.csv")
-    assert [(r["job"], r["method.beta"], r["status"], r["steps"]) for r in rows] == [
+    assert [(r["job"], r["method.divergence.beta"], r["status"], r["steps"]) for r in rows] == [
         ("0", "0", "finished", "2"),
         ("1", "1", "finished", "2"),
     ]
     assert all(float(r["train/loss"]) > 0 and float(r["val/loss"]) > 0 for r in rows)
     assert f"== lightning_gkd sweep summary ({sweep.relative_to(tmp_path)}) ==" in result.stdout
-    assert "| job | method.beta | status | steps | train/loss | val/loss |" in result.stdout
+    assert "| job | method.divergence.beta | status | steps | train/loss | val/loss |" in result.stdout
     assert (sweep / "summary.md").read_text().strip() in result.stdout
-    assert json.loads((sweep / "0_method.beta=0" / "result.json").read_text())["status"] == "finished"
+    assert json.loads((sweep / "0_method.divergence.beta=0" / "result.json").read_text())["status"] == "finished"
 
 
 @pytest.mark.slow

@@ -50,14 +50,14 @@ def test_each_toy_value_is_named_for_a_real_student(tmp_path, own_models):
     )
     found = "\n".join(toy_defaults_for_real_model(cfg))
     assert "optimizer.lr=0.001 is the toy models' rate" in found
-    assert "method.max_new_tokens=8: every on-policy or teacher sample is cut after 8 tokens" in found
-    assert "method.eval_max_new_tokens=8" in found
-    assert "method.metrics.accuracy is exact match" in found
+    assert "method.sampling.max_new_tokens=8: every on-policy or teacher sample is cut after 8 tokens" in found
+    assert "method.validation.max_new_tokens=8" in found
+    assert "method.validation.metrics.accuracy is exact match" in found
     assert "scheduler.num_warmup_steps=20 is 0.4% of trainer.max_steps=5000" in found
     assert "trainer=cpu in float32" in found
     # toy data keeps its exact-match metric; off-policy GKD (lmbda 0) samples nothing during training
     found = "\n".join(toy_defaults_for_real_model(compose_train(tmp_path, [*_real(own_models), "method.lmbda=0"])))
-    assert "exact match" not in found and "method.max_new_tokens=8" not in found and "optimizer.lr" in found
+    assert "exact match" not in found and "method.sampling.max_new_tokens=8" not in found and "optimizer.lr" in found
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_the_real_use_presets_leave_no_toy_value_and_fit_their_method(tmp_path, 
     assert cfg.method._target_ == f"lightning_gkd.{method}"
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
     assert cfg.scheduler.warmup_ratio == 0.05 and cfg.scheduler.num_warmup_steps is None
-    assert cfg.model.student.init_kwargs.dtype == "float32" and cfg.method.metrics is None
+    assert cfg.model.student.init_kwargs.dtype == "float32" and cfg.method.validation.metrics is None
     # every method key is an argument of the method: no toy key the class would reject
     accepted: set[str] = set()
     for cls in get_object(cfg.method._target_).__mro__:  # **kwargs pass on to the parent's arguments

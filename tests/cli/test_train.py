@@ -68,13 +68,13 @@ def test_composed_run_with_overrides(tmp_path):
         [
             *FAST,
             "method.lmbda=1.0",
-            "method.beta=0.9",
+            "method.divergence.beta=0.9",
             "optimizer=sgd",
             "scheduler=linear",
             "scheduler.num_warmup_steps=1",
         ],
     )
-    assert cfg.method.lmbda == 1.0 and cfg.method.beta == 0.9 and cfg.data.batch_size == 4
+    assert cfg.method.lmbda == 1.0 and cfg.method.divergence.beta == 0.9 and cfg.data.batch_size == 4
     result = run(cfg)
     assert result["global_step"] == 3
     assert result["metrics"]["train/on_policy"] == 1.0
@@ -86,6 +86,43 @@ def test_composed_run_with_overrides(tmp_path):
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     student = AutoModelForCausalLM.from_pretrained(result["student_dir"])
     assert student.config.hidden_size == 64 and result["student_dir"] == str(run_dir / "student")
+
+
+@pytest.mark.parametrize("method", ["gkd", "opd"])
+def test_the_method_groups_compose_into_the_settings_and_train(method, tmp_path):
+    """The config mirrors the constructors: method.<group>.<key> reaches the module's settings group (the optimizer,
+    the scheduler and the sampler as objects Hydra made), the method's own defaults fill the rest, and a real Trainer
+    fits with them."""
+    from omegaconf import OmegaConf
+
+    from lightning_gkd.cli.train import build, fit
+    from lightning_gkd.samplers import KVCacheSampler
+    from lightning_gkd.training.schedulers import WarmupSchedule
+
+    overrides = [*FAST, f"method={method}", "method.sampling.top_k=5", "method.divergence.loss_chunk_size=8"]
+    overrides += ["method.training.gradient_checkpointing=true", "method.validation.max_new_tokens=5"]
+    overrides += ["method.policy_gradient.kl_coef=0.5"] if method == "opd" else ["method.lmbda=1.0"]
+    overrides += ["optimizer=sgd", "scheduler=linear", "scheduler.num_warmup_steps=1", "callbacks=none"]
+    cfg = compose_train(tmp_path, overrides)
+    groups = OmegaConf.to_container(cfg.method, resolve=True)
+    assert set(groups["sampling"]) == {"sampler", "temperature", "max_new_tokens", "top_k", "top_p"}
+    assert groups["training"]["optimizer"]["_target_"] == "torch.optim.SGD" and groups["training"]["seed"] == 42
+    built = build(cfg)
+    module = built.module
+    assert (module.sampling.temperature, module.divergence.beta) == ((1.0, 1.0) if method == "opd" else (0.9, 0.5))
+    assert module.sampling.max_new_tokens == 6 and module.sampling.top_k == 5 and module.divergence.loss_chunk_size == 8
+    assert isinstance(module.sampler, KVCacheSampler) and module.sampler.top_k == 5
+    assert isinstance(module.training_settings.scheduler, WarmupSchedule) and module.training_settings.seed == 42
+    assert module.training_settings.gradient_checkpointing and module.validation.max_new_tokens == 5
+    assert set(module.validation.metrics) == {"accuracy"}
+    if method == "opd":
+        assert module.policy_gradient.kl_coef == 0.5 and module.loss.policy_gradient is module.policy_gradient
+    else:
+        assert module.lmbda == 1.0 and module.loss.divergence is module.divergence
+    result = fit(built)
+    assert result["global_step"] == 3 and isinstance(built.trainer.optimizers[0], torch.optim.SGD)
+    assert torch.isfinite(torch.tensor(result["metrics"]["train/loss"]))
+    assert built.module.hparams["sampling"]["top_k"] == 5  # the checkpoint's record: plain values
 
 
 def test_chat_files_data_from_the_command_line(tmp_path, toy_rows):
@@ -143,8 +180,8 @@ def test_the_console_script_imports_modules_from_the_folder_it_was_started_in(tm
         [
             str(Path(sys.executable).parent / "lightning-gkd"),
             "experiment=debug",
-            "+method.metrics.half._target_=my_metrics.half",
-            "+method.metrics.half._partial_=true",
+            "+method.validation.metrics.half._target_=my_metrics.half",
+            "+method.validation.metrics.half._partial_=true",
             "callbacks.held_out_eval=null",
             "callbacks.sample_table=null",
             "export=false",

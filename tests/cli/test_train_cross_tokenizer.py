@@ -24,8 +24,8 @@ FAST = [
     "trainer.log_every_n_steps=1",
     "data.batch_size=4",
     "data.val_batch_size=4",
-    "method.max_new_tokens=6",
-    "method.metrics={}",
+    "method.sampling.max_new_tokens=6",
+    "method.validation.metrics={}",
     "callbacks=none",
     "export=false",
     "print_config=false",
@@ -75,8 +75,9 @@ def test_the_cross_tokenizer_options_compose_into_the_method(tmp_path):
         "matched_divergence": "clamped",
         "teacher_max_length": None,
         "projection_cache": None,
+        "distillation_weight": 1.0,  # TRL's uld_distillation_weight
+        "crossentropy_weight": 0.0,  # TRL's uld_crossentropy_weight
     }
-    assert default.method.distillation_weight == 1.0 and default.method.crossentropy_weight == 0.0
     assert default.method.teacher.tokenizer is None
     assert compose_train(tmp_path, ["cross_tokenizer=uld"]).method.cross_tokenizer.loss == "uld"
     assert compose_train(tmp_path, ["cross_tokenizer=hybrid"]).method.cross_tokenizer.loss == "hybrid"
@@ -112,7 +113,7 @@ def test_the_model_specs_tokenizer_key_names_the_teachers_tokenizer(tmp_path, bp
     module = build(compose_train(tmp_path, [*FAST, *overrides])).module
     assert isinstance(module.loss, CrossTokenizerDistillation)
     assert module.teacher.config.vocab_size == len(module.loss.teacher_tokenizer)
-    assert module.loss.max_length == 64 + 6  # data.max_length + method.max_new_tokens
+    assert module.loss.max_length == 64 + 6  # data.max_length + method.sampling.max_new_tokens
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ FAST_DDP = [
     "trainer.limit_val_batches=1",
     "trainer.log_every_n_steps=1",
     "data.batch_size=8",
-    "method.max_new_tokens=4",
+    "method.sampling.max_new_tokens=4",
     "print_config=false",
 ]
 

@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import with_group_defaults
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule, SFTModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer, load_tokenizer
@@ -53,8 +54,8 @@ def fit(ctx: Ctx, module: L.LightningModule, data: L.LightningDataModule, **kwar
 
 
 def gkd(ctx: Ctx, teacher: Any = None, **kwargs: Any) -> GKDModule:
-    kwargs.setdefault("max_new_tokens", 4)
-    return GKDModule(ctx.student, ctx.teacher if teacher is None else teacher, ctx.tokenizer, **kwargs)
+    defaults = with_group_defaults(kwargs, sampling={"max_new_tokens": 4})
+    return GKDModule(ctx.student, ctx.teacher if teacher is None else teacher, ctx.tokenizer, **defaults)
 
 
 def fit_gkd_on(ctx: Ctx, rows: list, **kwargs: Any) -> None:
@@ -263,19 +264,24 @@ CASES: list[tuple[str, Callable[[Ctx], Any], type[BaseException], str]] = [
     ("vocab mismatch", vocab_mismatch, ValueError, r"Student vocabulary size 259 differs from the teacher's 300"),
     ("lmbda > 1", lambda c: gkd(c, lmbda=1.5), ValueError, r"lmbda must be in \[0, 1\], got 1.5"),
     ("lmbda < 0", lambda c: gkd(c, lmbda=-0.1), ValueError, r"lmbda must be in \[0, 1\], got -0.1"),
-    ("beta > 1", lambda c: gkd(c, beta=2.0), ValueError, r"beta must be in \[0, 1\], got 2.0"),
-    ("beta < 0", lambda c: gkd(c, beta=-1e-3), ValueError, r"beta must be in \[0, 1\], got -0.001"),
-    ("temperature 0", lambda c: gkd(c, temperature=0.0), ValueError, r"temperature must be > 0, got 0.0"),
+    ("beta > 1", lambda c: gkd(c, divergence={"beta": 2.0}), ValueError, r"beta must be in \[0, 1\], got 2.0"),
+    ("beta < 0", lambda c: gkd(c, divergence={"beta": -1e-3}), ValueError, r"beta must be in \[0, 1\], got -0.001"),
+    ("temperature 0", lambda c: gkd(c, sampling={"temperature": 0.0}), ValueError, r"temperature must be > 0, got 0.0"),
     (
         "loss temperature < 0",
-        lambda c: gkd(c, loss_temperature=-1.0),
+        lambda c: gkd(c, divergence={"loss_temperature": -1.0}),
         ValueError,
         r"loss_temperature must be > 0, got -1.0",
     ),
-    ("max_new_tokens 0", lambda c: gkd(c, max_new_tokens=0), ValueError, r"max_new_tokens must be >= 1, got 0"),
+    (
+        "max_new_tokens 0",
+        lambda c: gkd(c, sampling={"max_new_tokens": 0}),
+        ValueError,
+        r"max_new_tokens must be >= 1, got 0",
+    ),
     (
         "nonfinite option",
-        lambda c: gkd(c, nonfinite="ignore"),
+        lambda c: gkd(c, training={"nonfinite": "ignore"}),
         ValueError,
         r"nonfinite must be 'raise' or 'skip', got 'ignore'",
     ),
@@ -354,7 +360,7 @@ def test_missing_pad_token_falls_back_to_eos_with_exactly_one_warning(student, t
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         data = ChatDataModule(tokenizer, [GOOD, GOOD], batch_size=2)
-        module = GKDModule(student, teacher, data.tokenizer, lmbda=1.0, max_new_tokens=4)
+        module = GKDModule(student, teacher, data.tokenizer, lmbda=1.0, sampling={"max_new_tokens": 4})
         fit(Ctx(tokenizer, student, teacher, tmp_path), module, data)
     pad_warnings = [w for w in caught if "no pad token" in str(w.message)]
     assert len(pad_warnings) == 1

@@ -21,7 +21,7 @@ FAST = [
     "trainer.log_every_n_steps=1",
     "data.batch_size=4",
     "data.test_data=null",
-    "method.max_new_tokens=6",
+    "method.sampling.max_new_tokens=6",
     "callbacks.held_out_eval=null",
     "callbacks.sample_table=null",
     "print_config=false",
@@ -37,11 +37,23 @@ def one_torch_thread():
 
 
 def test_method_opd_composes_and_trains_with_grouped_generation(tmp_path):
-    cfg = compose_train(tmp_path, [*FAST, "data.steps_per_generation=3", "method.gamma=0.5", "method.kl_coef=0.1"])
+    cfg = compose_train(
+        tmp_path,
+        [
+            *FAST,
+            "data.steps_per_generation=3",
+            "method.policy_gradient.gamma=0.5",
+            "method.policy_gradient.kl_coef=0.1",
+        ],
+    )
     assert cfg.method._target_ == "lightning_gkd.OPDModule" and cfg.method.teacher.kind == "local"
-    assert cfg.method.temperature == 1.0 and cfg.method.beta == 1.0 and "lmbda" not in cfg.method
+    assert cfg.method.sampling.temperature == 1.0 and cfg.method.divergence.beta == 1.0 and "lmbda" not in cfg.method
     # the stabilisers are off by default: today's surrogate
-    assert cfg.method.length_normalize is False and cfg.method.baseline == "none" and cfg.method.clip_ratio is None
+    assert (
+        cfg.method.policy_gradient.length_normalize is False
+        and cfg.method.policy_gradient.baseline == "none"
+        and cfg.method.policy_gradient.clip_ratio is None
+    )
     result = run(cfg)
     assert result["global_step"] == 3
     assert math.isfinite(result["metrics"]["val/loss"]) and result["metrics"]["train/on_policy"] == 1.0
@@ -59,12 +71,24 @@ def test_method_opd_composes_and_trains_with_grouped_generation(tmp_path):
 
 
 def test_method_opd_stabilisers_are_overrides_that_reach_the_loss_and_train(tmp_path):
-    stabilisers = ["method.length_normalize=true", "method.baseline=row", "method.clip_ratio=0.2"]
-    cfg = compose_train(tmp_path, [*FAST, "data.steps_per_generation=2", "method.gamma=1.0", *stabilisers])
+    stabilisers = [
+        "method.policy_gradient.length_normalize=true",
+        "method.policy_gradient.baseline=row",
+        "method.policy_gradient.clip_ratio=0.2",
+    ]
+    cfg = compose_train(
+        tmp_path, [*FAST, "data.steps_per_generation=2", "method.policy_gradient.gamma=1.0", *stabilisers]
+    )
     built = build(cfg)
-    loss = built.module.loss
-    assert (loss.gamma, loss.length_normalize, loss.baseline, loss.clip_ratio) == (1.0, True, "row", 0.2)
-    assert built.module.hparams.baseline == "row" and built.module.hparams.clip_ratio == 0.2  # in the checkpoint
+    settings = built.module.loss.policy_gradient
+    assert (settings.gamma, settings.length_normalize, settings.baseline, settings.clip_ratio) == (
+        1.0,
+        True,
+        "row",
+        0.2,
+    )
+    recorded = built.module.hparams.policy_gradient
+    assert recorded["baseline"] == "row" and recorded["clip_ratio"] == 0.2  # in the checkpoint
     result = run(cfg)
     assert result["global_step"] == 3
     with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:
@@ -80,9 +104,9 @@ def test_method_opd_stabilisers_are_overrides_that_reach_the_loss_and_train(tmp_
 @pytest.mark.parametrize(
     "override, match",
     [
-        ("method.baseline=mean", r"baseline must be 'none' .* or 'row'"),
-        ("method.clip_ratio=1.5", r"clip_ratio .* must be in \(0, 1\)"),
-        ("method.length_normalize=maybe", r"length_normalize must be true or false, got 'maybe'"),
+        ("method.policy_gradient.baseline=mean", r"baseline must be 'none' .* or 'row'"),
+        ("method.policy_gradient.clip_ratio=1.5", r"clip_ratio .* must be in \(0, 1\)"),
+        ("method.policy_gradient.length_normalize=maybe", r"length_normalize must be true or false, got 'maybe'"),
     ],
 )
 def test_method_opd_refuses_invalid_stabilisers_before_any_model_loads(tmp_path, override, match):
@@ -100,14 +124,16 @@ def test_method_opd_refuses_a_teacher_cache_before_any_model_loads(tmp_path):
 
 
 def test_experiment_toy_chain_trains_opd_on_the_chain_task_scored_by_its_final_sum(tmp_path):
-    keep = ("data.test_data", "method.max_new_tokens", "trainer.max_steps", "trainer.val_check_interval")
+    keep = ("data.test_data", "method.sampling.max_new_tokens", "trainer.max_steps", "trainer.val_check_interval")
     overrides = [o for o in FAST if not o.startswith(keep)]
     cfg = compose_train(
         tmp_path, ["experiment=toy_chain", *overrides, "trainer.max_steps=2", "trainer.val_check_interval=2"]
     )
     assert cfg.data.train_data._target_ == "lightning_gkd.toy.chain_rows"
     assert cfg.model.student.name_or_path.endswith("toy_chain/student_init")
-    assert cfg.method.max_new_tokens == 40 and cfg.method.metrics.accuracy._target_.endswith("final_answer_match")
+    assert cfg.method.sampling.max_new_tokens == 40 and cfg.method.validation.metrics.accuracy._target_.endswith(
+        "final_answer_match"
+    )
     result = run(cfg)
     assert result["global_step"] == 2 and 0.0 <= result["metrics"]["val/accuracy"] <= 1.0
     with open(tmp_path / "run" / "logs" / "metrics.csv") as handle:

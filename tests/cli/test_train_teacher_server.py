@@ -54,7 +54,7 @@ def compose(tmp_path: Path, url: str, name: str, extra: list[str], teacher: list
             *teacher,
             *remote,
             "method.lmbda=1.0",
-            "method.max_new_tokens=6",
+            "method.sampling.max_new_tokens=6",
             "trainer.max_steps=4",
             "trainer.val_check_interval=4",
             "trainer.limit_val_batches=1",
@@ -109,7 +109,9 @@ def test_teacher_server_hidden_trains_as_the_teacher_in_process(server, tmp_path
     float32 on the wire: on-policy GKD (λ=1, β=0.5) logs the losses of `teacher=local`, step for step."""
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "outputs" / "runs"
-    run(compose(tmp_path, server.url, "local", ["method.frozen_dtype=float32"], teacher=["teacher=local"]))  # as served
+    run(
+        compose(tmp_path, server.url, "local", ["method.training.frozen_dtype=float32"], teacher=["teacher=local"])
+    )  # as served
     hidden = ["teacher=server_hidden", f"teacher.url={server.url}", f"teacher.head={asset_path('toy/teacher')}"]
     result = run(compose(tmp_path, server.url, "hidden", [], teacher=[*hidden, "teacher.dtype=float32"]))
     assert result["global_step"] == 4

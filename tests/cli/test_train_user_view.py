@@ -50,7 +50,12 @@ def test_top1_agreement_counts_completion_positions_only(student, teacher):
 def test_sample_table_and_progress_bar_metrics_during_a_fit(student, teacher, tokenizer, toy_rows, tmp_path, capsys):
     table = SampleTable(every_n_steps=2, num_samples=3, max_new_tokens=5)
     module = GKDModule(
-        student, teacher, tokenizer, lmbda=0.5, max_new_tokens=4, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+        student,
+        teacher,
+        tokenizer,
+        lmbda=0.5,
+        sampling={"max_new_tokens": 4},
+        training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -170,7 +175,7 @@ def test_a_run_on_a_log_file_prints_no_expected_noise(tmp_path):
             "data.batch_size=4",  # an epoch of 2 steps, shorter than log_every_n_steps (4 after the clamp)
             "trainer.max_steps=4",
             "trainer.limit_val_batches=1",
-            "method.max_new_tokens=4",
+            "method.sampling.max_new_tokens=4",
             "print_config=false",
             "callbacks.sample_table=null",
             f"paths.cache_dir={tmp_path}/c",

@@ -16,6 +16,7 @@ from lightning_gkd import ChatDataModule, GKDModule, SFTModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.chat_tokens import has_generation_blocks, render_chat, tokenize_chat
 from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.samplers import Sampler
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 
 
@@ -125,7 +126,7 @@ def rows(count: int) -> list[dict]:
     return out
 
 
-class Recording:
+class Recording(Sampler):
     def __init__(self, inner):
         self.inner, self.prompts = inner, []
 
@@ -133,15 +134,12 @@ class Recording:
         self.prompts.append(prompts[prompt_attention_mask.bool()].tolist())
         return self.inner.sample(model, prompts, prompt_attention_mask, seed=seed)
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
 
 @pytest.mark.parametrize("generation", [False, True])
 def test_a_tiny_fit_trains_on_the_template_and_samples_from_its_prompt(non_prefix, generation, tmp_path):
     tok = non_prefix(generation)
     data = ChatDataModule(tok, rows(16), rows(4), batch_size=4, max_length=96, seed=0)
-    sft = SFTModule(tiny_causal_lm(TINY_STUDENT, tok, seed=0), tok, metrics={})
+    sft = SFTModule(tiny_causal_lm(TINY_STUDENT, tok, seed=0), tok, validation={"metrics": {}})
     batch = ChatMLCollator(tok, max_length=96)(rows(4))
     with torch.no_grad():
         before = float(sft.completion_loss(batch).loss)
@@ -164,9 +162,9 @@ def test_a_tiny_fit_trains_on_the_template_and_samples_from_its_prompt(non_prefi
         tiny_causal_lm(TINY_TEACHER, tok, seed=1),
         tok,
         lmbda=1.0,
-        max_new_tokens=4,
-        metrics={},
-        frozen_dtype="float32",
+        sampling={"max_new_tokens": 4},
+        training={"frozen_dtype": "float32"},
+        validation={"metrics": {}},
     )
     gkd.sampler = recorder = Recording(gkd.sampler)
     loss = gkd.training_step(batch, 0)

@@ -29,7 +29,9 @@ def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, tea
     data = ChatDataModule(
         tokenizer, toy_rows["train"][:8], val_data=sets, batch_size=4, val_batch_size=16, max_length=64
     )
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, metrics={"accuracy": exact_match}, eval_max_new_tokens=4)
+    module = GKDModule(
+        student, teacher, tokenizer, lmbda=0.0, validation={"metrics": {"accuracy": exact_match}, "max_new_tokens": 4}
+    )
     assert data.val_names == ["easy", "hard"]
     results = trainer().validate(module, datamodule=data, verbose=False)
     logged = {key: float(value) for result in results for key, value in result.items()}
@@ -68,7 +70,9 @@ def test_a_single_set_still_logs_val_loss(student, teacher, tokenizer, toy_rows)
     data = ChatDataModule(
         tokenizer, toy_rows["train"][:8], val_data=toy_rows["val"][:6], val_batch_size=16, max_length=64
     )
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, metrics={"accuracy": exact_match}, eval_max_new_tokens=4)
+    module = GKDModule(
+        student, teacher, tokenizer, lmbda=0.0, validation={"metrics": {"accuracy": exact_match}, "max_new_tokens": 4}
+    )
     assert data.val_names is None
     (result,) = trainer().validate(module, datamodule=data, verbose=False)
     assert set(result) == {"val/loss", "val/accuracy"}

@@ -8,6 +8,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import with_group_defaults
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -26,9 +27,10 @@ from lightning_gkd.toy import addition_rows
 
 
 def make_module(student, teacher, tokenizer, **kwargs):
-    kwargs.setdefault("max_new_tokens", 6)
-    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
-    return GKDModule(student, teacher, tokenizer, **kwargs)
+    defaults = with_group_defaults(
+        kwargs, sampling={"max_new_tokens": 6}, training={"optimizer": partial(torch.optim.AdamW, lr=1e-2)}
+    )
+    return GKDModule(student, teacher, tokenizer, **defaults)
 
 
 def trainer_for(tmp_path, max_steps, **kwargs):
@@ -148,7 +150,12 @@ def test_grouped_generation_with_gradient_accumulation(student, teacher, tokeniz
 
 def _run(student, teacher, tokenizer, tmp_path, *, max_steps, ckpt_path=None, every=None):
     module = GKDModule(
-        student, teacher, tokenizer, lmbda=0.5, max_new_tokens=5, seed=3, optimizer=partial(torch.optim.AdamW, lr=1e-2)
+        student,
+        teacher,
+        tokenizer,
+        lmbda=0.5,
+        sampling={"max_new_tokens": 5},
+        training={"seed": 3, "optimizer": partial(torch.optim.AdamW, lr=1e-2)},
     )
     datamodule = ChatDataModule(
         tokenizer, addition_rows("train", 48), batch_size=4, max_length=64, steps_per_generation=3, seed=5

@@ -118,6 +118,6 @@ def test_supported_rows_name_tests_that_exist():
 def test_disable_dropout_zeroes_the_students_dropout(teacher, tokenizer):
     for flag, expected in ((True, 0.0), (False, 0.1)):
         student = tiny_causal_lm({**TINY_STUDENT, "attention_dropout": 0.1}, tokenizer, seed=0)
-        module = GKDModule(student, teacher, tokenizer, disable_dropout=flag)
+        module = GKDModule(student, teacher, tokenizer, training={"disable_dropout": flag})
         rates = {m.attention_dropout for m in module.student.modules() if hasattr(m, "attention_dropout")}
         assert rates == {expected}

@@ -8,12 +8,12 @@ from lightning_gkd.evaluation.model_card import describe_source, is_hub_id, mode
 
 def test_export_without_a_trainer_writes_models_and_hyperparameters(student, teacher, tokenizer, tmp_path):
     teacher.save_pretrained(tmp_path / "teacher")
-    module = GKDModule(student, str(tmp_path / "teacher"), tokenizer, lmbda=0.25, beta=0.1)
+    module = GKDModule(student, str(tmp_path / "teacher"), tokenizer, lmbda=0.25, divergence={"beta": 0.1})
     card = (module.export(tmp_path / "out", card_info={"note": "hello"}) / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n")
     assert "- gkd" in card and "base_model:" not in card  # an in-memory student: no hub id to name
     assert f"- teacher: `{tmp_path / 'teacher'}`" in card
-    assert "## Method: GKDModule" in card and "- lmbda: `0.25`" in card and "- beta: `0.1`" in card
+    assert "## Method: GKDModule" in card and "- lmbda: `0.25`" in card and "- divergence.beta: `0.1`" in card
     assert "- note: hello" in card
 
 

@@ -72,7 +72,7 @@ class Recorded(GKDModule):
 
     def __init__(self, *args, **kwargs) -> None:
         # a float32 teacher: the equalities compare batch splits, and bf16 products' rounding depends on the split
-        kwargs.setdefault("frozen_dtype", "float32")
+        kwargs["training"] = {"frozen_dtype": "float32", **(kwargs.get("training") or {})}
         super().__init__(*args, **kwargs)
         self.flips: list[list] = []
         self.sampled: list[list[list[int]]] = []
@@ -108,15 +108,14 @@ class Recorded(GKDModule):
 SGD = partial(torch.optim.SGD, lr=LR)
 
 
-def make_module(tokenizer, *, lmbda: float, optimizer=SGD, **kwargs) -> Recorded:
+def make_module(tokenizer, *, lmbda: float, **kwargs) -> Recorded:
     return Recorded(
         tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
         tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
         tokenizer,
         lmbda=lmbda,
-        beta=0.5,
-        optimizer=optimizer,
-        seed=SEED,
+        divergence={"beta": 0.5},
+        training={"optimizer": SGD, "seed": SEED},
         **kwargs,
     )
 
@@ -266,9 +265,8 @@ def cross_tokenizer(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_
             tokenizer,
             teacher_tokenizer=teacher_tokenizer,
             lmbda=0.0,
-            beta=0.5,
-            optimizer=SGD,
-            seed=SEED,
+            divergence={"beta": 0.5},
+            training={"optimizer": SGD, "seed": SEED},
         )
 
     data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
@@ -291,7 +289,7 @@ def cross_tokenizer(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_
 def flips(out: Path, tokenizer, steps: int = 8) -> dict | None:
     rows = addition_rows("train", 32)
     data = ChatDataModule(tokenizer, rows, batch_size=2, max_length=MAX_LENGTH, seed=SEED)
-    module = make_module(tokenizer, lmbda=0.5, max_new_tokens=4)
+    module = make_module(tokenizer, lmbda=0.5, sampling={"max_new_tokens": 4})
     fit(out, module, data, steps)
     per_rank = gather(module.flips)
     trained_sources = gather([row["source"] for row in module.trained])
@@ -332,7 +330,7 @@ def grouped(out: Path, tokenizer, steps: int = 4, k: int = 2, per_rank: int = 2)
     data = ChatDataModule(
         tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED, steps_per_generation=k
     )
-    module = make_module(tokenizer, lmbda=1.0, max_new_tokens=4)
+    module = make_module(tokenizer, lmbda=1.0, sampling={"max_new_tokens": 4})
     fit(out, module, data, steps)
     rank = dist.get_rank()
     report = {
@@ -361,10 +359,8 @@ def tools(out: Path, steps: int = 2, per_rank: int = 2) -> dict | None:
         return make_module(
             tokenizer,
             lmbda=1.0,
-            tools=list(TOOLS),
-            tool_state_columns=["facts"],
-            sampler=ScriptedSampler(tokenizer, script),
-            max_new_tokens=64,
+            sampling={"sampler": ScriptedSampler(tokenizer, script), "max_new_tokens": 64},
+            rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
         )
 
     def data(batch_size: int) -> ChatDataModule:
@@ -398,7 +394,9 @@ def hidden_server(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_ra
     spec = {"kind": "server", "signal": "hidden", "url": url, "head": head, "dtype": "float32", "retries": 2}
     data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
     student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
-    module = Recorded(student, spec, tokenizer, lmbda=0.0, beta=0.5, optimizer=SGD, seed=SEED)
+    module = Recorded(
+        student, spec, tokenizer, lmbda=0.0, divergence={"beta": 0.5}, training={"optimizer": SGD, "seed": SEED}
+    )
     fit(out, module, data, steps)
     final = flat_state(module.student)
     finals = gather(final)

@@ -6,19 +6,38 @@ from __future__ import annotations
 import csv
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.losses import DistillationLoss, LossOutput
 from lightning_gkd.toy import addition_rows
 
 
+def with_group_defaults(kwargs: dict[str, Any], **groups: dict[str, Any]) -> dict[str, Any]:
+    """A method's arguments ``kwargs`` with the ``groups``' settings (name -> {key: value}) under what the caller gave
+    in each group (a mapping of overrides)."""
+    return {**kwargs, **{name: {**defaults, **(kwargs.get(name) or {})} for name, defaults in groups.items()}}
+
+
+class LossOf(DistillationLoss):
+    """A loss object calling ``fn(student, batch) -> LossOutput`` (a test's wrapper around a module's loss)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, student: Any, batch: Any) -> LossOutput:
+        return self.fn(student, batch)
+
+
 def make_module(student, teacher, tokenizer, **kwargs):
-    kwargs.setdefault("max_new_tokens", 6)
-    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
-    return GKDModule(student, teacher, tokenizer, **kwargs)
+    defaults = with_group_defaults(
+        kwargs, sampling={"max_new_tokens": 6}, training={"optimizer": partial(torch.optim.AdamW, lr=1e-2)}
+    )
+    return GKDModule(student, teacher, tokenizer, **defaults)
 
 
 def fit(module, tokenizer, rows, tmp_path, max_steps=3, **trainer_kwargs):

@@ -55,7 +55,7 @@ class Recorded(GKDModule):
 
     def __init__(self, *args, **kwargs) -> None:
         # a float32 teacher: the equalities compare batch splits, and bf16 products' rounding depends on the split
-        kwargs.setdefault("frozen_dtype", "float32")
+        kwargs["training"] = {"frozen_dtype": "float32", **(kwargs.get("training") or {})}
         super().__init__(*args, **kwargs)
         self.trained: list[dict] = []
         self.clipping: list[tuple[float, float]] = []
@@ -81,10 +81,9 @@ def make_module(tokenizer) -> Recorded:
         tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
         tokenizer,
         lmbda=1.0,
-        beta=0.5,
-        max_new_tokens=NEW_TOKENS,
-        optimizer=partial(torch.optim.AdamW, lr=LR),
-        seed=3,
+        sampling={"max_new_tokens": NEW_TOKENS},
+        divergence={"beta": 0.5},
+        training={"optimizer": partial(torch.optim.AdamW, lr=LR), "seed": 3},
     )
 
 

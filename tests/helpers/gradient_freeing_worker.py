@@ -49,11 +49,8 @@ def fit(out: Path, kind: str, reference: bool) -> dict:
         tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
         tokenizer,
         lmbda=1.0,
-        max_new_tokens=4,
-        sampler=partial(KVCacheSampler, matmul_precision="highest"),
-        frozen_dtype="float32",
-        optimizer=partial(torch.optim.AdamW, lr=1e-2),
-        seed=0,
+        sampling={"max_new_tokens": 4, "sampler": partial(KVCacheSampler, matmul_precision="highest")},
+        training={"frozen_dtype": "float32", "optimizer": partial(torch.optim.AdamW, lr=1e-2), "seed": 0},
     )
     probe, losses = GradientsAtBatchStart(), Losses()
     trainer = two_process_trainer(out, kind, STEPS, callbacks=[probe, losses])

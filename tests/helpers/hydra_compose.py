@@ -58,6 +58,6 @@ FAST = [
     "trainer.limit_val_batches=1",
     "trainer.log_every_n_steps=1",
     "data.batch_size=4",
-    "method.max_new_tokens=6",
+    "method.sampling.max_new_tokens=6",
     "print_config=false",
 ]

@@ -58,10 +58,9 @@ def main() -> None:
         boost_eos(tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1), tokenizer, TEACHER_BOOST),
         tokenizer,
         lmbda=1.0,
-        max_new_tokens=4,
-        eval_max_new_tokens=BUDGET,
-        metrics={},
-        optimizer=partial(torch.optim.SGD, lr=0.0),
+        sampling={"max_new_tokens": 4},
+        training={"optimizer": partial(torch.optim.SGD, lr=0.0)},
+        validation={"max_new_tokens": BUDGET, "metrics": {}},
     )
     data = ChatDataModule(
         tokenizer, addition_rows("train", 16), addition_rows("val", VAL_ROWS), batch_size=2, max_length=64

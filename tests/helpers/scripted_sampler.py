@@ -1,15 +1,16 @@
 """A sampler that writes scripted assistant turns, so rollouts can be tested on exact transcripts: each row's turns
 are looked up by the row's user message, and the turn index is the number of assistant turns already in the
-context. Implements the ``Sampler`` protocol (and ``greedy``); the model is only used for its device."""
+context. A ``Sampler`` (with ``greedy``); the model is only used for its device."""
 
 from __future__ import annotations
 
 import torch
 
 from lightning_gkd.ops.decoding.sampling import completion_batch
+from lightning_gkd.samplers import Sampler
 
 
-class ScriptedSampler:
+class ScriptedSampler(Sampler):
     def __init__(self, tokenizer, script: dict[str, list[str]], *, logprob: float = -0.5) -> None:
         self.tokenizer, self.script, self.logprob = tokenizer, script, logprob
         self.calls: list[int] = []  # rows per sample call

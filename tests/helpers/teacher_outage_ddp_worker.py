@@ -56,8 +56,8 @@ def main() -> None:
             spec,
             tokenizer,
             lmbda=0.0,
-            beta=0.0,
-            optimizer=partial(torch.optim.SGD, lr=0.1),
+            divergence={"beta": 0.0},
+            training={"optimizer": partial(torch.optim.SGD, lr=0.1)},
         )
         data = ChatDataModule(tokenizer, addition_rows("train", 32), batch_size=2, max_length=64)
         trainer = two_process_trainer(out, "ddp", MAX_STEPS, timeout_s=TIMEOUT_S, callbacks=[ServerDownOnRank1(server)])

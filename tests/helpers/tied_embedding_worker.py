@@ -35,7 +35,9 @@ def fit(out: Path, kind: str, rows_gradient: bool) -> tuple[dict[str, torch.Tens
     data = ChatDataModule(tokenizer, addition_rows("train", 16), batch_size=2, max_length=64, seed=0)
     L.seed_everything(0)
     student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
-    module = GKDModule(student, tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1), tokenizer, lmbda=0.0, beta=0.5)
+    module = GKDModule(
+        student, tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1), tokenizer, lmbda=0.0, divergence={"beta": 0.5}
+    )
     embedding = module.model.get_input_embeddings()
     made = type(embedding).__name__
     if not rows_gradient:

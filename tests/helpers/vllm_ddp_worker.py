@@ -61,12 +61,10 @@ def make(tokenizer, sampler=None) -> RecordedVLLM:
         vllm_tiny("llama", tokenizer, seed=1),
         tokenizer,
         lmbda=0.5,
-        beta=0.5,
-        max_new_tokens=6,
-        optimizer=SGD,
-        seed=SEED,
-        sampler=sampler,
-        frozen_dtype="float32",  # the replay runs outside a fit (no cast): float32 on both sides
+        divergence={"beta": 0.5},
+        sampling={"max_new_tokens": 6, "sampler": sampler},
+        # a float32 teacher: the replay runs outside a fit (no cast), float32 on both sides
+        training={"optimizer": SGD, "seed": SEED, "frozen_dtype": "float32"},
     )
 
 

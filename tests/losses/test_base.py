@@ -12,6 +12,7 @@ from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.losses import STUDENT_SAMPLES, LeanPath, Logged, LossOutput, combine
 from lightning_gkd.losses.dense import DenseDistillation
 from lightning_gkd.losses.opd import DensePolicyGradient, TopKPolicyGradient
+from lightning_gkd.losses.settings import DivergenceSettings, PolicyGradientSettings
 from lightning_gkd.losses.sparse import SampledDistillation, TopKDistillation
 from lightning_gkd.ops.hf.forward import causal_lm_logits
 from lightning_gkd.ops.hf.heads import LeanForwardUnsupported
@@ -115,7 +116,7 @@ def assert_figures(out, expected, count, names=("agreement", "mass", "entropy"))
 @pytest.mark.parametrize("lean", [True, False])
 def test_the_dense_loss_reports_the_figures_of_the_students_samples(student, teacher, tokenizer, lean):
     batch = sampled_rows(tokenizer)
-    loss = DenseDistillation(LocalTeacher(teacher), beta=0.5, chunk_size=5, lean=LeanPath(lean))
+    loss = DenseDistillation(LocalTeacher(teacher), DivergenceSettings(loss_chunk_size=5), lean=LeanPath(lean))
     out = loss(student, batch)
     assert_figures(out, *expected_figures(student, teacher, batch))
     plain = loss(student, {**batch, STUDENT_SAMPLES: False})  # dataset completions, teacher samples: none
@@ -126,7 +127,10 @@ def test_the_dense_loss_reports_the_figures_of_the_students_samples(student, tea
 def test_a_top_k_teacher_gives_agreement_and_entropy(student, teacher, tokenizer, kind):
     batch = sampled_rows(tokenizer)
     source = LocalTeacher(teacher, top_k=5)
-    loss = TopKDistillation(source, beta=0.5, chunk_size=5) if kind == "topk" else SampledDistillation(source)
+    if kind == "topk":
+        loss = TopKDistillation(source, DivergenceSettings(beta=0.5, loss_chunk_size=5))
+    else:
+        loss = SampledDistillation(source, DivergenceSettings(beta=1.0, sparse_loss="k3"))
     expected, count = expected_figures(student, teacher, batch)
     assert_figures(loss(student, batch), expected, count, names=("agreement", "entropy"))
     assert loss(student, {k: v for k, v in batch.items() if k != STUDENT_SAMPLES}).logs == {}
@@ -136,11 +140,11 @@ def test_a_top_k_teacher_gives_agreement_and_entropy(student, teacher, tokenizer
 @pytest.mark.parametrize("dense", [True, False])
 def test_opd_reports_them_beside_its_own_logs(student, teacher, tokenizer, kl_coef, dense):
     batch = sampled_rows(tokenizer)
-    settings = {"kl_coef": kl_coef, "chunk_size": 5}
+    settings = (PolicyGradientSettings(kl_coef=kl_coef), DivergenceSettings(beta=1.0, loss_chunk_size=5))
     loss = (
-        DensePolicyGradient(LocalTeacher(teacher), **settings)
+        DensePolicyGradient(LocalTeacher(teacher), *settings)
         if dense
-        else TopKPolicyGradient(LocalTeacher(teacher, top_k=5), **settings)
+        else TopKPolicyGradient(LocalTeacher(teacher, top_k=5), *settings)
     )
     out = loss(student, batch)
     expected, count = expected_figures(student, teacher, batch)

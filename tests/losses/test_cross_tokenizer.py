@@ -5,11 +5,12 @@ with a BPE teacher and the byte-level student, and what it cannot do is refused 
 
 import copy
 import csv
-from functools import partial
 
 import lightning as L
 import pytest
 import torch
+from helpers import fitting
+from helpers.fitting import with_group_defaults
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
 
@@ -35,10 +36,7 @@ def bpe_teacher(bpe_tokenizer):
 
 
 def make_module(student, teacher, tokenizer, **kwargs):
-    kwargs.setdefault("max_new_tokens", 6)
-    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
-    kwargs.setdefault("metrics", {})
-    return GKDModule(student, teacher, tokenizer, **kwargs)
+    return fitting.make_module(student, teacher, tokenizer, **with_group_defaults(kwargs, validation={"metrics": {}}))
 
 
 def is_cross(module: GKDModule) -> bool:
@@ -110,9 +108,13 @@ def test_identical_tokenizers_give_the_plain_gkd_loss_and_gradients(
     batch = sample_shaped_batch(tokenizer, rows)
     lengths = (batch["labels"] != IGNORE_INDEX).sum(1).tolist()
     assert lengths == [2, 3, 4, 5, 11]  # uneven completion lengths (content bytes + EOS)
-    plain = make_module(copy.deepcopy(student), copy.deepcopy(teacher), tokenizer, beta=0.3, lean_loss=lean_loss)
+    plain = make_module(
+        copy.deepcopy(student), copy.deepcopy(teacher), tokenizer, divergence={"beta": 0.3, "lean_loss": lean_loss}
+    )
     settings = {"enabled": "always", "loss": "hybrid", "skip_student_eos": False, "skip_teacher_eos": False}
-    cross = make_module(student, teacher, tokenizer, beta=0.3, lean_loss=lean_loss, cross_tokenizer=settings)
+    cross = make_module(
+        student, teacher, tokenizer, cross_tokenizer=settings, divergence={"beta": 0.3, "lean_loss": lean_loss}
+    )
     assert not is_cross(plain) and is_cross(cross)
     assert cross.loss.matched_count == len(tokenizer)  # every column matched: the hybrid is its JSD
 
@@ -251,7 +253,11 @@ def test_crossentropy_weight_adds_the_students_cross_entropy(student, tokenizer,
     batch = ChatMLCollator(tokenizer, max_length=64, carry_prompt_messages=True)(toy_rows["train"][:4])
     base = make_module(student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer)
     both = make_module(
-        student, bpe_teacher, tokenizer, teacher_tokenizer=bpe_tokenizer, crossentropy_weight=0.5, distillation_weight=2
+        student,
+        bpe_teacher,
+        tokenizer,
+        teacher_tokenizer=bpe_tokenizer,
+        cross_tokenizer={"crossentropy_weight": 0.5, "distillation_weight": 2},
     )
     positions = torch.nn.functional.pad(batch["labels"][:, 1:] != IGNORE_INDEX, (0, 1), value=False)
     logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -272,6 +278,8 @@ def test_crossentropy_weight_adds_the_students_cross_entropy(student, tokenizer,
         "matched_divergence": "clamped",
         "teacher_max_length": None,
         "projection_cache": None,
+        "distillation_weight": 2,
+        "crossentropy_weight": 0.5,
     }
     with torch.no_grad():
         expected = 2 * base.distillation_loss(batch).loss + 0.5 * crossentropy
@@ -332,9 +340,9 @@ def folders(tokenizer, bpe_tokenizer, bpe_teacher, tmp_path, monkeypatch):
         ("folder", {"seq_kd": True}, r"seq_kd=true with a teacher whose tokenizer differs .* method\.seq_kd=false"),
         (
             "folder",
-            {"sparse_loss": "topk_renorm"},
-            r"method\.sparse_loss=topk_renorm with a teacher whose .* "
-            r"Leave method\.sparse_loss=topk",
+            {"divergence": {"sparse_loss": "topk_renorm"}},
+            r"method\.divergence\.sparse_loss=topk_renorm with a teacher whose .* "
+            r"Leave method\.divergence\.sparse_loss=topk",
         ),
         ("top_k", {}, r"teacher\.top_k=5 with a teacher whose tokenizer differs .* Set teacher\.top_k=null"),
         (
@@ -364,7 +372,11 @@ def folders(tokenizer, bpe_tokenizer, bpe_teacher, tmp_path, monkeypatch):
             r"cross_tokenizer\.matched_weight and "
             r"cross_tokenizer\.unmatched_weight go together",
         ),
-        ("folder", {"crossentropy_weight": -1.0}, r"crossentropy_weight must be in \[0, inf\], got -1\.0"),
+        (
+            "folder",
+            {"cross_tokenizer": {"crossentropy_weight": -1.0}},
+            r"cross_tokenizer\.crossentropy_weight must be a number >= 0, got -1\.0",
+        ),
     ],
 )
 def test_what_the_cross_path_cannot_do_is_refused_before_models_load(
@@ -404,7 +416,7 @@ def test_opd_refuses_a_teacher_with_another_tokenizer_before_models_load(tokeniz
         match=r"OPDModule cannot distil from a teacher whose tokenizer differs from the "
         r"student's: its reward is the teacher's log-prob .* Use method=gkd",
     ):
-        OPDModule(student_dir, teacher_dir, tokenizer, max_new_tokens=4, metrics={})
+        OPDModule(student_dir, teacher_dir, tokenizer, sampling={"max_new_tokens": 4}, validation={"metrics": {}})
 
 
 def test_the_datamodule_must_carry_prompt_messages_of_the_last_turn_only(

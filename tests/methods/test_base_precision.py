@@ -35,7 +35,9 @@ def test_teacher_dtype_follows_precision_unless_chosen(
     if expected == "fast":  # 32-true: bfloat16 on hardware with fast bf16 matmuls (this CPU's flags decide)
         expected = torch.bfloat16 if precision_module.bf16_matmul_is_fast("cpu") else torch.float32
     source = teacher_dir if teacher_spec == "path" else {"name_or_path": teacher_dir, **teacher_spec}
-    module = GKDModule(student, source, tokenizer, lmbda=0.0, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    module = GKDModule(
+        student, source, tokenizer, lmbda=0.0, training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)}
+    )
     before = {n: p.detach().clone() for n, p in module.student.named_parameters()}
     fit_one_step(module, tokenizer, tmp_path, precision)
     assert {p.dtype for p in module.teacher.parameters()} == {expected}
@@ -49,7 +51,9 @@ def test_frozen_models_take_bf16_under_32_true_only_where_bf16_is_fast(
     student, tokenizer, teacher_dir, tmp_path, monkeypatch, fast
 ):
     monkeypatch.setattr(precision_module, "bf16_matmul_is_fast", lambda device: fast)
-    module = GKDModule(student, teacher_dir, tokenizer, lmbda=0.0, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    module = GKDModule(
+        student, teacher_dir, tokenizer, lmbda=0.0, training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)}
+    )
     fit_one_step(module, tokenizer, tmp_path, "32-true")
     assert {p.dtype for p in module.teacher.parameters()} == {torch.bfloat16 if fast else torch.float32}
     assert {p.dtype for p in module.student.parameters()} == {torch.float32}
@@ -58,7 +62,9 @@ def test_frozen_models_take_bf16_under_32_true_only_where_bf16_is_fast(
 @pytest.mark.parametrize("frozen_dtype", ["float32", "bfloat16"])
 def test_frozen_dtype_forces_every_frozen_model(student, teacher, tokenizer, tmp_path, frozen_dtype):
     # a named frozen_dtype casts an nn.Module teacher in any dtype
-    module = GKDModule(student, teacher.to(torch.float16), tokenizer, lmbda=0.0, frozen_dtype=frozen_dtype)
+    module = GKDModule(
+        student, teacher.to(torch.float16), tokenizer, lmbda=0.0, training={"frozen_dtype": frozen_dtype}
+    )
     fit_one_step(module, tokenizer, tmp_path, "32-true")
     assert {p.dtype for p in module.teacher.parameters()} == {getattr(torch, frozen_dtype)}
 
@@ -106,7 +112,12 @@ def test_dpo_reference_in_bf16_trains_the_float32_policy(student, tokenizer, tea
 
 def test_bf16_true_runs_everything_in_bf16(student, tokenizer, teacher_dir, tmp_path):
     module = GKDModule(
-        student, teacher_dir, tokenizer, lmbda=1.0, max_new_tokens=4, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+        student,
+        teacher_dir,
+        tokenizer,
+        lmbda=1.0,
+        sampling={"max_new_tokens": 4},
+        training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
     )
     fit_one_step(module, tokenizer, tmp_path, "bf16-true")
     assert {p.dtype for p in module.teacher.parameters()} == {torch.bfloat16}

@@ -60,7 +60,7 @@ def test_optimizer_scheduler_callbacks_and_metrics_from_config(tmp_path, capsys)
             "callbacks=[default,print_metrics]",
             "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
             "+metrics=exact_match",
-            "method.eval_max_new_tokens=6",
+            "method.validation.max_new_tokens=6",
         ],
     )
     result = run(cfg)

@@ -11,6 +11,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import with_group_defaults
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, DPOModule, PreferenceDataModule, preference_loss
@@ -36,10 +37,12 @@ def pairs() -> dict[str, list[dict]]:
 
 
 def make_module(student, tokenizer, reference="copy", **kwargs) -> DPOModule:
-    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
-    kwargs.setdefault("frozen_dtype", "float32")  # the reference in the policy's arithmetic: step 0's loss is ln 2
+    # frozen_dtype float32: the reference in the policy's arithmetic, so step 0's loss is ln 2
+    defaults = with_group_defaults(
+        kwargs, training={"optimizer": partial(torch.optim.AdamW, lr=1e-2), "frozen_dtype": "float32"}
+    )
     reference = copy.deepcopy(student) if reference == "copy" else reference
-    return DPOModule(student, tokenizer, reference, **kwargs)
+    return DPOModule(student, tokenizer, reference, **defaults)
 
 
 def fit(module, tokenizer, pairs, tmp_path, max_steps=3, ckpt_path=None, **trainer_kwargs) -> L.Trainer:
@@ -192,7 +195,7 @@ def test_peft_policy_uses_itself_with_adapters_disabled_as_reference(student, to
     policy = peft.get_peft_model(
         student, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     )
-    module = DPOModule(policy, tokenizer, optimizer=partial(torch.optim.AdamW, lr=5e-2))
+    module = DPOModule(policy, tokenizer, training={"optimizer": partial(torch.optim.AdamW, lr=5e-2)})
     assert module.reference_source == "peft" and module.frozen_names == () and not hasattr(module, "reference")
     fit(module, tokenizer, pairs, tmp_path, max_steps=2)
 
@@ -305,7 +308,7 @@ def test_named_validation_sets_log_each_sets_statistics(student, tokenizer):
     equal to validating that set alone."""
     sets = {"easy": addition_preference_rows("val", 6), "hard": addition_preference_rows("test", 10)[4:]}
     train = addition_preference_rows("train", 8)
-    module = make_module(student, tokenizer, metrics={})
+    module = make_module(student, tokenizer, validation={"metrics": {}})
 
     def validate(val_data) -> dict[str, float]:
         data = PreferenceDataModule(tokenizer, train, val_data, batch_size=4, val_batch_size=16, max_length=64)

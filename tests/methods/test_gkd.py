@@ -4,10 +4,11 @@ from functools import partial
 
 import pytest
 import torch
-from helpers.fitting import fit, logged, make_module
+from helpers.fitting import LossOf, fit, logged, make_module
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd import GKDModule
+from lightning_gkd.losses import DistillationLoss
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.toy.tiny import TINY_STUDENT
 
@@ -91,9 +92,9 @@ def test_export_loads_with_auto_model_and_gives_the_same_logits(student, teacher
 
 
 def test_coin_flip_is_a_function_of_seed_step_and_batch(student, teacher, tokenizer):
-    a = make_module(student, teacher, tokenizer, lmbda=0.5, seed=7)
-    b = make_module(student, teacher, tokenizer, lmbda=0.5, seed=7)
-    c = make_module(student, teacher, tokenizer, lmbda=0.5, seed=8)
+    a = make_module(student, teacher, tokenizer, lmbda=0.5, training={"seed": 7})
+    b = make_module(student, teacher, tokenizer, lmbda=0.5, training={"seed": 7})
+    c = make_module(student, teacher, tokenizer, lmbda=0.5, training={"seed": 8})
     flips_a = [a.choose_source(i) for i in range(400)]
     torch.manual_seed(123)  # the global RNG plays no part
     assert flips_a == [b.choose_source(i) for i in range(400)]
@@ -106,11 +107,11 @@ def test_coin_flip_is_a_function_of_seed_step_and_batch(student, teacher, tokeni
     "kwargs, message",
     [
         ({"lmbda": 1.5}, r"lmbda must be in \[0, 1\], got 1.5"),
-        ({"beta": -0.1}, r"beta must be in \[0, 1\], got -0.1"),
-        ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
-        ({"loss_temperature": -1.0}, "loss_temperature must be > 0"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"divergence": {"beta": -0.1}}, r"beta must be in \[0, 1\], got -0.1"),
+        ({"sampling": {"temperature": 0.0}}, "temperature must be > 0, got 0.0"),
+        ({"divergence": {"loss_temperature": -1.0}}, "loss_temperature must be > 0"),
+        ({"sampling": {"max_new_tokens": 0}}, "max_new_tokens must be >= 1, got 0"),
+        ({"sampling": {"top_p": 0.0}}, r"top_p must be in \(0, 1\]"),
     ],
 )
 def test_invalid_hyperparameters_fail_at_construction(student, teacher, tokenizer, kwargs, message):
@@ -127,13 +128,17 @@ def test_vocab_mismatch_fails_before_training(student, tokenizer):
 def test_scheduler_steps_every_optimizer_step(student, teacher, tokenizer, toy_rows, tmp_path):
     scheduler = partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 1.0 / (1 + step))
     module = make_module(
-        student, teacher, tokenizer, lmbda=0.0, scheduler=scheduler, optimizer=partial(torch.optim.SGD, lr=0.1)
+        student,
+        teacher,
+        tokenizer,
+        lmbda=0.0,
+        training={"scheduler": scheduler, "optimizer": partial(torch.optim.SGD, lr=0.1)},
     )
     trainer = fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 / 4)
 
 
-class MeanLogProbLoss:
+class MeanLogProbLoss(DistillationLoss):
     """A loss of one's own: minus the student's mean log-prob of the completion tokens, counted per row (not per
     token), with a value of its own logged."""
 
@@ -184,7 +189,9 @@ def test_on_policy_steps_log_the_figures_of_the_students_samples(tokenizer, toy_
     from lightning_gkd.toy.tiny import asset_path
 
     student, teacher = load_causal_lm(asset_path("toy/student_init")), load_causal_lm(asset_path("toy/teacher"))
-    module = make_module(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=8, frozen_dtype="float32")
+    module = make_module(
+        student, teacher, tokenizer, lmbda=1.0, sampling={"max_new_tokens": 8}, training={"frozen_dtype": "float32"}
+    )
     references = []
     loss = module.loss
 
@@ -196,7 +203,7 @@ def test_on_policy_steps_log_the_figures_of_the_students_samples(tokenizer, toy_
         references.append((batch.get(STUDENT_SAMPLES, False), figures))
         return loss(model, batch)
 
-    module.loss = recording
+    module.loss = LossOf(recording)
     fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
     # the sanity check's validation batch, three steps, the last validation (dataset completions: unflagged)
     assert [flag for flag, _ in references] == [False, True, True, True, False]
@@ -205,3 +212,14 @@ def test_on_policy_steps_log_the_figures_of_the_students_samples(tokenizer, toy_
         assert logged(tmp_path, key) == pytest.approx([r[name] for r in steps], abs=1e-5), key
     agreement = logged(tmp_path, SAMPLE_FIGURES["agreement"])
     assert all(0.0 < value < 1.0 for value in agreement)  # the student's samples: the teacher disagrees at times
+
+
+def test_a_loss_of_ones_own_must_be_a_distillation_loss(student, teacher, tokenizer):
+    """The method calls every loss object's check_datamodule and close: a loss subclasses DistillationLoss (whose
+    hooks do nothing), and anything else is refused naming the base class."""
+    with pytest.raises(TypeError, match=r"GKDModule\(loss=\.\.\.\) takes a lightning_gkd\.losses\.DistillationLoss"):
+        make_module(student, teacher, tokenizer, loss=lambda student, batch: None)
+    loss = MeanLogProbLoss(None)
+    loss.check_datamodule(object())  # the base's hooks: nothing to check, nothing to close
+    loss.close()
+    assert make_module(student, teacher, tokenizer, loss=loss).loss is loss

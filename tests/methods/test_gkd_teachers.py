@@ -8,11 +8,12 @@ import json
 import subprocess
 import sys
 import time
-from functools import partial
 
 import lightning as L
 import pytest
 import torch
+from helpers import fitting
+from helpers.fitting import with_group_defaults
 from helpers.launch import clean_env
 from helpers.paths import HELPERS
 from lightning.pytorch.loggers import CSVLogger
@@ -21,15 +22,13 @@ from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
 from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable, next_tokens, supervised_positions
+from lightning_gkd.teachers.base import TeacherBase
 from lightning_gkd.teachers.spec import teacher_plan
 from lightning_gkd.toy.tiny import TINY_TEACHER, tiny_causal_lm
 
 
 def make_module(student, teacher, tokenizer, **kwargs):
-    kwargs.setdefault("max_new_tokens", 6)
-    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
-    kwargs.setdefault("metrics", {})
-    return GKDModule(student, teacher, tokenizer, **kwargs)
+    return fitting.make_module(student, teacher, tokenizer, **with_group_defaults(kwargs, validation={"metrics": {}}))
 
 
 def fit(module, tokenizer, rows, root, max_steps=3, ckpt_path=None):
@@ -64,10 +63,10 @@ def test_local_top_k_at_full_vocabulary_trains_like_the_dense_loss(
     vocab = teacher.config.vocab_size
     dense_student = type(student)(student.config)
     dense_student.load_state_dict(student.state_dict())
-    dense = make_module(dense_student, teacher, tokenizer, lmbda=0.5, beta=beta)
+    dense = make_module(dense_student, teacher, tokenizer, lmbda=0.5, divergence={"beta": beta})
     fit(dense, tokenizer, toy_rows, tmp_path / "dense")
     sparse_spec = {"kind": "local", "model": teacher, "top_k": vocab}
-    sparse = make_module(student, sparse_spec, tokenizer, lmbda=0.5, beta=beta)
+    sparse = make_module(student, sparse_spec, tokenizer, lmbda=0.5, divergence={"beta": beta})
     assert sparse.teacher is teacher and sparse.teacher_source.top_k == vocab
     fit(sparse, tokenizer, toy_rows, tmp_path / "sparse")
     dense_losses, sparse_losses = logged(tmp_path / "dense", "train/loss"), logged(tmp_path / "sparse", "train/loss")
@@ -87,7 +86,7 @@ def test_sampled_token_estimators_are_the_mean_log_ratio(student, teacher, token
     expected = {"k1": (s - t).mean(), "k3": (torch.exp(t - s) - 1 - (t - s)).mean()}
     spec = {"kind": "local", "model": teacher, "top_k": 1}
     for estimator, value in expected.items():
-        module = make_module(student, spec, tokenizer, lmbda=1.0, beta=1.0, sparse_loss=estimator)
+        module = make_module(student, spec, tokenizer, lmbda=1.0, divergence={"beta": 1.0, "sparse_loss": estimator})
         assert module.distillation_loss(batch).loss.item() == pytest.approx(value.item(), rel=1e-4, abs=1e-5)
 
 
@@ -108,7 +107,7 @@ def routed_rows(rows, names=("a", "b", "b")):
 
 def test_multi_teacher_routes_each_row_to_its_teacher(student, teacher, tokenizer, toy_rows, tmp_path):
     other, spec = two_teachers(tokenizer, teacher)
-    module = make_module(student, spec, tokenizer, lmbda=0.0, beta=0.0)
+    module = make_module(student, spec, tokenizer, lmbda=0.0, divergence={"beta": 0.0})
     assert set(module.teacher.keys()) == {"a", "b"}
     rows = routed_rows(toy_rows)
     # the routed loss is each teacher's loss on its own rows, token-weighted
@@ -153,9 +152,13 @@ def test_multi_teacher_names_rows_it_cannot_route(student, teacher, tokenizer, t
     "teacher_spec, kwargs, match",
     [
         ({"kind": "cache", "path": "x"}, {"lmbda": 0.5}, "lmbda=0.0"),
-        ({"kind": "local", "model": "x", "top_k": 5}, {"loss_temperature": 2.0}, "loss_temperature=1.0"),
-        ({"kind": "local", "model": "x", "top_k": 5}, {"sparse_loss": "k1", "lmbda": 1.0}, "beta=1.0"),
-        ({"kind": "local", "model": "x"}, {"sparse_loss": "k2"}, "sparse_loss must be one of"),
+        (
+            {"kind": "local", "model": "x", "top_k": 5},
+            {"divergence": {"loss_temperature": 2.0}},
+            "loss_temperature=1.0",
+        ),
+        ({"kind": "local", "model": "x", "top_k": 5}, {"divergence": {"sparse_loss": "k1"}, "lmbda": 1.0}, "beta=1.0"),
+        ({"kind": "local", "model": "x"}, {"divergence": {"sparse_loss": "k2"}}, "sparse_loss must be one of"),
         ({"kind": "server", "url": "http://127.0.0.1:9", "tokens": 3}, {}, "unknown key.*tokens"),
         ({"kind": "remote", "url": "x"}, {}, "kind must be one of"),
         ({"kind": "local", "model": "x", "top_k": 0}, {}, "top_k must be a positive integer"),
@@ -176,7 +179,7 @@ def test_plain_model_sources_stay_local_dense(teacher):
     assert teacher_plan(teacher).entries[""].kind == "local"
 
 
-class FlakyTeacher:
+class FlakyTeacher(TeacherBase):
     """A sparse teacher over a real model that is down for the calls in ``down``."""
 
     def __init__(self, model, down=()):
@@ -199,15 +202,17 @@ def test_a_teacher_outage_saves_a_checkpoint_and_the_resumed_run_trains_no_step_
         model.load_state_dict(initial)
         return model
 
-    whole = make_module(fresh_student(), FlakyTeacher(teacher), tokenizer, lmbda=0.0, beta=0.0)
+    whole = make_module(fresh_student(), FlakyTeacher(teacher), tokenizer, lmbda=0.0, divergence={"beta": 0.0})
     fit(whole, tokenizer, toy_rows, tmp_path / "whole", max_steps=5)
-    broken = make_module(fresh_student(), FlakyTeacher(teacher, down={3}), tokenizer, lmbda=0.0, beta=0.0)
+    broken = make_module(
+        fresh_student(), FlakyTeacher(teacher, down={3}), tokenizer, lmbda=0.0, divergence={"beta": 0.0}
+    )
     with pytest.raises(TeacherUnavailable):
         fit(broken, tokenizer, toy_rows, tmp_path / "broken", max_steps=5)
     saved = next((tmp_path / "broken").glob("**/checkpoints/last.ckpt"))
     assert torch.load(saved, weights_only=True)["global_step"] == 2  # the two steps before the outage
     before = logged(tmp_path / "broken", "train/loss")
-    resumed = make_module(fresh_student(), FlakyTeacher(teacher), tokenizer, lmbda=0.0, beta=0.0)
+    resumed = make_module(fresh_student(), FlakyTeacher(teacher), tokenizer, lmbda=0.0, divergence={"beta": 0.0})
     fit(resumed, tokenizer, toy_rows, tmp_path / "resumed", max_steps=5, ckpt_path=saved)
     after = logged(tmp_path / "resumed", "train/loss")
     assert len(before) == 2 and len(after) == 3

@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import csv
 import math
+from dataclasses import replace
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
 from helpers.fake_vllm_server import FakeVLLMServer
+from helpers.fitting import LossOf, with_group_defaults
 from helpers.opd_metrics import OPD_METRICS
 from helpers.tiny_registry import build_tiny, tiny_config
 from lightning.pytorch.loggers import CSVLogger
@@ -30,7 +32,7 @@ from lightning_gkd.losses.opd import eos_rate
 from lightning_gkd.ops.divergence.opd import policy_gradient_distillation_loss
 from lightning_gkd.ops.divergence.sparse_kd import sampled_kl_loss
 from lightning_gkd.ops.hf.heads import final_hidden_states, output_head
-from lightning_gkd.samplers import KVCacheSampler
+from lightning_gkd.samplers import KVCacheSampler, Sampler
 from lightning_gkd.teachers import CacheTeacher, LocalTeacher, supervised_positions
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher
 from lightning_gkd.toy import addition_rows
@@ -49,7 +51,7 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-class Recording:
+class Recording(Sampler):
     """A sampler that remembers its last batch."""
 
     def __init__(self, inner):
@@ -62,12 +64,13 @@ class Recording:
 
 
 def make_module(student, teacher, tokenizer, **kwargs) -> OPDModule:
-    kwargs.setdefault("max_new_tokens", 8)
-    kwargs.setdefault("optimizer", partial(torch.optim.AdamW, lr=1e-2))
-    kwargs.setdefault("metrics", {})
-    kwargs.setdefault("sampler", EXACT_SAMPLER)
-    kwargs.setdefault("frozen_dtype", "float32")
-    return OPDModule(student, teacher, tokenizer, **kwargs)
+    defaults = with_group_defaults(
+        kwargs,
+        sampling={"max_new_tokens": 8, "sampler": EXACT_SAMPLER},
+        training={"optimizer": partial(torch.optim.AdamW, lr=1e-2), "frozen_dtype": "float32"},
+        validation={"metrics": {}},
+    )
+    return OPDModule(student, teacher, tokenizer, **defaults)
 
 
 def capture_logs(module: OPDModule) -> dict[str, float]:
@@ -145,7 +148,7 @@ def test_gamma_zero_on_fresh_samples_is_the_k1_gradient(family, tokenizer):
 def test_a_student_equal_to_its_teacher_gets_no_reward_and_no_update(gamma, tokenizer):
     student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
     teacher = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
-    module = make_module(student, teacher, tokenizer, gamma=gamma)
+    module = make_module(student, teacher, tokenizer, policy_gradient={"gamma": gamma})
     module.sampler = recorder = Recording(module.sampler)
     logs = capture_logs(module)
     loss = module.training_step(collated(tokenizer), 0)
@@ -170,7 +173,7 @@ def loss_and_grads(module, batch):
 @pytest.mark.parametrize("shift, weight", [(0.5, math.exp(0.5)), (1.0, 2.0)])
 def test_importance_weights_come_from_the_batchs_sampler_logprobs(shift, weight, student, teacher, tokenizer):
     """Sampler log-probs lowered by ``shift`` make every weight exp(shift), truncated at max_is_weight = 2."""
-    module = make_module(student, teacher, tokenizer, max_is_weight=2.0)
+    module = make_module(student, teacher, tokenizer, policy_gradient={"max_is_weight": 2.0})
     batch = sampled_batch(module, tokenizer)
     fresh_loss, fresh_grads, fresh_logs = loss_and_grads(module, batch)
     assert fresh_logs["train/opd/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -184,7 +187,7 @@ def test_importance_weights_come_from_the_batchs_sampler_logprobs(shift, weight,
     for name, grad in grads.items():
         torch.testing.assert_close(grad, weight * fresh_grads[name], rtol=1e-4, atol=1e-7, msg=name)
     # without importance weights (or without sampler log-probs in the batch) every weight is 1
-    module.loss.importance_weights = False
+    module.loss.policy_gradient = replace(module.loss.policy_gradient, importance_weights=False)
     unweighted, _, logs = loss_and_grads(module, stale)
     assert logs["train/opd/is_weight_mean"] == 1.0 and unweighted.item() == pytest.approx(fresh_loss.item(), rel=1e-4)
 
@@ -226,7 +229,7 @@ def ops_reference(student, teacher, batch, **options):
 def test_gamma_discounts_as_the_ops_function_does_per_row(student, teacher, tokenizer):
     for model in (student, teacher):
         model.generation_config.eos_token_id = STOPS
-    module = make_module(student, teacher, tokenizer, gamma=0.7)
+    module = make_module(student, teacher, tokenizer, policy_gradient={"gamma": 0.7})
     batch = sampled_batch(module, tokenizer)
     assert (batch["labels"] != -100).sum(1).unique().numel() > 1
     loss, grads, logs = loss_and_grads(module, batch)
@@ -235,7 +238,7 @@ def test_gamma_discounts_as_the_ops_function_does_per_row(student, teacher, toke
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    module.loss.gamma = 0.0
+    module.loss.policy_gradient = replace(module.loss.policy_gradient, gamma=0.0)
     at_zero, _, _ = loss_and_grads(module, batch)
     assert at_zero.item() == pytest.approx(undiscounted.item(), rel=1e-5)
     assert abs(loss.item() - at_zero.item()) > 1e-3  # γ changes the loss, as the ops function says
@@ -249,7 +252,7 @@ def test_the_stabilisers_reach_the_ops_function_with_their_logs(student, teacher
     for model in (student, teacher):
         model.generation_config.eos_token_id = STOPS
     options = {"gamma": 1.0, "length_normalize": True, "baseline": "row", "clip_ratio": 0.2}
-    module = make_module(student, teacher, tokenizer, **options)
+    module = make_module(student, teacher, tokenizer, policy_gradient=options)
     batch = sampled_batch(module, tokenizer)
     supervised = batch["labels"] != -100
     shift = 0.4 * torch.where(torch.rand(supervised.shape, generator=torch.Generator().manual_seed(5)) < 0.5, 1, -1)
@@ -266,12 +269,12 @@ def test_the_stabilisers_reach_the_ops_function_with_their_logs(student, teacher
     assert logs["train/opd/advantage_abs_mean"] > 1e-3
     # each option changes the gradient: turning it off on the loss object gives the ops function without it
     for name, off in (("length_normalize", False), ("baseline", "none"), ("clip_ratio", None)):
-        setattr(module.loss, name, off)
+        module.loss.policy_gradient = replace(module.loss.policy_gradient, **{name: off})
         changed, _, _ = loss_and_grads(module, stale)
         reference, _, _ = ops_reference(student, teacher, stale, **{**options, name: off})
         assert changed.item() == pytest.approx(reference.item(), rel=1e-5), name
         assert changed.item() != pytest.approx(loss.item(), rel=1e-3), name
-        setattr(module.loss, name, options[name])
+        module.loss.policy_gradient = replace(module.loss.policy_gradient, **{name: options[name]})
 
 
 def read_metrics(root) -> list[dict[str, str]]:
@@ -312,11 +315,13 @@ def fit(module, tokenizer, root, max_steps=3, **data_kwargs):
 
 def test_a_fit_with_grouped_generation_weights_the_stale_micro_batch(student, teacher, tokenizer, tmp_path):
     student.generation_config.eos_token_id = list(range(3, 150))  # short, uneven samples: trimmed micro-batches
-    module = make_module(student, teacher, tokenizer, kl_coef=0.5)
+    module = make_module(student, teacher, tokenizer, policy_gradient={"kl_coef": 0.5})
     module.sampler = recorder = Recording(module.sampler)
     trained_widths = []
     opd_loss = module.loss
-    module.loss = lambda student, batch: trained_widths.append(batch["input_ids"].shape[1]) or opd_loss(student, batch)
+    module.loss = LossOf(
+        lambda student, batch: trained_widths.append(batch["input_ids"].shape[1]) or opd_loss(student, batch)
+    )
     rows = fit(module, tokenizer, tmp_path, steps_per_generation=2)
     assert module.sampling_calls == 2  # steps 0-1 share one call, step 2 starts the next group
     group_widths = [recorder.widths[0], recorder.widths[0], recorder.widths[1]]
@@ -343,17 +348,20 @@ def test_a_fit_with_grouped_generation_weights_the_stale_micro_batch(student, te
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"gamma": 1.5}, r"gamma .* must be in \[0, 1\], got 1\.5"),
-        ({"max_is_weight": 0}, r"max_is_weight .* must be > 0, got 0"),
-        ({"kl_coef": -1.0}, r"kl_coef .* must be >= 0, got -1\.0"),
-        ({"sparse_loss": "k1"}, r"sparse_loss=k1.*topk"),
+        ({"policy_gradient": {"gamma": 1.5}}, r"gamma .* must be in \[0, 1\], got 1\.5"),
+        ({"policy_gradient": {"max_is_weight": 0}}, r"max_is_weight .* must be > 0, got 0"),
+        ({"policy_gradient": {"kl_coef": -1.0}}, r"kl_coef .* must be >= 0, got -1\.0"),
+        ({"divergence": {"sparse_loss": "k1"}}, r"sparse_loss=k1.*topk"),
         ({"teacher": {"kind": "cache", "path": "x"}}, r"teacher\.kind=cache.*teacher=server"),
-        ({"temperature": 0.0}, r"temperature must be > 0, got 0\.0"),
+        ({"sampling": {"temperature": 0.0}}, r"temperature must be > 0, got 0\.0"),
         ({"teacher": CacheTeacher.__new__(CacheTeacher)}, r"teacher\.kind=cache"),  # a built cache, unread
-        ({"baseline": "mean"}, r"baseline must be 'none' .* or 'row' .*got 'mean'"),
-        ({"clip_ratio": 1.5}, r"clip_ratio .* must be in \(0, 1\), e\.g\. 0\.2.*got 1\.5"),
-        ({"length_normalize": "true"}, r"length_normalize must be true or false, got 'true'"),
-        ({"clip_ratio": 0.2, "importance_weights": False}, r"clip_ratio=0\.2 .*importance_weights=False.*"),
+        ({"policy_gradient": {"baseline": "mean"}}, r"baseline must be 'none' .* or 'row' .*got 'mean'"),
+        ({"policy_gradient": {"clip_ratio": 1.5}}, r"clip_ratio .* must be in \(0, 1\), e\.g\. 0\.2.*got 1\.5"),
+        ({"policy_gradient": {"length_normalize": "true"}}, r"length_normalize must be true or false, got 'true'"),
+        (
+            {"policy_gradient": {"clip_ratio": 0.2, "importance_weights": False}},
+            r"clip_ratio=0\.2 .*importance_weights=False.*",
+        ),
     ],
 )
 def test_settings_refused_before_models_load(tokenizer, kwargs, match):
@@ -408,8 +416,8 @@ def test_a_served_teacher_gives_the_local_teachers_rewards_and_trains(toy, tmp_p
     student, teacher, tokenizer = toy
     with FakeVLLMServer(teacher, tokenizer) as fake:
         spec = {"kind": "server", "url": fake.url, "top_k": 1, "retries": 2, "backoff": 0.01}
-        served = make_module(student, spec, tokenizer, max_new_tokens=6)
-        local = make_module(student, teacher, tokenizer, max_new_tokens=6)
+        served = make_module(student, spec, tokenizer, sampling={"max_new_tokens": 6})
+        local = make_module(student, teacher, tokenizer, sampling={"max_new_tokens": 6})
         batch = sampled_batch(local, tokenizer)
         local_loss, local_grads, local_logs = loss_and_grads(local, batch)
         served_loss, served_grads, served_logs = loss_and_grads(served, batch)
@@ -432,7 +440,9 @@ def test_a_served_sampler_with_raw_log_probs_is_refused_unless_the_weights_are_o
         with FakeVLLMServer(teacher, tokenizer, logprobs_mode=mode) as fake:
             served = ServerTeacher(fake.url, top_k=1, retries=2, backoff=0.01)
             sampler = ServerSampler(served, pad_token_id=tokenizer.pad_token_id, **sampling)
-            module = make_module(copy.deepcopy(student), teacher, tokenizer, sampler=sampler, max_new_tokens=6)
+            module = make_module(
+                copy.deepcopy(student), teacher, tokenizer, sampling={"sampler": sampler, "max_new_tokens": 6}
+            )
             if mode == "raw_logprobs":
                 with pytest.raises(ValueError, match=r"returns raw log-probs.*--logprobs-mode processed_logprobs"):
                     fit(module, tokenizer, tmp_path / mode, max_steps=1)
@@ -441,9 +451,8 @@ def test_a_served_sampler_with_raw_log_probs_is_refused_unless_the_weights_are_o
                     copy.deepcopy(student),
                     teacher,
                     tokenizer,
-                    sampler=sampler,
-                    max_new_tokens=6,
-                    importance_weights=False,
+                    sampling={"sampler": sampler, "max_new_tokens": 6},
+                    policy_gradient={"importance_weights": False},
                 )
             rows = fit(module, tokenizer, tmp_path / f"{mode}-fit", max_steps=1)
             assert module.global_step == 1 and fake.count("/v1/completions") > 1

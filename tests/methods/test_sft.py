@@ -69,9 +69,8 @@ def test_sft_learns_the_toy_task_and_logs_val_accuracy(student, tokenizer, tmp_p
     module = SFTModule(
         student,
         tokenizer,
-        optimizer=partial(torch.optim.AdamW, lr=3e-3),
-        metrics={"accuracy": exact_match},
-        eval_max_new_tokens=6,
+        training={"optimizer": partial(torch.optim.AdamW, lr=3e-3)},
+        validation={"metrics": {"accuracy": exact_match}, "max_new_tokens": 6},
     )
     data = ChatDataModule(tokenizer, rows, rows, test_data=rows, batch_size=4, max_length=64)
     held_out = HeldOutEvaluation(max_new_tokens=6)
@@ -98,7 +97,7 @@ def test_sft_learns_the_toy_task_and_logs_val_accuracy(student, tokenizer, tmp_p
 
 def test_held_out_evaluation_scores_the_teacher_once(student, teacher, tokenizer, tmp_path):
     rows = addition_rows("test", 4)
-    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, max_new_tokens=4)
+    module = GKDModule(student, teacher, tokenizer, lmbda=0.0, sampling={"max_new_tokens": 4})
     held_out = HeldOutEvaluation(max_new_tokens=4)
     data = ChatDataModule(tokenizer, rows, test_data=rows, batch_size=4)
     trainer = L.Trainer(

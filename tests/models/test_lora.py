@@ -54,8 +54,8 @@ def test_lora_spec_trains_only_the_adapters(base_folder, teacher, tokenizer, toy
         teacher,
         tokenizer,
         lmbda=0.5,
-        max_new_tokens=6,
-        optimizer=partial(torch.optim.AdamW, lr=1e-2),
+        sampling={"max_new_tokens": 6},
+        training={"optimizer": partial(torch.optim.AdamW, lr=1e-2)},
     )
     student = module.student
     assert isinstance(student, peft.PeftModel)
@@ -141,7 +141,7 @@ def test_sampling_from_a_lora_student_uses_the_adapters(base_folder, tokenizer):
 
 
 def test_dpo_with_a_lora_spec_uses_the_adapters_disabled_reference(base_folder, tokenizer, tmp_path):
-    module = DPOModule(lora_spec(base_folder), tokenizer, optimizer=partial(torch.optim.AdamW, lr=5e-2))
+    module = DPOModule(lora_spec(base_folder), tokenizer, training={"optimizer": partial(torch.optim.AdamW, lr=5e-2)})
     assert module.reference_source == "peft" and module.frozen_names == ()
     base_before = base_weights(module.policy)
     pairs = {"train": addition_preference_rows("train", 16), "val": addition_preference_rows("val", 4)}

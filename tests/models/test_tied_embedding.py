@@ -144,7 +144,7 @@ def test_the_module_makes_it_and_trains_to_the_same_weights(tokenizer, toy_rows,
     states = []
     for lever in (True, False):
         torch.manual_seed(0)
-        module = GKDModule(copy.deepcopy(student), teacher, tokenizer, lmbda=0.0, beta=0.5)
+        module = GKDModule(copy.deepcopy(student), teacher, tokenizer, lmbda=0.0, divergence={"beta": 0.5})
         embedding = module.model.get_input_embeddings()
         assert type(embedding) is RowsGradientEmbedding
         if not lever:

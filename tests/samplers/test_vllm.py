@@ -148,10 +148,8 @@ def gkd(tokenizer, sampler, *, seed: int = 0, lmbda: float = 1.0, **kwargs) -> G
         vllm_tiny("llama", tokenizer, seed=seed + 1),
         tokenizer,
         lmbda=lmbda,
-        max_new_tokens=6,
-        optimizer=partial(torch.optim.SGD, lr=0.5),
-        seed=seed,
-        sampler=sampler,
+        sampling={"max_new_tokens": 6, "sampler": sampler},
+        training={"optimizer": partial(torch.optim.SGD, lr=0.5), "seed": seed},
         **kwargs,
     )
 
@@ -216,11 +214,9 @@ def test_opd_weights_the_samples_of_an_engine_synced_every_second_step(tokenizer
         vllm_tiny("qwen2", tokenizer, seed=0),
         vllm_tiny("llama", tokenizer, seed=1),
         tokenizer,
-        max_new_tokens=6,
-        optimizer=partial(torch.optim.SGD, lr=0.5),
-        sampler=partial(VLLMSampler, sync_every=2),
-        metrics={},
-        frozen_dtype="float32",
+        sampling={"max_new_tokens": 6, "sampler": partial(VLLMSampler, sync_every=2)},
+        training={"optimizer": partial(torch.optim.SGD, lr=0.5), "frozen_dtype": "float32"},
+        validation={"metrics": {}},
     )
     recorder, weights = SyncRecorder(), StepWeights()
     trainer(tmp_path, 4, [recorder, weights]).fit(module, datamodule=data)
@@ -242,8 +238,8 @@ RESUME_OVERRIDES = [
     "data.steps_per_generation=2",
     "data.test_data=null",
     "method.lmbda=0.7",
-    "method.max_new_tokens=6",
-    "method.metrics=null",
+    "method.sampling.max_new_tokens=6",
+    "method.validation.metrics=null",
     "callbacks.held_out_eval=null",
     "callbacks.sample_table=null",
     "print_config=false",

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.losses.dense import DenseDistillation
+from lightning_gkd.losses.settings import DivergenceSettings
 from lightning_gkd.losses.sparse import TopKDistillation
 from lightning_gkd.ops.hf.heads import output_head
 from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable, supervised_positions
@@ -95,8 +96,9 @@ def test_the_dense_loss_from_served_states_equals_the_in_process_lean_loss(
 ):
     fake, folder = served
     served_teacher = hidden_teacher(fake, folder, dtype="float32")
-    local_loss, local_grads = loss_and_grads(DenseDistillation(LocalTeacher(teacher), beta=beta), student, batch)
-    served_loss, served_grads = loss_and_grads(DenseDistillation(served_teacher, beta=beta), student, batch)
+    divergence = DivergenceSettings(beta=beta)
+    local_loss, local_grads = loss_and_grads(DenseDistillation(LocalTeacher(teacher), divergence), student, batch)
+    served_loss, served_grads = loss_and_grads(DenseDistillation(served_teacher, divergence), student, batch)
     torch.testing.assert_close(served_loss, local_loss, rtol=1e-5, atol=1e-6)
     assert local_grads.keys() == served_grads.keys() and local_grads
     for name, grad in local_grads.items():
@@ -109,9 +111,10 @@ def test_reverse_kl_from_served_states_is_exact_where_top_k_is_not(served, stude
     a top-k server (k = 5, a tail bucket) does not."""
     fake, folder = served
     with torch.no_grad():
-        local = DenseDistillation(LocalTeacher(teacher), beta=1.0)(student, batch).loss
-        hidden = DenseDistillation(hidden_teacher(fake, folder, dtype="float32"), beta=1.0)(student, batch).loss
-        topk = TopKDistillation(ServerTeacher(fake.url, top_k=5, **FAST), beta=1.0, tail=True)(student, batch).loss
+        reverse_kl = DivergenceSettings(beta=1.0)  # sparse_loss="topk": the top-k with a tail bucket
+        local = DenseDistillation(LocalTeacher(teacher), reverse_kl)(student, batch).loss
+        hidden = DenseDistillation(hidden_teacher(fake, folder, dtype="float32"), reverse_kl)(student, batch).loss
+        topk = TopKDistillation(ServerTeacher(fake.url, top_k=5, **FAST), reverse_kl)(student, batch).loss
     assert float((hidden - local).abs()) < 1e-5 * float(local)
     assert float((topk - local).abs()) > 0.01 * float(local)  # the top-k approximation's gap
 
@@ -229,14 +232,17 @@ def test_on_policy_training_with_the_served_teacher_equals_the_in_process_one(
     loss as with the teacher in process."""
     fake, folder = served
     if method == "gkd":
-        build = partial(GKDModule, lmbda=0.5, beta=0.5)
+        build = partial(GKDModule, lmbda=0.5, divergence={"beta": 0.5})
     else:
-        build = partial(OPDModule, kl_coef=0.5)
-    common = {"max_new_tokens": 6, "optimizer": partial(torch.optim.AdamW, lr=1e-2), "metrics": {}}
+        build = partial(OPDModule, policy_gradient={"kl_coef": 0.5})
+    common = {"sampling": {"max_new_tokens": 6}, "validation": {"metrics": {}}}
+    optimizer = partial(torch.optim.AdamW, lr=1e-2)
     # the in-process teacher in float32, as the server runs it (auto would make it bf16 on a CPU with fast bf16)
-    local = build(copy_of(student), teacher, tokenizer, frozen_dtype="float32", **common)
+    local = build(
+        copy_of(student), teacher, tokenizer, training={"optimizer": optimizer, "frozen_dtype": "float32"}, **common
+    )
     fit(local, tokenizer, toy_rows, tmp_path / "local")
-    remote = build(copy_of(student), served_spec(fake, folder), tokenizer, **common)
+    remote = build(copy_of(student), served_spec(fake, folder), tokenizer, training={"optimizer": optimizer}, **common)
     assert remote.teacher is None and isinstance(remote.teacher_source, HiddenServerTeacher)
     fit(remote, tokenizer, toy_rows, tmp_path / "remote")
     for key in ("train/loss", "val/loss"):
@@ -259,7 +265,15 @@ def test_routed_teachers_mix_local_top_k_and_hidden(served, student, teacher, to
             "hidden": served_spec(fake, folder),
         },
     }
-    module = GKDModule(student, spec, tokenizer, lmbda=0.0, beta=0.5, max_new_tokens=6, metrics={})
+    module = GKDModule(
+        student,
+        spec,
+        tokenizer,
+        lmbda=0.0,
+        sampling={"max_new_tokens": 6},
+        divergence={"beta": 0.5},
+        validation={"metrics": {}},
+    )
     fit(module, tokenizer, rows, tmp_path / "multi", max_steps=2)
     for name in names:
         assert sum(logged(tmp_path / "multi", f"train/teacher/{name}/tokens")) > 0
@@ -279,7 +293,12 @@ def test_the_server_killed_mid_run_checkpoints_and_the_resumed_run_is_exact(
 ):
     folder = tmp_path / "teacher"
     teacher.save_pretrained(folder)
-    common = {"lmbda": 0.0, "beta": 0.5, "max_new_tokens": 6, "metrics": {}}
+    common = {
+        "lmbda": 0.0,
+        "divergence": {"beta": 0.5},
+        "sampling": {"max_new_tokens": 6},
+        "validation": {"metrics": {}},
+    }
     with FakeVLLMServer(teacher, tokenizer, max_model_len=128) as fake:
         whole = GKDModule(copy_of(student), served_spec(fake, folder), tokenizer, **common)
         fit(whole, tokenizer, toy_rows, tmp_path / "whole", max_steps=5)

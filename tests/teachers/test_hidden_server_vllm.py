@@ -20,6 +20,7 @@ from helpers.vllm_server import vllm_server
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.losses.dense import DenseDistillation
+from lightning_gkd.losses.settings import DivergenceSettings
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.hidden_server import POOLER_CONFIG, HiddenServerTeacher
 from lightning_gkd.toy import addition_rows
@@ -86,8 +87,8 @@ def test_the_loss_from_served_states_equals_the_in_process_lean_loss(served, bat
     teacher = HiddenServerTeacher(url, dtype="float32", retries=2, backoff=0.1)
     try:
         with torch.no_grad():
-            served_loss = DenseDistillation(teacher, beta=1.0)(student, batch).loss
-            local_loss = DenseDistillation(LocalTeacher(model), beta=1.0)(student, batch).loss
+            served_loss = DenseDistillation(teacher, DivergenceSettings(beta=1.0))(student, batch).loss
+            local_loss = DenseDistillation(LocalTeacher(model), DivergenceSettings(beta=1.0))(student, batch).loss
     finally:
         teacher.close()
     assert float((served_loss - local_loss).abs()) <= 1e-4 * float(local_loss)

@@ -154,11 +154,10 @@ def gkd_module(teacher, tokenizer, **kwargs):
         teacher,
         tokenizer,
         lmbda=1.0,
-        beta=0.5,
-        max_new_tokens=6,
-        metrics={},
-        optimizer=partial(torch.optim.AdamW, lr=1e-3),
-        seed=0,
+        sampling={"max_new_tokens": 6},
+        divergence={"beta": 0.5},
+        training={"optimizer": partial(torch.optim.AdamW, lr=1e-3), "seed": 0},
+        validation={"metrics": {}},
         **kwargs,
     )
 
@@ -217,7 +216,13 @@ def test_opd_against_the_servers_sampled_token_log_prob_alone_equals_opd_against
     _, tokenizer = toy
     student = str(asset_path("toy/student_init"))
     modules = {
-        name: OPDModule(load_causal_lm(student), spec, tokenizer, gamma=1.0, length_normalize=True, max_new_tokens=8)
+        name: OPDModule(
+            load_causal_lm(student),
+            spec,
+            tokenizer,
+            sampling={"max_new_tokens": 8},
+            policy_gradient={"gamma": 1.0, "length_normalize": True},
+        )
         for name, spec in (
             ("local", TEACHER),
             ("server", {"kind": "server", "url": url, "top_k": 1, "retries": 1, "backoff": 0.1}),
@@ -259,10 +264,9 @@ def test_seq_kd_trains_on_completions_the_server_writes(served, toy, tmp_path, m
         tokenizer,
         lmbda=0.0,
         seq_kd=True,
-        max_new_tokens=6,
-        temperature=1e-3,  # near-greedy: the teacher's own answers
-        metrics={},
-        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        sampling={"max_new_tokens": 6, "temperature": 1e-3},  # near-greedy: the teacher's own answers
+        validation={"metrics": {}},
+        training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
     )
     assert module.teacher is None and isinstance(module.teacher_sampler, ServerSampler)
     written = []

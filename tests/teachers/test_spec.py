@@ -12,6 +12,7 @@ from functools import partial
 
 import pytest
 import torch
+from helpers.fitting import with_group_defaults
 from helpers.padded_vocab import pad_vocabulary, truncated_copy
 
 from lightning_gkd import GKDModule, OPDModule
@@ -46,8 +47,13 @@ def batch(tokenizer, size=6):
 
 
 def gkd(student, teacher, tokenizer, **kwargs):
-    kwargs.setdefault("sampler", EXACT_SAMPLER)
-    return GKDModule(student, teacher, tokenizer, frozen_dtype="float32", metrics={}, max_new_tokens=8, **kwargs)
+    defaults = with_group_defaults(
+        kwargs,
+        sampling={"max_new_tokens": 8, "sampler": EXACT_SAMPLER},
+        training={"frozen_dtype": "float32"},
+        validation={"metrics": {}},
+    )
+    return GKDModule(student, teacher, tokenizer, **defaults)
 
 
 def student_grads(model) -> dict[str, torch.Tensor]:
@@ -63,10 +69,10 @@ def student_grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "settings",
     [
-        pytest.param({"lmbda": 0.0, "beta": 0.5}, id="lean"),
-        pytest.param({"lmbda": 0.0, "beta": 0.5, "lean_loss": False}, id="full-logits"),
-        pytest.param({"lmbda": 1.0, "beta": 1.0}, id="on-policy"),
-        pytest.param({"lmbda": 0.0, "beta": 0.5, "top_k": 5}, id="local-top-k"),
+        pytest.param({"lmbda": 0.0, "divergence": {"beta": 0.5}}, id="lean"),
+        pytest.param({"lmbda": 0.0, "divergence": {"beta": 0.5, "lean_loss": False}}, id="full-logits"),
+        pytest.param({"lmbda": 1.0, "divergence": {"beta": 1.0}}, id="on-policy"),
+        pytest.param({"lmbda": 0.0, "divergence": {"beta": 0.5}, "top_k": 5}, id="local-top-k"),
     ],
 )
 def test_gkd_over_padded_vocabularies_equals_the_models_truncated_to_the_shared_rows(
@@ -105,10 +111,9 @@ def test_opd_over_padded_vocabularies_samples_and_scores_within_the_shared_rows(
             s,
             local(t, tokenizer),
             tokenizer,
-            frozen_dtype="float32",
-            metrics={},
-            max_new_tokens=8,
-            sampler=EXACT_SAMPLER,
+            sampling={"max_new_tokens": 8, "sampler": EXACT_SAMPLER},
+            training={"frozen_dtype": "float32"},
+            validation={"metrics": {}},
         )
 
     ours, reference = opd(student, teacher), opd(student_ref, teacher_ref)
@@ -132,8 +137,8 @@ def test_a_hidden_state_cache_of_a_teacher_padded_further_gives_the_truncated_te
     build_teacher_cache(teacher, tokenizer, rows, tmp_path / "hidden", signal="hidden", max_length=64, batch_size=3)
     cached = HiddenCacheTeacher(tmp_path / "hidden")
     assert cached.vocab_size == 272
-    ours = gkd(student, cached, tokenizer, lmbda=0.0, beta=0.5)
-    reference = gkd(student_ref, local(teacher_ref, tokenizer), tokenizer, lmbda=0.0, beta=0.5)
+    ours = gkd(student, cached, tokenizer, lmbda=0.0, divergence={"beta": 0.5})
+    reference = gkd(student_ref, local(teacher_ref, tokenizer), tokenizer, lmbda=0.0, divergence={"beta": 0.5})
     assert cached.vocab_size == SHARED  # its head cut to the student's rows
     data = batch(tokenizer)
     torch.testing.assert_close(
@@ -189,3 +194,24 @@ def test_a_hub_teacher_with_more_rows_is_confirmed_by_its_hub_tokenizer(tokenize
     assert names_same_tokenizer(TeacherEntry("local", {"model": "org/offline"}), tokenizer) is None
     assert names_same_tokenizer(TeacherEntry("local", {"model": "./no/such/folder"}), tokenizer) is None
     assert asked == [("Qwen/Qwen2.5-7B-Instruct", "abc"), ("org/offline", None)]
+
+
+def test_a_teacher_object_must_subclass_the_teacher_base(teacher):
+    """A built teacher's check, check_datamodule and close are called unprobed: TeacherBase gives each a default
+    that does nothing, and a sparse teacher object of another class is refused naming it."""
+    from lightning_gkd.teachers import LocalTeacher, TeacherBase
+    from lightning_gkd.teachers.spec import teacher_plan
+
+    class Bare:
+        top_k = 4
+
+        def topk(self, batch, positions):
+            raise AssertionError("not called")
+
+    with pytest.raises(TypeError, match=r"must subclass lightning_gkd\.teachers\.base\.TeacherBase .*got Bare"):
+        teacher_plan(Bare())
+    source = LocalTeacher(teacher, top_k=4)
+    assert isinstance(source, TeacherBase) and teacher_plan(source).entries[""].built is source
+    source.check(None, 0)
+    source.check_datamodule(None)
+    source.close()

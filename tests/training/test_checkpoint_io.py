@@ -86,7 +86,10 @@ def test_dpo_cached_reference_logps_resume_through_weights_only_loading(student,
 
     def fit(max_steps, ckpt_path=None):
         module = DPOModule(
-            copy.deepcopy(student), tokenizer, precompute_ref_logps=True, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+            copy.deepcopy(student),
+            tokenizer,
+            precompute_ref_logps=True,
+            training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
         )
         trainer = L.Trainer(
             accelerator="cpu",
@@ -111,7 +114,7 @@ def test_dpo_cached_reference_logps_resume_through_weights_only_loading(student,
 
 
 def test_remote_code_is_off_unless_asked(student, teacher, tokenizer, tmp_path, monkeypatch):
-    assert GKDModule(student, teacher, tokenizer).hparams.trust_remote_code is False
+    assert GKDModule(student, teacher, tokenizer).hparams.training["trust_remote_code"] is False
     calls = []
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **kw: calls.append(kw) or tokenizer)
     load_tokenizer("org/tokenizer")

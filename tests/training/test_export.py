@@ -31,7 +31,7 @@ FAST = [
     "trainer.limit_val_batches=1",
     "trainer.log_every_n_steps=1",
     "data.batch_size=4",
-    "method.max_new_tokens=6",
+    "method.sampling.max_new_tokens=6",
     "print_config=false",
 ]
 
@@ -45,10 +45,11 @@ def base_folder(tmp_path_factory):
     return str(folder)
 
 
-def lora_module(base_folder, teacher, tokenizer, **kwargs):
+def lora_module(base_folder, teacher, tokenizer):
     spec = {"name_or_path": base_folder, "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}}
+    optimizer = partial(torch.optim.AdamW, lr=1e-2)
     return GKDModule(
-        spec, teacher, tokenizer, lmbda=0.0, max_new_tokens=6, optimizer=partial(torch.optim.AdamW, lr=1e-2), **kwargs
+        spec, teacher, tokenizer, lmbda=0.0, sampling={"max_new_tokens": 6}, training={"optimizer": optimizer}
     )
 
 
@@ -151,7 +152,9 @@ def test_export_callback_writes_a_folder_per_checkpoint(
     if lora:
         module = lora_module(base_folder, teacher, tokenizer)
     else:
-        module = GKDModule(base_folder, teacher, tokenizer, lmbda=0.0, optimizer=partial(torch.optim.AdamW, lr=1e-2))
+        module = GKDModule(
+            base_folder, teacher, tokenizer, lmbda=0.0, training={"optimizer": partial(torch.optim.AdamW, lr=1e-2)}
+        )
     checkpoints = tmp_path / "checkpoints"
     callbacks = [HFExportCallback(checkpoints, every_n_train_steps=every_n_train_steps)]
     if every_n_train_steps is None:  # at each checkpoint save (step 2, step 4 and last.ckpt at step 4)

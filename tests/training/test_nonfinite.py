@@ -49,12 +49,13 @@ def chat_data(tokenizer, toy_rows) -> ChatDataModule:
 
 
 def make(kind: str, student, teacher, tokenizer, **kwargs) -> L.LightningModule:
-    optimizer = partial(torch.optim.AdamW, lr=1e-3)
+    """A module of ``kind`` with ``kwargs`` its training settings."""
+    training = {"optimizer": partial(torch.optim.AdamW, lr=1e-3), **kwargs}
     if kind == "gkd":
-        return GKDModule(student, teacher, tokenizer, lmbda=0.0, max_new_tokens=4, optimizer=optimizer, **kwargs)
+        return GKDModule(student, teacher, tokenizer, lmbda=0.0, sampling={"max_new_tokens": 4}, training=training)
     if kind == "sft":
-        return SFTModule(student, tokenizer, optimizer=optimizer, **kwargs)
-    return DPOModule(student, tokenizer, reference=copy.deepcopy(student), optimizer=optimizer, **kwargs)
+        return SFTModule(student, tokenizer, training=training)
+    return DPOModule(student, tokenizer, reference=copy.deepcopy(student), training=training)
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_nan_logits_stop_the_run_naming_step_and_model(
     with pytest.raises(
         RuntimeError,
         match=rf"Non-finite training loss \(nan\) at global step 2: {named} \(NaN or "
-        r"inf\)\. The model was not updated with it\..*method\.nonfinite=skip",
+        r"inf\)\. The model was not updated with it\..*method\.training\.nonfinite=skip",
     ):
         trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2

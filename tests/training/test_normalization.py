@@ -7,6 +7,7 @@ next. A plain Lightning Trainer, real collation."""
 
 import copy
 import csv
+from dataclasses import replace
 from functools import partial
 from itertools import pairwise
 
@@ -54,7 +55,7 @@ def uneven_rows(count: int) -> list[dict]:
 
 def one_step(module, tokenizer, rows, tmp_path, *, batch_size, accumulate, steps_per_generation=1):
     grads: list = []
-    module.optimizer_factory = partial(RecordingSGD, record=grads)
+    module.training_settings = replace(module.training_settings, optimizer=partial(RecordingSGD, record=grads))
     data = ChatDataModule(
         tokenizer,
         rows,
@@ -101,7 +102,12 @@ def test_accumulated_micro_batches_equal_one_big_batch_with_uneven_token_counts(
     big, big_loss = one_step(make(), tokenizer, rows, tmp_path / "big", batch_size=8, accumulate=1)
     accumulated, accumulated_loss = one_step(make(), tokenizer, rows, tmp_path / "acc", batch_size=4, accumulate=2)
     per_micro, _ = one_step(
-        make(loss_normalization="micro_batch"), tokenizer, rows, tmp_path / "old", batch_size=4, accumulate=2
+        make(training={"loss_normalization": "micro_batch"}),
+        tokenizer,
+        rows,
+        tmp_path / "old",
+        batch_size=4,
+        accumulate=2,
     )
     assert relative_difference(accumulated, big) < 1e-6
     assert accumulated_loss == pytest.approx(big_loss, rel=1e-6)  # train/loss: the step's token mean
@@ -116,7 +122,12 @@ def test_on_policy_samples_of_different_lengths_are_one_token_mean(tokenizer, tm
     student, teacher = asset_path("toy/student_init"), asset_path("toy/teacher")
     # float32 teacher: the reference below runs it outside a fit, where "auto" would not cast it
     module = GKDModule(
-        student, teacher, tokenizer, lmbda=1.0, max_new_tokens=8, temperature=1.0, frozen_dtype="float32"
+        student,
+        teacher,
+        tokenizer,
+        lmbda=1.0,
+        sampling={"max_new_tokens": 8, "temperature": 1.0},
+        training={"frozen_dtype": "float32"},
     )
     samples: list = []
     sample_batch = module.sample_batch
@@ -144,10 +155,10 @@ def test_on_policy_samples_of_different_lengths_are_one_token_mean(tokenizer, tm
 
 
 def test_the_option_is_checked():
-    from lightning_gkd.training.normalization import StepTokenNormalizer
+    from lightning_gkd.training.settings import TrainingSettings
 
     with pytest.raises(ValueError, match="loss_normalization must be 'step' or 'micro_batch', got 'token'"):
-        StepTokenNormalizer("token")  # type: ignore[arg-type]
+        TrainingSettings(loss_normalization="token")  # type: ignore[arg-type]
 
 
 class ScalerSteps(L.Callback):
@@ -187,7 +198,9 @@ def test_16_mixed_unscaled_gradients_are_the_float32_token_mean_and_an_overflow_
     short, long = by_length[:12], by_length[-12:]
     rows = [row for k in range(3) for row in short[4 * k : 4 * k + 4] + long[4 * k : 4 * k + 4]]
     grads: list = []
-    module = SFTModule(copy.deepcopy(student), tokenizer, optimizer=partial(RecordingSGD, record=grads, lr=0.5))
+    module = SFTModule(
+        copy.deepcopy(student), tokenizer, training={"optimizer": partial(RecordingSGD, record=grads, lr=0.5)}
+    )
     steps = ScalerSteps(overflow_at=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # (Lightning's default, 2**16, overflows step 0 here)
     trainer = L.Trainer(

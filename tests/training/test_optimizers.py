@@ -73,6 +73,6 @@ def test_mixed_precision_with_clipping_falls_back_to_unfused_adamw(student, teac
     from helpers.fitting import fit_one_step
 
     for precision, fused in (("bf16-mixed", False), ("32-true", True)):
-        module = GKDModule(student, teacher, tokenizer, lmbda=0.0, optimizer=partial(adamw, lr=1e-3))
+        module = GKDModule(student, teacher, tokenizer, lmbda=0.0, training={"optimizer": partial(adamw, lr=1e-3)})
         trainer = fit_one_step(module, tokenizer, tmp_path, precision, gradient_clip_val=1.0)
         assert fused_flag(trainer.optimizers[0]) is fused and trainer.global_step == 1

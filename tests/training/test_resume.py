@@ -29,8 +29,8 @@ FAST = [
     "trainer.log_every_n_steps=1",
     "data.batch_size=4",
     "data.test_data=null",
-    "method.max_new_tokens=4",
-    "method.eval_max_new_tokens=4",
+    "method.sampling.max_new_tokens=4",
+    "method.validation.max_new_tokens=4",
     "callbacks.held_out_eval=null",
     "callbacks.sample_table=null",
     "print_config=false",
@@ -175,15 +175,17 @@ def compose_in(tmp_path: Path, name: str, overrides: list[str]):
 
 
 def test_last_refuses_a_run_trained_with_another_config_naming_the_keys(tmp_path):
-    older = fake_run(tmp_path, "a", ["method.beta=0.0"], status="stopped", step=2, mtime=1000)
-    newest = fake_run(tmp_path, "b", ["method.beta=0.5", "optimizer.lr=0.01"], status="stopped", step=2, mtime=2000)
-    cfg = compose_in(tmp_path, "c", ["method.beta=0.0", "ckpt_path=last", "trainer.log_every_n_steps=3"])
+    older = fake_run(tmp_path, "a", ["method.divergence.beta=0.0"], status="stopped", step=2, mtime=1000)
+    newest = fake_run(
+        tmp_path, "b", ["method.divergence.beta=0.5", "optimizer.lr=0.01"], status="stopped", step=2, mtime=2000
+    )
+    cfg = compose_in(tmp_path, "c", ["method.divergence.beta=0.0", "ckpt_path=last", "trainer.log_every_n_steps=3"])
     with pytest.raises(CheckpointError) as refused:
         plan_resume(cfg)
     message = str(refused.value)
     assert f"ckpt_path=last: refusing to resume the newest run, {newest}:" in message
-    assert "    method.beta: 0.5 -> 0.0\n    optimizer.lr: 0.01 -> 0.001" in message
-    assert "restore its values: method.beta=0.5 optimizer.lr=0.01" in message
+    assert "    method.divergence.beta: 0.5 -> 0.0\n    optimizer.lr: 0.01 -> 0.001" in message
+    assert "restore its values: method.divergence.beta=0.5 optimizer.lr=0.01" in message
     assert f"pass its checkpoint: ckpt_path={newest}/checkpoints/last.ckpt" in message
     assert f"An older run matches this config: ckpt_path={older}/checkpoints/last.ckpt" in message
     assert "log_every_n_steps" not in message  # printing cadence is not part of the training
@@ -191,8 +193,8 @@ def test_last_refuses_a_run_trained_with_another_config_naming_the_keys(tmp_path
 
 
 def test_last_resumes_into_the_run_folder_and_its_paths_follow(tmp_path, capsys):
-    run_dir = fake_run(tmp_path, "a", ["method.beta=0.0"], status="stopped", step=2, mtime=1000)
-    cfg = compose_in(tmp_path, "b", ["method.beta=0.0", "ckpt_path=last"])
+    run_dir = fake_run(tmp_path, "a", ["method.divergence.beta=0.0"], status="stopped", step=2, mtime=1000)
+    cfg = compose_in(tmp_path, "b", ["method.divergence.beta=0.0", "ckpt_path=last"])
     ckpt_path, record = plan_resume(cfg)
     assert ckpt_path == str(run_dir / "checkpoints" / "last.ckpt")
     assert record.run_dir == run_dir and record.launched_in == tmp_path.joinpath(*RUNS, "b")
@@ -207,7 +209,7 @@ def test_last_resumes_into_the_run_folder_and_its_paths_follow(tmp_path, capsys)
     # Lightning's DDP launcher re-runs the command for the other ranks (same overrides, same Hydra folder) after
     # rank zero recorded the resume: they resolve the same checkpoint and folder.
     record.started()
-    again = compose_in(tmp_path, "b", ["method.beta=0.0", "ckpt_path=last"])
+    again = compose_in(tmp_path, "b", ["method.divergence.beta=0.0", "ckpt_path=last"])
     assert plan_resume(again)[0] == ckpt_path and again.paths.output_dir == str(run_dir)
 
 
@@ -239,13 +241,16 @@ def test_a_run_without_a_record_resumes_with_a_warning(tmp_path):
 
 
 def test_an_explicit_checkpoint_is_trusted_with_warnings(tmp_path):
-    run_dir = fake_run(tmp_path, "a", ["method.beta=0.0"], status="finished", step=200, mtime=1000)
+    run_dir = fake_run(tmp_path, "a", ["method.divergence.beta=0.0"], status="finished", step=200, mtime=1000)
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    cfg = compose_in(tmp_path, "b", ["method.beta=1.0", f"ckpt_path={ckpt}"])
+    cfg = compose_in(tmp_path, "b", ["method.divergence.beta=1.0", f"ckpt_path={ckpt}"])
     with pytest.warns(UserWarning) as warned:
         assert plan_resume(cfg)[0] == str(ckpt)
     messages = [str(w.message) for w in warned]
-    assert any(m.startswith(f"ckpt_path={ckpt}: resuming anyway") and "method.beta: 0.0 -> 1.0" in m for m in messages)
+    assert any(
+        m.startswith(f"ckpt_path={ckpt}: resuming anyway") and "method.divergence.beta: 0.0 -> 1.0" in m
+        for m in messages
+    )
     assert any("it finished (step 200 of trainer.max_steps=200)" in m for m in messages)
     assert cfg.paths.output_dir == str(run_dir)
     # a checkpoint outside any run folder resumes into this launch's own folder
@@ -331,8 +336,8 @@ def test_the_printed_config_of_a_resume_shows_the_run_folder_it_continues_in(tmp
     from lightning_gkd.cli.train import build
 
     monkeypatch.setenv("COLUMNS", "500")  # rich wraps at the terminal's width
-    run_dir = fake_run(tmp_path, "a", ["method.beta=0.0"], status="stopped", step=2, mtime=1000)
-    cfg = compose_in(tmp_path, "b", ["method.beta=0.0", "ckpt_path=last", "print_config=true"])
+    run_dir = fake_run(tmp_path, "a", ["method.divergence.beta=0.0"], status="stopped", step=2, mtime=1000)
+    cfg = compose_in(tmp_path, "b", ["method.divergence.beta=0.0", "ckpt_path=last", "print_config=true"])
     with open_dict(cfg):
         cfg.pop("hydra", None)  # as @hydra.main hands it over
     build(cfg)

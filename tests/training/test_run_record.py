@@ -19,7 +19,7 @@ from lightning_gkd.training.run_record import (
 
 def test_the_fingerprint_covers_what_changes_training_only(tmp_path):
     base = training_config(compose_train(tmp_path, []))
-    assert base["method.beta"] == 0.5 and base["trainer.precision"] == "32-true" and base["seed"] == 42
+    assert base["method.divergence.beta"] == 0.5 and base["trainer.precision"] == "32-true" and base["seed"] == 42
     # the length of the run, where it writes, what it prints or logs, evaluation-only knobs: not the training
     for override in [
         "trainer.max_steps=7",
@@ -29,7 +29,7 @@ def test_the_fingerprint_covers_what_changes_training_only(tmp_path):
         "callbacks.sample_table=null",
         "logger=tensorboard",
         "export=false",
-        "method.eval_max_new_tokens=3",
+        "method.validation.max_new_tokens=3",
         "data.val_batch_size=2",
         "trainer.accelerator=gpu",
     ]:
@@ -37,7 +37,7 @@ def test_the_fingerprint_covers_what_changes_training_only(tmp_path):
     # the scheduler's length follows trainer.max_steps: recorded as the placeholder, not the number
     assert base["scheduler.num_training_steps"] == "<trainer.max_steps>"
     for override in [
-        "method.beta=0.1",
+        "method.divergence.beta=0.1",
         "optimizer.lr=0.01",
         "seed=1",
         "data.batch_size=8",
@@ -60,7 +60,7 @@ def test_the_diff_and_the_overrides_that_restore_it():
 
 
 def test_run_json_across_a_fit_and_a_resume(tmp_path, monkeypatch):
-    config = {"method.beta": 0.5}
+    config = {"method.divergence.beta": 0.5}
     first = RunRecord(tmp_path, config, 4)
     first.started()
     record = json.loads((tmp_path / "run.json").read_text())
@@ -74,7 +74,7 @@ def test_run_json_across_a_fit_and_a_resume(tmp_path, monkeypatch):
     first.ended("finished", 4)
     assert json.loads((tmp_path / "run.json").read_text())["finished"] is True
 
-    resumed = RunRecord(tmp_path, {"method.beta": 0.25}, 8, ckpt_path="c.ckpt", launched_in=tmp_path / "new")
+    resumed = RunRecord(tmp_path, {"method.divergence.beta": 0.25}, 8, ckpt_path="c.ckpt", launched_in=tmp_path / "new")
     resumed.started()
     resumed.ended("stopped", 6)
     record = json.loads((tmp_path / "run.json").read_text())
@@ -84,9 +84,9 @@ def test_run_json_across_a_fit_and_a_resume(tmp_path, monkeypatch):
         6,
         8,
     )
-    assert record["config"] == {"method.beta": 0.25}  # the config it is now trained with
+    assert record["config"] == {"method.divergence.beta": 0.25}  # the config it is now trained with
     (resume,) = record["resumes"]
-    assert resume["ckpt_path"] == "c.ckpt" and resume["changed"] == {"method.beta": [0.5, 0.25]}
+    assert resume["ckpt_path"] == "c.ckpt" and resume["changed"] == {"method.divergence.beta": [0.5, 0.25]}
     assert resume["launched_in"] == str(tmp_path / "new")
 
     monkeypatch.setattr(rank_zero_only, "rank", 1)  # other ranks never write

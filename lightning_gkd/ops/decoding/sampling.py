@@ -70,17 +70,19 @@ def eos_tensor(eos_token_id: EosTokenId, device: torch.device) -> torch.Tensor |
     return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 
-def validate_sampling_args(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """The one check of the sampling options (the sampler, the methods' constructors): ValueError naming the
-    option and its value."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r} (an integer)")
+def validate_sampling_args(
+    max_new_tokens: int, temperature: float, top_k: int, top_p: float, *, where: str = ""
+) -> None:
+    """The one check of the sampling options (the samplers, ``SamplingSettings``): ValueError naming the option
+    (after ``where``, e.g. ``"sampling."``) and its value."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{where}max_new_tokens must be >= 1, got {max_new_tokens!r} (an integer)")
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        raise ValueError(f"{where}temperature must be > 0, got {temperature!r} (1: the model's own distribution)")
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (an integer; 0 disables it), got {top_k!r}")
+        raise ValueError(f"{where}top_p must be in (0, 1], got {top_p!r} (1: off)")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{where}top_k must be >= 0 (an integer; 0 disables it), got {top_k!r}")
 
 
 def returned_cache(outputs: Any) -> Any:

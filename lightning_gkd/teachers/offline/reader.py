@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.rows import fit_rows
 from lightning_gkd.data.tokenizer import tokenizer_fingerprint
-from lightning_gkd.teachers.base import TopKSignal
+from lightning_gkd.teachers.base import TeacherBase, TopKSignal
 from lightning_gkd.teachers.hidden import HiddenStateTeacher
 from lightning_gkd.teachers.offline.fingerprints import data_fingerprint, row_keys
 from lightning_gkd.teachers.offline.format import BUILD_COMMAND, decode_hidden, manifest_signal
@@ -30,7 +30,7 @@ class CacheMiss(LookupError):
     """A batch row that the cache does not hold."""
 
 
-class CacheReader:
+class CacheReader(TeacherBase):
     """What both cache teachers share: the complete manifest (read and checked here), the memory-mapped shards
     (opened on the first lookup), each batch row found by ``row_key``, and the checks of the student's tokenizer and
     of the data. ``signal``: what the reading class reads; a cache holding the other is refused, naming the class

@@ -125,7 +125,10 @@ def test_gkd_module_lean_loss_equals_the_full_logits_loss(student, teacher, toke
     results = []
     for lean in (True, False):
         module = GKDModule(
-            student, teacher, tokenizer, beta=beta, lean_loss=lean, loss_chunk_size=5, loss_temperature=0.8
+            student,
+            teacher,
+            tokenizer,
+            divergence={"beta": beta, "lean_loss": lean, "loss_chunk_size": 5, "loss_temperature": 0.8},
         )
         student.zero_grad()
         loss = module.distillation_loss(batch).loss

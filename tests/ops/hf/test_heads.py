@@ -112,7 +112,7 @@ def run_parity(model_type: str, strict: bool = False, auto_class=AutoModelForCau
     student, teacher, data = build_pair(model_type, strict, auto_class, **overrides)
     try:
         # forward KL: with large logits the JSD saturates at ln 2 and its gradients vanish; the KL keeps O(1) ones
-        module = GKDModule(student, teacher, TOKENIZER, beta=0.0, max_new_tokens=4)
+        module = GKDModule(student, teacher, TOKENIZER, sampling={"max_new_tokens": 4}, divergence={"beta": 0.0})
         full_loss, full_grads, _ = losses_and_grads(module, data, lean=False)
     except Exception as error:  # the model's own forward rejects our calling convention
         if strict:
@@ -167,7 +167,7 @@ def test_an_unknown_head_transform_falls_back_with_a_warning_naming_the_class():
             return out
 
     student.__class__ = Shifted
-    module = GKDModule(student, teacher, TOKENIZER, beta=0.0, max_new_tokens=4)
+    module = GKDModule(student, teacher, TOKENIZER, sampling={"max_new_tokens": 4}, divergence={"beta": 0.0})
     full_loss, full_grads, _ = losses_and_grads(module, data, lean=False)
     lean_loss, lean_grads, fallback = losses_and_grads(module, data, lean=True)
     assert fallback and "Shifted's logits are not softcap" in fallback[0]

@@ -123,10 +123,9 @@ def test_training_from_the_cache_equals_training_with_the_live_teacher(tmp_path,
             teacher,
             tokenizer,
             lmbda=0.0,
-            beta=0.5,
-            metrics={},
-            optimizer=partial(torch.optim.AdamW, lr=1e-3),
-            frozen_dtype="float32",
+            divergence={"beta": 0.5},
+            training={"optimizer": partial(torch.optim.AdamW, lr=1e-3), "frozen_dtype": "float32"},
+            validation={"metrics": {}},
         )
         data = ChatDataModule(tokenizer, train, val, batch_size=8, max_length=MAX_LENGTH, shuffle=False)
         trainer = L.Trainer(
@@ -197,6 +196,7 @@ def test_dense_loss_from_the_hidden_cache_equals_the_live_teachers(hidden_built,
     the in-process teacher up to the float16 storage."""
     from lightning_gkd.losses.base import LeanPath
     from lightning_gkd.losses.dense import DenseDistillation
+    from lightning_gkd.losses.settings import DivergenceSettings
     from lightning_gkd.toy.tiny import TOY_STUDENT, tiny_causal_lm
 
     student = tiny_causal_lm(TOY_STUDENT, tokenizer, seed=0)
@@ -205,7 +205,7 @@ def test_dense_loss_from_the_hidden_cache_equals_the_live_teachers(hidden_built,
 
     def loss_and_grads(source, lean: bool):
         student.zero_grad(set_to_none=True)
-        out = DenseDistillation(source, beta=beta, lean=LeanPath(lean))(student, batch)
+        out = DenseDistillation(source, DivergenceSettings(beta=beta), lean=LeanPath(lean))(student, batch)
         out.loss.backward()
         return out.loss.detach(), [p.grad.clone() for p in student.parameters() if p.grad is not None]
 
