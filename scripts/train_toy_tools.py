@@ -22,7 +22,8 @@ import lightning as L
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from lightning_gkd import ChatDataModule, SFTModule
+from lightning_gkd import ChatDataModule
+from lightning_gkd.cli.compose import build_method
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer, load_tokenizer
 from lightning_gkd.evaluation.metrics import exact_match
 from lightning_gkd.rollouts import build_environment
@@ -71,14 +72,14 @@ def sft(
     model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, target: float, every: int, root, start=0
 ):
     L.seed_everything(seed, workers=True)
-    module = SFTModule(
-        model,
-        tokenizer,
+    module = build_method(
+        ["method=sft", f"seed={seed}"],
+        model=model,
+        tokenizer=tokenizer,
         optimizer=partial(torch.optim.AdamW, lr=lr),
         scheduler=partial(
             get_cosine_schedule_with_warmup, num_warmup_steps=min(100, steps // 10), num_training_steps=steps
         ),
-        seed=seed,
     )
     data = ChatDataModule(
         tokenizer, tool_rows("train"), batch_size=batch_size, max_length=MAX_LENGTH, seed=seed, assistant_turns="all"
