@@ -36,7 +36,9 @@ def build_method(overrides: Sequence[str], **objects: Any) -> Any:
     ``model``/``reference``) as modules or folders, the ``tokenizer``, an ``optimizer`` or ``scheduler`` factory, a
     ``sampler`` factory. The config's other values are conf/method's defaults."""
     cfg = compose_train(overrides)
-    return instantiate(cfg.method, **objects, _convert_="all")
+    # the config's values first (a partial), then the objects as arguments: they replace values whole (a dict or a
+    # class is never merged into the config)
+    return instantiate(cfg.method, _partial_=True, _convert_="all")(**objects)
 
 
 def train_seeds(overrides: Sequence[str], seeds: Sequence[int], *, output_dir: str | Path) -> list[dict[str, Any]]:
