@@ -135,6 +135,7 @@ def worker(
     from lightning_gkd import ChatDataModule
     from lightning_gkd.cli.compose import build_method
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+    from lightning_gkd.studies.step_timing import plain_trainer
     from lightning_gkd.training.optimizers import adamw
 
     torch.manual_seed(0)
@@ -165,17 +166,7 @@ def worker(
         optimizer=partial(adamw, lr=1e-5),
     )
     data = ChatDataModule(tokenizer, data_rows, batch_size=shape.batch, max_length=shape.max_length, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=warmup + steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        callbacks=[StepEnds()],
-    )
+    trainer = plain_trainer(warmup + steps, callbacks=[StepEnds()])
     trainer.fit(module, datamodule=data)
     timed = [b - a for a, b in itertools.pairwise(ends[warmup - 1 :])]
     return {

@@ -137,42 +137,25 @@ class Check:
         return build_chatml_tokenizer()
 
     def lightning_trainer(self, steps: int, callbacks: list, strategy: Any = "auto"):
-        import lightning as L
+        """``plain_trainer`` at trainer=gpu's precision (autocast on CPU too in the dry run)."""
+        from lightning_gkd.studies.step_timing import plain_trainer
 
-        return L.Trainer(
-            accelerator=self.trainer,
-            devices=1,
-            strategy=strategy,
-            precision="bf16-mixed",  # trainer=gpu's precision (autocast on CPU too in the dry run)
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            gradient_clip_val=1.0,
-            callbacks=callbacks,
+        return plain_trainer(
+            steps, accelerator=self.trainer, precision="bf16-mixed", callbacks=callbacks, strategy=strategy
         )
 
     def fit_timed(self, module, datamodule, strategy: Any = "auto") -> dict[str, Any]:
         """Fit ``self.steps`` optimizer steps; seconds a step after the first, peak GPU memory, the last loss."""
-        import lightning as L
+        from lightning_gkd.studies.step_timing import StepEnds
 
-        ends: list[float] = []
-
-        class StepEnds(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                check.synchronize()
-                ends.append(time.perf_counter())
-
-        check = self
+        step_ends = StepEnds(self.synchronize)
         self.reset_peak()
-        trainer = self.lightning_trainer(self.steps, [StepEnds()], strategy)
+        trainer = self.lightning_trainer(self.steps, [step_ends], strategy)
         trainer.fit(module, datamodule=datamodule)
         loss = float(trainer.callback_metrics["train/loss"])
         if not loss == loss or abs(loss) == float("inf"):
             raise RuntimeError(f"the last train/loss is not finite: {loss}")
-        timed = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        timed = [b - a for a, b in zip(step_ends.ends, step_ends.ends[1:], strict=False)]
         return {
             "steps": trainer.global_step,
             "s_per_step": sum(timed) / len(timed),

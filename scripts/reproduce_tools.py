@@ -45,6 +45,7 @@ from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.rollouts.evaluate import rollout_rows
 from lightning_gkd.samplers import SpeculativeKDSampler
 from lightning_gkd.studies.results_page import update_results_section
+from lightning_gkd.studies.step_timing import plain_trainer
 from lightning_gkd.toy.tiny import asset_path
 from lightning_gkd.toy.tools import (
     MAX_NEW_TOKENS,
@@ -164,17 +165,7 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
         assistant_turns="all",
     )
     data.use_rollouts(task_rollout(tok).tools)  # SFT renders the tools too (the on-policy methods do it themselves)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        default_root_dir=job["work_dir"],
-    )
+    trainer = plain_trainer(steps, default_root_dir=job["work_dir"])
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - started

@@ -33,6 +33,7 @@ import torch
 
 from lightning_gkd.studies.bench_models import BenchShape, bench_rows, bench_shape, build_models
 from lightning_gkd.studies.process_memory import children_peak_rss_mb, peak_rss_mb, process_start
+from lightning_gkd.studies.step_timing import StepEnds, plain_trainer
 
 #: This process's start on the perf_counter clock: "to step 1" counts from here (interpreter start included).
 PROCESS_START = process_start()
@@ -67,29 +68,6 @@ def ours_module(shape: BenchShape, student: Any, teacher: Any, tokenizer: Any, l
     return build_method(["method=gkd", *settings], student=student, teacher=teacher, tokenizer=tokenizer, **objects)
 
 
-def step_ends_trainer(max_steps: int, ends: list[float], device: str) -> L.Trainer:
-    """A Lightning Trainer that appends each optimizer step's end to ``ends``: one device, bf16-mixed on a GPU,
-    float32 on the CPU, clipping 1.0, no validation, logging or checkpoints."""
-
-    class StepEnds(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
-            ends.append(time.perf_counter())
-
-    return L.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        precision="bf16-mixed" if device == "cuda" else "32-true",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        callbacks=[StepEnds()],
-    )
-
-
 def time_steps(config: str, lmbda: float, warmup: int, steps: int, shape: BenchShape, device: str) -> dict[str, Any]:
     """Seconds per optimizer step of ``config`` after ``warmup`` steps, averaged over ``steps`` (whole generation
     groups), the peak and the pre-training resident memory, and the seconds to step 1 and to built models."""
@@ -104,7 +82,8 @@ def time_steps(config: str, lmbda: float, warmup: int, steps: int, shape: BenchS
     student, teacher = build_models(shape, tokenizer)
     models_ready = time.perf_counter()
     baseline = peak_rss_mb()
-    ends: list[float] = []
+    step_ends = StepEnds()
+    ends = step_ends.ends
     module = None
     if config in ("trl", "trl_no_gc"):
         group = gkd_trainer(config, student, teacher, tokenizer, rows, lmbda, warmup + steps, ends, shape, device)
@@ -127,7 +106,9 @@ def time_steps(config: str, lmbda: float, warmup: int, steps: int, shape: BenchS
         datamodule = ChatDataModule(
             tokenizer, rows, batch_size=shape.batch, max_length=shape.max_length, steps_per_generation=group
         )
-        step_ends_trainer(warmup + steps, ends, device).fit(module, datamodule=datamodule)
+        accelerator, precision = ("gpu", "bf16-mixed") if device == "cuda" else ("cpu", "32-true")
+        trainer = plain_trainer(warmup + steps, accelerator=accelerator, precision=precision, callbacks=[step_ends])
+        trainer.fit(module, datamodule=datamodule)
     timed = [b - a for a, b in itertools.pairwise(ends[warmup - 1 :])]
     sampler_used = getattr(module, "sampler", None)
     return {

@@ -40,23 +40,22 @@ class BenchShape:
         return replace(self, vocab=vocab)
 
 
+def qwen2_sizes(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> dict[str, int]:
+    """A Qwen2 config's sizes."""
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+    }
+
+
 #: the side-by-side bench's pair (student 4 x 256, teacher 6 x 512, vocabulary 32000), batch 8, 64 sampled tokens
 SMALL = BenchShape(
     "small",
-    student={
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
-    teacher={
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
+    student=qwen2_sizes(256, 768, 4, 4, 2),
+    teacher=qwen2_sizes(512, 1536, 6, 8, 4),
     vocab=32000,
     batch=8,
     new_tokens=64,
@@ -67,20 +66,8 @@ SMALL = BenchShape(
 #: 512-token supervised answers
 REAL = BenchShape(
     "real",
-    student={
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-    },
-    teacher={
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-    },
+    student=qwen2_sizes(896, 4864, 24, 14, 2),
+    teacher=qwen2_sizes(1536, 8960, 28, 12, 2),
     vocab=151936,
     batch=2,
     new_tokens=32,

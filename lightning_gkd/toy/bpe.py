@@ -23,7 +23,7 @@ def training_corpus(task: ToyTask) -> list[str]:
     """The chat text (ChatML) of ``task``'s default training split: what the BPE tokenizer learns its merges on (never
     the held-out rows; a longer training split starts with these rows, so the tokenizer does not depend on it)."""
     template = build_chatml_tokenizer()
-    return [template.apply_chat_template(row["messages"], tokenize=False) for row in task.rows("train")]
+    return [str(template.apply_chat_template(row["messages"], tokenize=False)) for row in task.rows("train")]
 
 
 def tokenizer_pairing(student_tokenizer: Any, teacher_tokenizer: Any, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -5,11 +5,9 @@ and its teacher."""
 import json
 from types import SimpleNamespace
 
-import lightning as L
 import torch
-from helpers.fitting import make_module
+from helpers.fitting import fit, make_module
 
-from lightning_gkd import ChatDataModule
 from lightning_gkd.callbacks.study_record import ComputeMeter, StudyRecord, folder_parameter_count, parameter_count
 from lightning_gkd.evaluation.metrics import exact_match
 from lightning_gkd.toy import addition_rows
@@ -94,35 +92,14 @@ def test_a_folder_is_counted_without_loading_it():
 
 
 def test_a_real_fit_records_its_curve_compute_and_completions(tokenizer, student, teacher, tmp_path):
-    rows = addition_rows("train", 16)
-    datamodule = ChatDataModule(
-        tokenizer, rows, addition_rows("val", 8), test_data=addition_rows("test", 6), batch_size=4, max_length=64
+    rows = {"train": addition_rows("train", 16), "val": addition_rows("val", 8), "test": addition_rows("test", 6)}
+    scoring = {"max_length": 64, "max_new_tokens": 6, "completions": True, "reference": True}
+    record = StudyRecord({"name": "GKD λ=1"}, task="addition", seed=3, lr=0.01, **scoring)
+    metrics = {"metrics": {"accuracy": exact_match}, "eval_max_new_tokens": 6}
+    module = make_module(student, teacher, tokenizer, lmbda=1.0, max_new_tokens=6, **metrics)
+    fit(
+        module, tokenizer, rows, tmp_path, max_steps=4, val_check_interval=2, num_sanity_val_steps=1, callbacks=[record]
     )
-    record = StudyRecord({"name": "GKD λ=1"}, task="addition", seed=3, lr=0.01, max_length=64, max_new_tokens=6,
-                         completions=True, reference=True)  # fmt: skip
-    module = make_module(
-        student,
-        teacher,
-        tokenizer,
-        lmbda=1.0,
-        max_new_tokens=6,
-        metrics={"accuracy": exact_match},
-        eval_max_new_tokens=6,
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        val_check_interval=2,
-        limit_val_batches=1,
-        num_sanity_val_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[record],
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module, datamodule=datamodule)
     saved = json.loads(json.dumps(record.run_summary()["study"]))  # JSON-ready
     assert [step for step, _ in saved["curve"]] == [2, 4]  # the sanity check is not a point
     assert [step for step, _, _ in saved["compute"]] == [2, 4]
