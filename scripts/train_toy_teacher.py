@@ -36,6 +36,7 @@ from lightning_gkd.cli.compose import build_method
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer, load_tokenizer
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
+from lightning_gkd.studies.step_timing import plain_trainer
 from lightning_gkd.toy.bpe import BPE_MERGES, tokenizer_pairing, training_corpus
 from lightning_gkd.toy.tasks import TOY_TASKS, ToyTask, toy_task
 from lightning_gkd.toy.tiny import tiny_causal_lm
@@ -90,19 +91,12 @@ def sft(
                 "val/accuracy", mode="max", stopping_threshold=target, patience=10**6, check_on_train_epoch_end=False
             )
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        val_check_interval=min(val_every, steps),
-        check_val_every_n_epoch=None,
-        logger=False,
-        enable_checkpointing=False,
-        gradient_clip_val=1.0,
-        callbacks=callbacks,
-        default_root_dir=root,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    validation = {
+        "limit_val_batches": 1.0,
+        "val_check_interval": min(val_every, steps),
+        "check_val_every_n_epoch": None,
+    }
+    trainer = plain_trainer(steps, callbacks=callbacks, default_root_dir=root, **validation)
     trainer.fit(module, datamodule=data)
     return module
 

@@ -28,6 +28,7 @@ from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe
 from lightning_gkd.evaluation.metrics import exact_match
 from lightning_gkd.rollouts import build_environment
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+from lightning_gkd.studies.step_timing import plain_trainer
 from lightning_gkd.toy.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
 from lightning_gkd.toy.tools import MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS, TOOLS, task_rollout, tool_rows
 
@@ -86,18 +87,8 @@ def sft(
     )
     _, schemas = build_environment(list(TOOLS), None, tokenizer, timeout=5)
     data.use_rollouts(schemas)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        gradient_clip_val=1.0,
-        callbacks=[RolloutValidation(tool_rows("val")[:128], every, target, start)],
-        default_root_dir=root,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-    )
+    validation = RolloutValidation(tool_rows("val")[:128], every, target, start)
+    trainer = plain_trainer(steps, callbacks=[validation], default_root_dir=root)
     trainer.fit(module, datamodule=data)
     return module
 

@@ -34,18 +34,19 @@ def plain_trainer(
 ) -> L.Trainer:
     """A Trainer of ``max_steps`` optimizer steps on one ``accelerator`` device at ``precision``, clipping gradients at
     norm 1.0, without validation, logger, checkpoints, progress bar or model summary; ``options``: more Trainer
-    arguments (``strategy``, ``default_root_dir``)."""
-    return L.Trainer(
-        accelerator=accelerator,
-        devices=1,
-        precision=precision,  # type: ignore[arg-type]  # one of Lightning's precision names
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        callbacks=list(callbacks),
-        **options,
-    )
+    arguments, or other values of these (``strategy``, ``default_root_dir``, ``limit_val_batches=1.0`` with a
+    ``val_check_interval`` to validate)."""
+    settings: dict[str, Any] = {
+        "accelerator": accelerator,
+        "devices": 1,
+        "precision": precision,
+        "max_steps": max_steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "gradient_clip_val": 1.0,
+        "callbacks": list(callbacks),
+    }
+    return L.Trainer(**{**settings, **options})
