@@ -183,7 +183,7 @@ def cli_steps(
             "seed=0",
             f"paths.output_dir={folder}/run",
             "hydra.run.dir=" + f"{folder}/run",
-            f"+callbacks.step_ends._target_={StepEndsFile.__module__}.StepEndsFile",
+            "+callbacks.step_ends._target_=lightning_gkd.cli.bench_worker.StepEndsFile",  # (here __main__)
             f"+callbacks.step_ends.path={probe}",
         ]
         command = [sys.executable, "-m", "lightning_gkd.cli.train", *overrides]
