@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_gkd.cli.sweep import collect_jobs, write_study
+from lightning_gkd.cli.sweep import collect_jobs, sweep_command
 from lightning_gkd.studies.results_page import write_section
 from lightning_gkd.studies.study import merged_study, study_from_jobs
 from lightning_gkd.toy.tasks import toy_task
@@ -141,10 +141,7 @@ def write_from_sweeps(task: str, folders: list[Path], out: Path, *, add: bool, s
     """``task``'s study from the sweep folders: its JSON under ``out`` (merged into the earlier one with ``add``) and
     its results.md section with plots."""
     jobs = [job for folder in folders for job in collect_jobs(folder, final=True)]
-    commands = []
-    for folder in folders:
-        write_study(folder)  # each sweep's own summary tables (study.md), as `lightning-gkd -m` writes them
-        commands.append(json.loads((folder / "study.json").read_text())["command"])
+    commands = [sweep_command(folder) or f"(a sweep in {folder})" for folder in folders]
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     study = study_from_jobs(jobs, command=" && ".join(commands), machine=machine)
     if seconds is not None:
