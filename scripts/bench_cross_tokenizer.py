@@ -133,7 +133,13 @@ def _losses(
     from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import CrossTokenizerLoss
     from lightning_gkd.teachers.local import LocalTeacher
 
-    one = DenseDistillation(LocalTeacher(same_teacher), beta=0.0) if same_teacher is not None else None
+    try:  # the package's settings groups; a revision from before them (--before) takes beta directly
+        from lightning_gkd.losses.settings import DivergenceSettings
+
+        divergence: dict[str, Any] = {"divergence": DivergenceSettings(beta=0.0)}
+    except ImportError:
+        divergence = {"beta": 0.0}
+    one = DenseDistillation(LocalTeacher(same_teacher), **divergence) if same_teacher is not None else None
     options = (
         {"projection_cache": cache}
         if cache and "projection_cache" in CrossTokenizerSettings.__dataclass_fields__

@@ -2,8 +2,9 @@
 cache of its top-20 log-probs (``cache``) or of its final hidden states (``cache_hidden``), and served by vLLM as
 top-20 log-probs (``server``: a generative server's ``prompt_logprobs``) or as final hidden states (``server_hidden``:
 a pooling server; the student process holds the teacher's head and computes the full distributions), on the bench
-models of scripts/bench.py (student 4 x 256, teacher 6 x 512, batch 8, 64-token answers / 64 sampled tokens, float32
-on CPU), at two vocabulary sizes: the bench's 32000 and Qwen2.5's padded 151936 (``--vocabs``; a real-shape head).
+models (``lightning_gkd.studies.bench_models``: student 4 x 256, teacher 6 x 512, batch 8, 64-token answers / 64
+sampled tokens, float32 on CPU), at two vocabulary sizes: the bench's 32000 and Qwen2.5's padded 151936 (``--vocabs``;
+a real-shape head). Each worker's method is built from conf/method/gkd.yaml (``lightning_gkd.cli.compose``).
 
 The bench tokenizer (build_chatml_tokenizer) has 259 tokens; both vocabularies pad it, as Qwen2.5's embeddings (151936
 rows) pad its 151665-token tokenizer: the rows are text, so their ids stay within the tokenizer, and the models'
@@ -51,11 +52,13 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (the bench models and rows)
+from lightning_gkd.studies.bench_models import SMALL, BenchShape, bench_rows, build_model
+from lightning_gkd.studies.process_memory import current_rss_mb, peak_since_reset_mb, reset_peak_rss
+from lightning_gkd.studies.reports import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("local", "cache", "cache_hidden", "server", "server_hidden")
@@ -76,36 +79,31 @@ SCORED_ROWS = 64  # rows of the servers' throughput and wire measurement
 BUILD_ROWS = 256  # rows of the caches' build-throughput measurement (bench vocabulary only; --tiny: 32)
 
 
-def use_tiny_sizes() -> None:
-    """--tiny: bench.py's toy sizes, the teacher with 2 heads of 32 (vLLM's CPU attention needs a head size >= 32)."""
-    bench.use_tiny_sizes()  # and BENCH_TINY for the workers, which import this module
-    bench.TEACHER = {**bench.TEACHER, "num_attention_heads": 2, "num_key_value_heads": 1}
+def teachers_shape(tiny: bool, vocab: int | None = None) -> BenchShape:
+    """The bench's small pair at ``vocab`` (default its own); ``tiny``: its toy sizes, the teacher with 2 heads of 32
+    (vLLM's CPU attention needs a head size >= 32)."""
+    shape = SMALL
+    if tiny:
+        shape = SMALL.tiny()
+        shape = replace(shape, teacher={**shape.teacher, "num_attention_heads": 2, "num_key_value_heads": 1})
+    return shape if vocab is None else shape.with_vocab(vocab)
 
 
-if os.environ.get("BENCH_TINY"):
-    use_tiny_sizes()
-
-
-def teacher_spec(kind: str, work: Path, urls: Mapping[str, str]) -> dict[str, Any]:
+def teacher_overrides(kind: str, work: Path, urls: Mapping[str, str]) -> list[str]:
+    """The ``lightning-gkd`` overrides of each kind's teacher."""
     if kind == "local":
-        return {"kind": "local", "model": str(work / "teacher")}
+        return [f"model.teacher.name_or_path={work / 'teacher'}"]
     if kind in ("cache", "cache_hidden"):
-        return {"kind": "cache", "path": str(work / kind)}  # the manifest says which signal it holds
+        return ["teacher=cache", f"teacher.path={work / kind}"]  # the manifest says which signal it holds
+    retries = ["teacher.retries=2", "teacher.backoff=0.5"]
     if kind == "server":
-        return {"kind": "server", "url": urls[kind], "top_k": TOP_K, "retries": 2, "backoff": 0.5}
-    return {
-        "kind": "server",
-        "signal": "hidden",
-        "url": urls[kind],
-        "head": str(work / "teacher"),
-        "dtype": WIRE_DTYPE,
-        "retries": 2,
-        "backoff": 0.5,
-    }
+        return ["teacher=server", f"teacher.url={urls[kind]}", f"teacher.top_k={TOP_K}", *retries]
+    head = [f"teacher.head={work / 'teacher'}", f"teacher.dtype={WIRE_DTYPE}"]
+    return ["teacher=server_hidden", f"teacher.url={urls[kind]}", *head, *retries]
 
 
-def rows(count: int) -> list[dict[str, Any]]:
-    return bench.bench_rows(count, answer_tokens=bench.NEW_TOKENS)
+def rows(shape: BenchShape, count: int) -> list[dict[str, Any]]:
+    return bench_rows(count, answer_tokens=shape.new_tokens)
 
 
 def teacher_mb(source: Any) -> float:
@@ -125,21 +123,26 @@ def teacher_mb(source: Any) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
-def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: Mapping[str, str]) -> dict[str, Any]:
+def worker(
+    kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: Mapping[str, str], shape: BenchShape
+) -> dict[str, Any]:
     import itertools
     from functools import partial
 
     import lightning as L
     import torch
 
-    from lightning_gkd import ChatDataModule, GKDModule
+    from lightning_gkd import ChatDataModule
+    from lightning_gkd.cli.compose import build_method
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+    from lightning_gkd.studies.step_timing import plain_trainer
     from lightning_gkd.training.optimizers import adamw
 
     torch.manual_seed(0)
     tokenizer = build_chatml_tokenizer()
-    student = bench.build_model(bench.STUDENT, 0, tokenizer)  # the student only: the teacher is the kind's business
-    data_rows = rows(bench.BATCH * (warmup + steps))  # the rows the caches were built over
+    # the student only: the teacher is the kind's business
+    student = build_model(shape.student, shape.vocab, tokenizer, seed=0)
+    data_rows = rows(shape, shape.batch * (warmup + steps))  # the rows the caches were built over
     baseline = current_rss_mb()
     reset_peak_rss()  # from here: the teacher's load (local) or its head's (hidden), the engines, the fit
     ends: list[float] = []
@@ -147,88 +150,58 @@ def worker(kind: str, lmbda: float, warmup: int, steps: int, work: Path, urls: M
 
     class StepEnds(L.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            setup_peak.append(peak_rss_mb())  # built, servers probed (memory-mapped weights count when first touched)
+            setup_peak.append(peak_since_reset_mb())  # built, servers probed (memory-mapped weights count when touched)
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             ends.append(time.perf_counter())
 
-    module = GKDModule(
-        student,
-        teacher_spec(kind, work, urls),
-        tokenizer,
-        lmbda=lmbda,
-        beta=0.0 if lmbda == 0 else 0.5,
-        temperature=0.9,
-        max_new_tokens=bench.NEW_TOKENS,
+    settings = [
+        f"method.lmbda={lmbda}",
+        f"method.divergence.beta={0.0 if lmbda == 0 else 0.5}",
+        "method.sampling.temperature=0.9",
+    ]
+    settings += [f"method.sampling.max_new_tokens={shape.new_tokens}", "seed=0", "method.validation.metrics={}"]
+    # the same arithmetic in every kind: the caches and servers hold float32-made signals
+    settings.append("method.training.frozen_dtype=float32")
+    module = build_method(
+        ["method=gkd", *settings, *teacher_overrides(kind, work, urls)],
+        student=student,
+        tokenizer=tokenizer,
         optimizer=partial(adamw, lr=1e-5),
-        seed=0,
-        metrics={},
-        frozen_dtype="float32",  # the same arithmetic in every kind: the caches and servers hold float32-made signals
     )
-    data = ChatDataModule(tokenizer, data_rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=warmup + steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        callbacks=[StepEnds()],
-    )
+    data = ChatDataModule(tokenizer, data_rows, batch_size=shape.batch, max_length=shape.max_length, shuffle=False)
+    trainer = plain_trainer(warmup + steps, callbacks=[StepEnds()])
     trainer.fit(module, datamodule=data)
     timed = [b - a for a, b in itertools.pairwise(ends[warmup - 1 :])]
     return {
         "seconds_per_step": statistics.median(timed),  # a step slowed by other work on the machine weighs less
         "step_seconds": timed,
         "load_average": os.getloadavg()[0],  # the machine's, over the last minute: other work slows every figure
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": peak_since_reset_mb(),
         "baseline_rss_mb": baseline,
         "setup_peak_rss_mb": setup_peak[0],
         "teacher_mb": teacher_mb(module.teacher_source),
     }
 
 
-def _status_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def current_rss_mb() -> float:
-    return _status_mb("VmRSS")
-
-
-def reset_peak_rss() -> None:
-    """Linux: restart the peak-RSS count (VmHWM) at the current RSS, so imports and the student's build (the same
-    in every kind) do not hide the peak of what differs."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_mb() -> float:
-    return _status_mb("VmHWM")
-
-
-def build_cache(work: Path, name: str, signal_kind: str, count: int) -> Any:
+def build_cache(work: Path, name: str, signal_kind: str, count: int, shape: BenchShape) -> Any:
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-    from lightning_gkd.teachers.cache_build import build_teacher_cache_report
+    from lightning_gkd.teachers.offline.build import build_teacher_cache_report
 
     return build_teacher_cache_report(
         str(work / "teacher"),
         build_chatml_tokenizer(),
-        rows(count),
+        rows(shape, count),
         work / name,
         top_k=TOP_K,
         signal=signal_kind,
-        max_length=bench.MAX_LENGTH,
-        batch_size=bench.BATCH,
+        max_length=shape.max_length,
+        batch_size=shape.batch,
         trainer={"accelerator": "cpu", "logger": False, "enable_progress_bar": False},
     )
 
 
-def prepare(work: Path, cache_rows: int, build_rows: int) -> dict[str, Any]:
+def prepare(work: Path, cache_rows: int, build_rows: int, shape: BenchShape) -> dict[str, Any]:
     """The teacher folder (tokenizer inside), its top-k and hidden-state caches over the rows every worker reads,
     and (``build_rows`` > 0) each build's throughput over ``build_rows`` rows."""
     import torch
@@ -236,7 +209,7 @@ def prepare(work: Path, cache_rows: int, build_rows: int) -> dict[str, Any]:
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 
     tokenizer = build_chatml_tokenizer()
-    teacher = bench.build_model(bench.TEACHER, 1, tokenizer)
+    teacher = build_model(shape.teacher, shape.vocab, tokenizer, seed=1)
     teacher.save_pretrained(work / "teacher")
     tokenizer.save_pretrained(work / "teacher")
     head = teacher.get_output_embeddings().weight
@@ -250,14 +223,14 @@ def prepare(work: Path, cache_rows: int, build_rows: int) -> dict[str, Any]:
     del teacher, head
     torch.set_num_threads(os.cpu_count() or 1)
     for name, signal_kind in (("cache", "topk"), ("cache_hidden", "hidden")):
-        manifest = build_cache(work, name, signal_kind, cache_rows).manifest
+        manifest = build_cache(work, name, signal_kind, cache_rows, shape).manifest
         info[name] = {
             "tokens": manifest["total_tokens"],
             "bytes": manifest["total_bytes"],
             "bytes_per_token": manifest["bytes_per_million_tokens"] / 1e6,
         }
         if build_rows:  # more rows than the workers read: the build's fixed costs (Lightning's start) amortised
-            big = build_cache(work, f"{name}_big", signal_kind, build_rows)
+            big = build_cache(work, f"{name}_big", signal_kind, build_rows, shape)
             info[name] |= {
                 "build_rows": build_rows,
                 "build_tokens": big.manifest["total_tokens"],
@@ -334,19 +307,19 @@ def served_teacher(kind: str, url: str, work: Path, dtype: str = WIRE_DTYPE) -> 
     return HiddenServerTeacher(url, head=str(work / "teacher"), dtype=dtype, concurrency=4)
 
 
-def server_scoring(kind: str, url: str, work: Path) -> dict[str, Any]:
+def server_scoring(kind: str, url: str, work: Path, shape: BenchShape) -> dict[str, Any]:
     """Tokens per second of the ``kind`` server scoring ``SCORED_ROWS`` rows (after a warm-up on a batch), and the
     answers' bytes on the wire per token (per supervised position for top-k, per token sent for hidden states)."""
     from lightning_gkd.data.chat import ChatMLCollator
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
     from lightning_gkd.teachers import supervised_positions
 
-    collate = ChatMLCollator(build_chatml_tokenizer(), bench.MAX_LENGTH)
-    batch = collate(rows(SCORED_ROWS))
+    collate = ChatMLCollator(build_chatml_tokenizer(), shape.max_length)
+    batch = collate(rows(shape, SCORED_ROWS))
     positions = supervised_positions(batch["labels"])
     teacher = served_teacher(kind, url, work)
     score = teacher.topk if kind == "server" else teacher.read_states
-    warm = collate(rows(bench.BATCH))
+    warm = collate(rows(shape, shape.batch))
     score(warm, supervised_positions(warm["labels"]))  # the server's first forwards, the served model resolved
     meter = WireMeter(teacher)
     started = time.perf_counter()
@@ -379,7 +352,7 @@ class WireMeter:
         return {"wire_bytes": wire, "wire_tokens": tokens, "bytes_per_token": wire / tokens}
 
 
-def loss_agreement(work: Path, urls: Mapping[str, str]) -> dict[str, Any]:
+def loss_agreement(work: Path, urls: Mapping[str, str], shape: BenchShape) -> dict[str, Any]:
     """On one collated batch of the workers' rows: the in-process dense loss (``DenseDistillation(LocalTeacher)``)
     and each other teacher's, beta 0 and 1; each with its relative difference from the dense one, and the served
     teachers' bytes on the wire per token over both calls."""
@@ -389,14 +362,15 @@ def loss_agreement(work: Path, urls: Mapping[str, str]) -> dict[str, Any]:
     from lightning_gkd.data.chat import ChatMLCollator
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
     from lightning_gkd.losses.dense import DenseDistillation
+    from lightning_gkd.losses.settings import DivergenceSettings
     from lightning_gkd.losses.sparse import TopKDistillation
     from lightning_gkd.teachers import LocalTeacher, supervised_positions
-    from lightning_gkd.teachers.cache import open_teacher_cache
+    from lightning_gkd.teachers.offline.reader import open_teacher_cache
 
     tokenizer = build_chatml_tokenizer()
-    student = bench.build_model(bench.STUDENT, 0, tokenizer).eval()
+    student = build_model(shape.student, shape.vocab, tokenizer, seed=0).eval()
     teacher = AutoModelForCausalLM.from_pretrained(work / "teacher", dtype=torch.float32).eval()
-    batch = ChatMLCollator(tokenizer, bench.MAX_LENGTH)(rows(bench.BATCH))  # the first batch the caches hold
+    batch = ChatMLCollator(tokenizer, shape.max_length)(rows(shape, shape.batch))  # the first batch the caches hold
     supervised = int(supervised_positions(batch["labels"]).sum())
     losses: dict[str, dict[str, float]] = {"local": {}}
     sources: dict[str, Any] = {"cache hidden (float16)": open_teacher_cache(work / "cache_hidden")}
@@ -409,11 +383,12 @@ def loss_agreement(work: Path, urls: Mapping[str, str]) -> dict[str, Any]:
     with torch.no_grad():
         for beta in (0.0, 1.0):
             key = f"{beta:g}"
-            local = DenseDistillation(LocalTeacher(teacher), beta=beta)(student, batch).loss
+            divergence = DivergenceSettings(beta=beta)
+            local = DenseDistillation(LocalTeacher(teacher), divergence)(student, batch).loss
             losses["local"][key] = float(local)
             for name, source in sources.items():
                 is_topk = hasattr(source, "topk")
-                loss = TopKDistillation(source, beta=beta) if is_topk else DenseDistillation(source, beta=beta)
+                loss = TopKDistillation(source, divergence) if is_topk else DenseDistillation(source, divergence)
                 losses.setdefault(name, {})[key] = float(loss(student, batch).loss)
     for source in sources.values():
         if hasattr(source, "close"):
@@ -432,32 +407,34 @@ def loss_agreement(work: Path, urls: Mapping[str, str]) -> dict[str, Any]:
 
 
 def run_worker(
-    kind: str, lmbda: float, warmup: int, steps: int, work: Path, vocab: int, urls: Mapping[str, str]
+    kind: str, lmbda: float, warmup: int, steps: int, work: Path, vocab: int, urls: Mapping[str, str], tiny: bool
 ) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, __file__, "--worker", kind, str(lmbda), str(warmup), str(steps), str(work), str(vocab)]
-    command.append(json.dumps(dict(urls)))
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    command += [json.dumps(dict(urls)), *(["--tiny"] if tiny else [])]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} lmbda={lmbda} failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
-def run_pass(vocab: int, reps: int, steps: int, warmup: int, kinds: Sequence[str], build_rows: int) -> dict[str, Any]:
-    """Everything measured at one vocabulary size: the caches (their build throughput over ``build_rows`` rows; 0:
-    not measured), the servers' scoring, the loss check, then the workers, kinds alternating per repetition."""
-    bench.VOCAB = vocab
+def run_pass(
+    shape: BenchShape, tiny: bool, reps: int, steps: int, warmup: int, kinds: Sequence[str], build_rows: int
+) -> dict[str, Any]:
+    """Everything measured at one vocabulary size (``shape.vocab``): the caches (their build throughput over
+    ``build_rows`` rows; 0: not measured), the servers' scoring, the loss check, then the workers, kinds alternating
+    per repetition."""
+    vocab = shape.vocab
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {}
     failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        info = prepare(work, bench.BATCH * (warmup + steps), build_rows)
+        info = prepare(work, shape.batch * (warmup + steps), build_rows, shape)
         processes, urls = start_servers(work, kinds)
         try:
-            scoring = {kind: server_scoring(kind, url, work) for kind, url in urls.items()}
-            losses = loss_agreement(work, urls)
+            scoring = {kind: server_scoring(kind, url, work, shape) for kind, url in urls.items()}
+            losses = loss_agreement(work, urls, shape)
             for rep in range(reps):
                 for lmbda in (0.0, 1.0):
                     for kind in kinds if rep % 2 == 0 else list(reversed(kinds)):
@@ -465,7 +442,8 @@ def run_pass(vocab: int, reps: int, steps: int, warmup: int, kinds: Sequence[str
                             continue
                         key = f"{kind}@{lmbda:g}"
                         try:
-                            runs.setdefault(key, []).append(run_worker(kind, lmbda, warmup, steps, work, vocab, urls))
+                            result = run_worker(kind, lmbda, warmup, steps, work, vocab, urls, tiny)
+                            runs.setdefault(key, []).append(result)
                         except RuntimeError as error:
                             failures[key] = str(error)
                         print(vocab, key, runs.get(key, [])[-1:] or failures.get(key, "")[-300:], flush=True)
@@ -527,7 +505,7 @@ def load_range(result: Mapping[str, Any]) -> str:
     return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "no runs"
 
 
-def render_pass(result: Mapping[str, Any]) -> list[str]:
+def render_pass(result: Mapping[str, Any], batch: int) -> list[str]:
     vocab, teacher = result["vocab"], result["teacher"]
     lines = [
         f"## Vocabulary {vocab}",
@@ -568,7 +546,7 @@ def render_pass(result: Mapping[str, Any]) -> list[str]:
     losses = result["losses"]
     lines += [
         "",
-        f"The loss on one batch ({bench.BATCH} rows, {losses['tokens']} supervised tokens) against the in-process "
+        f"The loss on one batch ({batch} rows, {losses['tokens']} supervised tokens) against the in-process "
         "dense loss (`DenseDistillation(LocalTeacher(teacher))`); hidden kinds through `DenseDistillation`, the "
         "top-20 server through `TopKDistillation` (tail bucket):",
         "",
@@ -638,7 +616,7 @@ def render(results: Mapping[str, Any]) -> str:
         "",
     ]
     for result in results["passes"]:
-        lines += render_pass(result)
+        lines += render_pass(result, meta["batch"])
     lines += notes(results)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -741,18 +719,16 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="toy model sizes (checks the script, not speed)")
     parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.tiny:
-        use_tiny_sizes()
     if args.worker:
         kind, lmbda, warmup, steps, work, vocab, urls = args.worker
-        bench.VOCAB = int(vocab)
-        result = worker(kind, float(lmbda), int(warmup), int(steps), Path(work), json.loads(urls))
+        shape = teachers_shape(args.tiny, int(vocab))
+        result = worker(kind, float(lmbda), int(warmup), int(steps), Path(work), json.loads(urls), shape)
         print(json.dumps(result))
         return
     started = time.perf_counter()
     have_vllm = importlib.util.find_spec("vllm") is not None
     kinds = [k for k in KINDS if have_vllm or k not in SERVED]
-    bench_vocab = bench.VOCAB
+    bench_vocab = teachers_shape(args.tiny).vocab
     vocabs = args.vocabs or [bench_vocab, TINY_LARGE_VOCAB if args.tiny else LARGE_VOCAB]
     passes = []
     for index, vocab in enumerate(vocabs):
@@ -761,22 +737,22 @@ def main() -> None:
         else:
             reps, steps, warmup = args.large_reps, args.large_steps, args.large_warmup
         build_rows = (32 if args.tiny else BUILD_ROWS) if vocab == bench_vocab else 0
-        passes.append(run_pass(vocab, reps, steps, warmup, kinds, build_rows))
+        shape = teachers_shape(args.tiny, vocab)
+        passes.append(run_pass(shape, args.tiny, reps, steps, warmup, kinds, build_rows))
     results = {
         "meta": {
             "command": " ".join(["python scripts/bench_teachers.py", *sys.argv[1:]]),
             "seconds": time.perf_counter() - started,
             "kinds": kinds,
-            "student": bench.STUDENT,
-            "teacher": bench.TEACHER,
-            "batch": bench.BATCH,
-            "new_tokens": bench.NEW_TOKENS,
+            "student": teachers_shape(args.tiny).student,
+            "teacher": teachers_shape(args.tiny).teacher,
+            "batch": teachers_shape(args.tiny).batch,
+            "new_tokens": teachers_shape(args.tiny).new_tokens,
             "head_loader": head_loader(),
         },
         "passes": passes,
     }
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    args.out.write_text(render(results))
+    write_report(args.out, render(results), results)
     print(render(results))
 
 

@@ -2,13 +2,14 @@
 another tokenizer (a byte-level BPE with merges, lightning_gkd/assets/toy_bpe/teacher), against the same student
 distilled from the same-size teacher that shares its tokenizer (lightning_gkd/assets/toy/teacher), and SFT alone.
 
-Each row is ``scripts/reproduce_gkd.py``'s run (200 steps of batch 32, its learning rate, the same seeds): Supervised
-KD (λ=0: the dataset answers) and on-policy GKD (λ=1: the student's samples, decoded and re-tokenized for the BPE
-teacher), forward KL (β=0) on the shared-tokenizer path; on the cross-tokenizer path GOLD's hybrid (β=0 on the
-token strings both vocabularies hold, ULD on the rest; once with TRL's default of leaving the end tokens out of the
-loss, once with them in), ULD alone, and ours: the chunk likelihoods and the projected first token (β=0). Also: the
-training steps' wall time against the same-tokenizer run (the alignment's overhead), and where a cross-tokenizer
-step's time goes. Writes docs/cross_tokenizer.md and .json.
+Each row is a run of the addition study (``experiment=study_addition``: 200 steps of batch 32, the same seeds) of a
+recipe (conf/recipe) at its learning rate there: Supervised KD (λ=0: the dataset answers) and on-policy GKD (λ=1:
+the student's samples, decoded and re-tokenized for the BPE teacher), forward KL (β=0) on the shared-tokenizer path;
+on the cross-tokenizer path (``model=toy_bpe cross_tokenizer=...``) GOLD's hybrid (β=0 on the token strings both
+vocabularies hold, ULD on the rest; once with TRL's default of leaving the end tokens out of the loss, once with them
+in), ULD alone, and ours: the chunk likelihoods and the projected first token (β=0). Also: the training steps' wall
+time against the same-tokenizer run (the alignment's overhead), and where a cross-tokenizer step's time goes. Writes
+docs/cross_tokenizer.md and .json.
 
     python scripts/cross_tokenizer_accuracy.py                    # 3 seeds (about 17 minutes on 2 cores)
     python scripts/cross_tokenizer_accuracy.py --fast --out /tmp/x  # a smoke test
@@ -30,25 +31,22 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce_gkd import METHODS, Method, task_rows, train_one  # noqa: E402
-
-import lightning_gkd.losses.cross_tokenizer as cross_step  # noqa: E402
-import lightning_gkd.teachers.local as local_teacher  # noqa: E402
-from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.toy.tiny import asset_path  # noqa: E402
+import lightning_gkd.losses.cross_tokenizer as cross_step
+import lightning_gkd.teachers.local as local_teacher
+from lightning_gkd.cli.compose import held_out_after, train_seeds
+from lightning_gkd.studies.reports import generated_by, write_report
+from lightning_gkd.toy.tiny import asset_path
 
 REPO = Path(__file__).resolve().parents[1]
-SFT = next(m for m in METHODS if m.name == "SFT")
-OFF_POLICY = next(m for m in METHODS if m.name == "Supervised KD")  # λ=0, β=0
-ON_POLICY = next(m for m in METHODS if m.name == "GKD β=0")  # λ=1, β=0
 LR = 3e-3  # docs/results.md's choice for all three (task 1)
 #: The end tokens kept in the loss (our default) or left out (TRL's GOLD default: uld_skip_*_eos=True).
 KEEP = {"skip_student_eos": False, "skip_teacher_eos": False}
 SKIP = {"skip_student_eos": True, "skip_teacher_eos": True}
-#: (row label, method, teacher asset, cross-tokenizer settings or None for the shared-tokenizer path)
-ROWS: list[tuple[str, Method, str | None, dict[str, Any] | None]] = [("SFT (no teacher)", SFT, None, None)]
-for _name, _method in (("Supervised KD", OFF_POLICY), ("On-policy GKD", ON_POLICY)):
+#: the addition study's recipes (conf/recipe) each row runs, by the name docs/results.md gives them
+RECIPES = {"SFT": "sft", "Supervised KD": "supervised_kd", "GKD β=0": "gkd_beta0"}
+#: (row label, recipe name, teacher asset, cross-tokenizer settings or None for the shared-tokenizer path)
+ROWS: list[tuple[str, str, str | None, dict[str, Any] | None]] = [("SFT (no teacher)", "SFT", None, None)]
+for _name, _method in (("Supervised KD", "Supervised KD"), ("On-policy GKD", "GKD β=0")):
     bpe = "toy_bpe/teacher"
     ROWS += [
         (f"{_name}, same tokenizer", _method, "toy/teacher", None),
@@ -64,6 +62,7 @@ for _name, _method in (("Supervised KD", OFF_POLICY), ("On-policy GKD", ON_POLIC
         (f"{_name}, BPE teacher, projected (the default)", _method, bpe, {"loss": "projected", **KEEP}),
         (f"{_name}, BPE teacher, projected, end tokens skipped", _method, bpe, {"loss": "projected", **SKIP}),
     ]
+FAST_ROWS = ["+data.train_data.num_rows=256", "+data.val_data.num_rows=32", "+data.test_data.num_rows=64"]
 #: The cross-tokenizer step's parts, timed by wrapping the functions losses/cross_tokenizer.py calls.
 TIMED = {
     "student_completions": "decode the student's completions (byte spans)",
@@ -108,6 +107,17 @@ def manifest(assets: str) -> dict[str, Any]:
     return json.loads(Path(asset_path(f"{assets}/manifest.json")).read_text())
 
 
+def run_overrides(recipe: str, teacher: str | None, cross_tokenizer: dict[str, Any] | None) -> list[str]:
+    """A row's ``lightning-gkd`` overrides: the recipe, and the BPE teacher (model=toy_bpe) with its loss."""
+    overrides = [f"recipe={RECIPES[recipe]}"]
+    if teacher == "toy_bpe/teacher":
+        overrides.append("model=toy_bpe")
+    if cross_tokenizer is not None:
+        overrides.append(f"cross_tokenizer={cross_tokenizer['loss']}")
+        overrides += [f"cross_tokenizer.{key}={str(cross_tokenizer[key]).lower()}" for key in KEEP]
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
@@ -118,36 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fast:
         args.steps, args.seeds = 6, args.seeds[:1]
-    rows = task_rows("addition", args.fast, 1.0)
     started = time.perf_counter()
-    tokenizer = load_tokenizer(asset_path("toy/student_init"))
-    settings = dict(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        eval_every=args.steps,
-        tokenizer=tokenizer,
-        rows=rows,
-        work_dir=args.out / ".runs",
-        lr=LR,
-    )
+    base = ["experiment=study_addition", f"optimizer.lr={LR}", f"data.batch_size={args.batch_size}"]
+    base += [f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}"]
+    base += FAST_ROWS if args.fast else []
     results: dict[str, dict[str, Any]] = {}
-    for label, method, teacher, cross_tokenizer in ROWS:
-        accuracies, step_seconds = [], []
+    for index, (label, recipe, teacher, cross_tokenizer) in enumerate(ROWS):
         parts: dict[str, float] = defaultdict(float)
-        options = {} if cross_tokenizer is None else {"cross_tokenizer": cross_tokenizer}
-        for seed in args.seeds:
-            with timed_parts(parts):
-                run = train_one(
-                    method,
-                    seed=seed,
-                    teacher=asset_path(teacher) if teacher else None,
-                    gkd_options=options,
-                    **settings,
-                )
-            accuracies.append(run.test_accuracy)
-            step_seconds.append(run.diagnostics["train_seconds"] / args.steps)
+        overrides = [*base, *run_overrides(recipe, teacher, cross_tokenizer)]
+        with timed_parts(parts):
+            runs = train_seeds(overrides, args.seeds, output_dir=args.out / ".runs" / "cross_tokenizer" / f"row{index}")
+        accuracies = [held_out_after(run) for run in runs]
+        step_seconds = [run["study"]["train_seconds"] / args.steps for run in runs]
         results[label] = {
-            "method": method.name,
+            "method": recipe,
             "teacher": teacher,
             "loss": loss_label(cross_tokenizer, teacher),
             "test_accuracy": accuracies,
@@ -171,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "seconds": time.perf_counter() - started,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cross_tokenizer.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "cross_tokenizer.md").write_text(render(report))
+    write_report(args.out / "cross_tokenizer.md", render(report), report)
     print(render(report))
     return 0
 
@@ -198,7 +190,7 @@ def render(report: dict) -> str:
     lines = [
         "# Cross-tokenizer distillation on the toy task",
         "",
-        "Generated by `scripts/cross_tokenizer_accuracy.py` (do not edit by hand; rerun the script).",
+        generated_by("scripts/cross_tokenizer_accuracy.py"),
         "",
         f"- Command: `{report['command']}`; machine: {report['machine']}; total {report['seconds'] / 60:.1f} min",
         f"- Budget: {report['args']['steps']} steps of batch {report['args']['batch_size']}, lr {LR}, seeds "

@@ -9,11 +9,12 @@ Parts (each timed and guarded: one failing prints its traceback and the rest sti
 
 * ``default_job``    the ``lightning-gkd`` CLI's default job (toy GKD) for a few steps with ``trainer=gpu``
 * ``methods``        GKD (lambda 1), OPD, SFT and DPO for a few steps at Qwen2.5-0.5B / 1.5B shapes (random init,
-                     scripts/bench.py's ``build_model``), bf16-mixed: seconds a step, peak GPU memory, the last loss
+                     ``lightning_gkd.studies.bench_models``), bf16-mixed: seconds a step, peak GPU memory, the last loss
 * ``lean_memory``    peak GPU memory of one GKD loss forward + backward, lean (hidden states, chunked) vs full
                      logits, at vocabulary 151,936 x 4,096 supervised tokens (scripts/lean_memory.py's comparison)
 * ``sampler``        our KVCacheSampler's decode tokens/s vs Hugging Face ``generate`` on the 0.5B-shaped student
-* ``bench_trl``      scripts/bench.py's real-shape worker on the GPU: ours vs TRL's DistillationTrainer (lambda 1),
+* ``bench_trl``      the bench's real-shape worker (``lightning_gkd.cli.bench_worker``) on the GPU: ours vs TRL's
+                     DistillationTrainer (lambda 1),
                      seconds a step, tokens/s and MFU (model FLOPs over the GPU's bf16 peak); skipped without trl
 * ``step_profile``   one on-policy GKD step with bench_trl's settings, in-process: synchronised seconds of each
                      phase, host-device syncs a step and where, torch.profiler's top operators
@@ -24,6 +25,8 @@ Parts (each timed and guarded: one failing prints its traceback and the rest sti
 Writes ``device_check.json`` and ``device_check.md`` (a table ready for docs/benchmarks_gpu.md) to ``--out``
 (default: ``$OUT`` if set, else ./device_check_out). ``--dry-run`` runs every part on CPU at toy sizes; GPU-only
 measurements (peak GPU memory, MFU) are then left out with a note, so the dry run checks the script, not speed.
+Where this checkout's package is not installed, the script runs again with it on PYTHONPATH (its parts' processes
+inherit it).
 """
 
 from __future__ import annotations
@@ -65,14 +68,6 @@ class Skipped(Exception):
     """A part that cannot run here (e.g. trl not installed); recorded as skipped with the message."""
 
 
-def load_bench():
-    """scripts/bench.py as a module (its shapes, ``build_model``, ``bench_rows`` and subprocess worker)."""
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class Check:
     """The settings every part reads: where it runs and at which sizes."""
 
@@ -82,12 +77,11 @@ class Check:
         self.steps = steps
         self.device = "cpu" if dry_run else "cuda"
         self.trainer = "cpu" if dry_run else "gpu"
-        os.environ["BENCH_DEVICE"] = self.device  # scripts/bench.py and its workers read it
-        self.bench = load_bench()
-        if dry_run:
-            self.bench.use_tiny_sizes()
-        else:
-            self.bench.use_real_shapes()
+        from lightning_gkd.studies.bench_models import bench_shape
+
+        # the bench's shapes: toy sizes of its small pair (dry run), Qwen2.5-0.5B / 1.5B's (GPU)
+        self.shape_name = "small" if dry_run else "real"
+        self.shape = bench_shape(self.shape_name, tiny=dry_run)
 
     # -- helpers shared by the parts ------------------------------------------------------------------------------
 
@@ -127,13 +121,15 @@ class Check:
 
         return torch.cuda.max_memory_allocated() / 2**30 if self.device == "cuda" else None
 
-    def model(self, spec: dict, seed: int, tokenizer):
-        """scripts/bench.py's ``build_model`` (random init, float32), initialised on the check's device (on a GPU
-        that takes a second, not the CPU's minute for a 1.5B model)."""
+    def model(self, sizes: dict, seed: int, tokenizer, vocab: int | None = None):
+        """The bench's ``build_model`` (random init, float32; the shape's vocabulary unless given), initialised on
+        the check's device (on a GPU that takes a second, not the CPU's minute for a 1.5B model)."""
         import torch
 
+        from lightning_gkd.studies.bench_models import build_model
+
         with torch.device(self.device):
-            return self.bench.build_model(spec, seed, tokenizer)
+            return build_model(sizes, vocab or self.shape.vocab, tokenizer, seed)
 
     def tokenizer(self):
         from lightning_gkd.data.tokenizer import build_chatml_tokenizer
@@ -141,42 +137,25 @@ class Check:
         return build_chatml_tokenizer()
 
     def lightning_trainer(self, steps: int, callbacks: list, strategy: Any = "auto"):
-        import lightning as L
+        """``plain_trainer`` at trainer=gpu's precision (autocast on CPU too in the dry run)."""
+        from lightning_gkd.studies.step_timing import plain_trainer
 
-        return L.Trainer(
-            accelerator=self.trainer,
-            devices=1,
-            strategy=strategy,
-            precision="bf16-mixed",  # trainer=gpu's precision (autocast on CPU too in the dry run)
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            gradient_clip_val=1.0,
-            callbacks=callbacks,
+        return plain_trainer(
+            steps, accelerator=self.trainer, precision="bf16-mixed", callbacks=callbacks, strategy=strategy
         )
 
     def fit_timed(self, module, datamodule, strategy: Any = "auto") -> dict[str, Any]:
         """Fit ``self.steps`` optimizer steps; seconds a step after the first, peak GPU memory, the last loss."""
-        import lightning as L
+        from lightning_gkd.studies.step_timing import StepEnds
 
-        ends: list[float] = []
-
-        class StepEnds(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                check.synchronize()
-                ends.append(time.perf_counter())
-
-        check = self
+        step_ends = StepEnds(self.synchronize)
         self.reset_peak()
-        trainer = self.lightning_trainer(self.steps, [StepEnds()], strategy)
+        trainer = self.lightning_trainer(self.steps, [step_ends], strategy)
         trainer.fit(module, datamodule=datamodule)
         loss = float(trainer.callback_metrics["train/loss"])
         if not loss == loss or abs(loss) == float("inf"):
             raise RuntimeError(f"the last train/loss is not finite: {loss}")
-        timed = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        timed = [b - a for a, b in zip(step_ends.ends, step_ends.ends[1:], strict=False)]
         return {
             "steps": trainer.global_step,
             "s_per_step": sum(timed) / len(timed),
@@ -211,34 +190,45 @@ class Check:
     def methods(self) -> dict[str, Any]:
         import torch
 
-        from lightning_gkd import ChatDataModule, DPOModule, GKDModule, OPDModule, PreferenceDataModule, SFTModule
+        from lightning_gkd import ChatDataModule, PreferenceDataModule
+        from lightning_gkd.cli.compose import build_method
+        from lightning_gkd.studies.bench_models import bench_rows
         from lightning_gkd.training.optimizers import adamw
 
-        bench, tokenizer = self.bench, self.tokenizer()
-        rows = bench.bench_rows(bench.BATCH * (self.steps + 1), answer_tokens=bench.NEW_TOKENS)
+        shape, tokenizer = self.shape, self.tokenizer()
+        rows = bench_rows(shape.batch * (self.steps + 1), answer_tokens=shape.new_tokens)
         pairs = [
             {"prompt": row["messages"][:1], "chosen": row["messages"][1:], "rejected": other["messages"][1:]}
             for row, other in zip(rows, rows[1:] + rows[:1], strict=True)
         ]
         optimizer = partial(adamw, lr=1e-5)
-        sampling = {"max_new_tokens": bench.NEW_TOKENS, "optimizer": optimizer, "seed": 0}
+        sampling = [f"method.sampling.max_new_tokens={shape.new_tokens}", "seed=0"]
 
         def student():
-            return self.model(bench.STUDENT, 0, tokenizer)
+            return self.model(shape.student, 0, tokenizer)
 
         def teacher():
-            return self.model(bench.TEACHER, 1, tokenizer)
+            return self.model(shape.teacher, 1, tokenizer)
+
+        def distillation(kind: str, *settings: str):
+            modules = {"student": student(), "teacher": teacher(), "tokenizer": tokenizer, "optimizer": optimizer}
+            return build_method([f"method={kind}", *settings, *sampling], **modules), chat()
 
         def chat():
-            return ChatDataModule(tokenizer, rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH)
+            return ChatDataModule(tokenizer, rows, batch_size=shape.batch, max_length=shape.max_length)
 
         builders: dict[str, Callable[[], tuple]] = {
-            "gkd (lambda 1)": lambda: (GKDModule(student(), teacher(), tokenizer, lmbda=1.0, **sampling), chat()),
-            "opd": lambda: (OPDModule(student(), teacher(), tokenizer, **sampling), chat()),
-            "sft": lambda: (SFTModule(student(), tokenizer, optimizer=optimizer), chat()),
+            "gkd (lambda 1)": lambda: distillation("gkd", "method.lmbda=1.0"),
+            "opd": lambda: distillation("opd"),
+            "sft": lambda: (
+                build_method(["method=sft"], model=student(), tokenizer=tokenizer, optimizer=optimizer),
+                chat(),
+            ),
             "dpo": lambda: (
-                DPOModule(student(), tokenizer, reference=student(), optimizer=optimizer),
-                PreferenceDataModule(tokenizer, pairs, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH),
+                build_method(
+                    ["method=dpo"], model=student(), reference=student(), tokenizer=tokenizer, optimizer=optimizer
+                ),
+                PreferenceDataModule(tokenizer, pairs, batch_size=shape.batch, max_length=shape.max_length),
             ),
         }
         results, failed = {}, []
@@ -264,20 +254,17 @@ class Check:
         is 2 layers of the student's width (the loss, not the decoder, is what differs), the vocabulary 151,936."""
         import torch
 
-        from lightning_gkd import GKDModule
+        from lightning_gkd.cli.compose import build_method
 
-        bench, tokenizer = self.bench, self.tokenizer()
-        vocab, positions = (bench.VOCAB, 64) if self.dry_run else (151_936, 4096)
-        spec = {**bench.STUDENT, "num_hidden_layers": 2}
+        tokenizer = self.tokenizer()
+        vocab, positions = (self.shape.vocab, 64) if self.dry_run else (151_936, 4096)
+        sizes = {**self.shape.student, "num_hidden_layers": 2}
         out: dict[str, Any] = {"vocab": vocab, "supervised_tokens": positions}
         for lean in (False, True):
             torch.manual_seed(0)
-            previous, bench.VOCAB = bench.VOCAB, vocab
-            try:
-                student, teacher = self.model(spec, 0, tokenizer), self.model(spec, 1, tokenizer)
-            finally:
-                bench.VOCAB = previous
-            module = GKDModule(student, teacher.to(torch.bfloat16), tokenizer, lean_loss=lean, max_new_tokens=4)
+            student, teacher = self.model(sizes, 0, tokenizer, vocab), self.model(sizes, 1, tokenizer, vocab)
+            settings = ["method=gkd", f"method.divergence.lean_loss={lean}", "method.sampling.max_new_tokens=4"]
+            module = build_method(settings, student=student, teacher=teacher.to(torch.bfloat16), tokenizer=tokenizer)
             module.to(self.device)
             rows = 2
             ids = torch.randint(3, vocab, (rows, positions // rows + 1), generator=torch.Generator().manual_seed(0))
@@ -320,9 +307,9 @@ class Check:
 
         from lightning_gkd.samplers import KVCacheSampler
 
-        bench, tokenizer = self.bench, self.tokenizer()
+        tokenizer = self.tokenizer()
         batch, new = (2, 8) if self.dry_run else (8, 128)
-        model = self.model(bench.STUDENT, 0, tokenizer).to(self.device).eval()
+        model = self.model(self.shape.student, 0, tokenizer).to(self.device).eval()
         prompts = torch.randint(3, len(tokenizer), (batch, 60), generator=torch.Generator().manual_seed(0))
         prompts, mask = prompts.to(self.device), torch.ones_like(prompts, device=self.device)
         ours = KVCacheSampler(tokenizer, max_new_tokens=new, temperature=0.9)
@@ -360,16 +347,19 @@ class Check:
         return result
 
     def bench_trl(self) -> dict[str, Any]:
-        """scripts/bench.py's worker (its own process each) for ours and TRL's DistillationTrainer at lambda 1."""
+        """The bench's worker (``lightning_gkd.cli.bench_worker``, its own process each) for ours and TRL's
+        DistillationTrainer at lambda 1."""
         if importlib.util.find_spec("trl") is None:
             raise Skipped("trl is not installed here (pip install trl==1.16.0 to compare with its DistillationTrainer)")
-        bench = self.bench
+        from lightning_gkd.cli.bench_worker import measure
+
+        shape = self.shape
         warmup, steps = (1, 2) if self.dry_run else (2, 4)
         flops, tokens = self.step_flops()
         peak = self.peak_flops()
-        out: dict[str, Any] = {"batch": bench.BATCH, "new_tokens": bench.NEW_TOKENS, "tokens_per_step": tokens}
+        out: dict[str, Any] = {"batch": shape.batch, "new_tokens": shape.new_tokens, "tokens_per_step": tokens}
         for config in ("ours", "trl_distill"):
-            result = bench.run_one(config, 1.0, warmup, steps)
+            result = measure(config, 1.0, warmup, steps, shape=self.shape_name, tiny=self.dry_run, device=self.device)
             seconds = result["seconds_per_step"]
             out[config] = {
                 "s_per_step": seconds,
@@ -391,25 +381,27 @@ class Check:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from lightning_gkd import ChatDataModule
+        from lightning_gkd.studies.bench_models import bench_rows
 
-        bench, tokenizer = self.bench, self.tokenizer()
-        datamodule = ChatDataModule(tokenizer, bench.bench_rows(bench.BATCH), batch_size=bench.BATCH)
+        shape, tokenizer = self.shape, self.tokenizer()
+        rows = bench_rows(shape.batch, answer_tokens=shape.new_tokens)
+        datamodule = ChatDataModule(tokenizer, rows, batch_size=shape.batch)
         datamodule.setup("fit")
         prompt = next(iter(datamodule.train_dataloader()))["prompts"].shape[1]
-        sampled = bench.BATCH * bench.NEW_TOKENS
-        tokens = bench.BATCH * prompt + sampled
+        sampled = shape.batch * shape.new_tokens
+        tokens = shape.batch * prompt + sampled
 
-        def layers(spec: dict) -> int:
-            config = AutoConfig.for_model("qwen2", vocab_size=bench.VOCAB, tie_word_embeddings=True, **spec)
+        def layers(sizes: dict) -> int:
+            config = AutoConfig.for_model("qwen2", vocab_size=shape.vocab, tie_word_embeddings=True, **sizes)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
-            return sum(p.numel() for p in model.parameters()) - bench.VOCAB * spec["hidden_size"]
+            return sum(p.numel() for p in model.parameters()) - shape.vocab * sizes["hidden_size"]
 
-        student, teacher = layers(bench.STUDENT), layers(bench.TEACHER)
-        head = 2 * bench.VOCAB * sampled
-        flops = 6 * student * tokens + 3 * head * bench.STUDENT["hidden_size"]
-        flops += 2 * teacher * tokens + head * bench.TEACHER["hidden_size"]
-        flops += 2 * student * sampled + head * bench.STUDENT["hidden_size"]
+        student, teacher = layers(shape.student), layers(shape.teacher)
+        head = 2 * shape.vocab * sampled
+        flops = 6 * student * tokens + 3 * head * shape.student["hidden_size"]
+        flops += 2 * teacher * tokens + head * shape.teacher["hidden_size"]
+        flops += 2 * student * sampled + head * shape.student["hidden_size"]
         return float(flops), tokens
 
     def peak_flops(self) -> float | None:
@@ -421,8 +413,8 @@ class Check:
         return next((tf * 1e12 for key, tf in BF16_PEAK_TFLOPS.items() if key in name), None)
 
     def step_profile_cpu_built(self) -> dict[str, Any]:
-        """``step_profile`` with the models built on the CPU and moved by Lightning, as scripts/bench.py's worker
-        (and a user's script) does."""
+        """``step_profile`` with the models built on the CPU and moved by Lightning, as the bench's worker (and a
+        user's script) does."""
         return self.step_profile(build_on_cpu=True)
 
     def step_profile(self, build_on_cpu: bool = False) -> dict[str, Any]:
@@ -436,30 +428,20 @@ class Check:
         import lightning as L
         import torch
 
-        from lightning_gkd import ChatDataModule, GKDModule
+        from lightning_gkd import ChatDataModule
+        from lightning_gkd.cli.bench_worker import ours_module
         from lightning_gkd.samplers import KVCacheSampler
-        from lightning_gkd.training.optimizers import adamw
+        from lightning_gkd.studies.bench_models import bench_rows, build_models
 
-        bench, tokenizer = self.bench, self.tokenizer()
+        shape, tokenizer = self.shape, self.tokenizer()
         warmup, timed, profiled = 2, 3, 1
         steps = warmup + timed + profiled
-        rows = bench.bench_rows(bench.BATCH * (steps + 1), answer_tokens=bench.NEW_TOKENS)
+        rows = bench_rows(shape.batch * (steps + 1), answer_tokens=shape.new_tokens)
         if build_on_cpu:
-            student, teacher = bench.build_models(tokenizer)
+            student, teacher = build_models(shape, tokenizer)
         else:
-            student, teacher = self.model(bench.STUDENT, 0, tokenizer), self.model(bench.TEACHER, 1, tokenizer)
-        module = GKDModule(
-            student,
-            teacher,
-            tokenizer,
-            lmbda=1.0,
-            beta=0.5,
-            temperature=0.9,
-            max_new_tokens=bench.NEW_TOKENS,
-            optimizer=partial(adamw, lr=1e-5),
-            seed=0,
-            sampler=KVCacheSampler,
-        )
+            student, teacher = self.model(shape.student, 0, tokenizer), self.model(shape.teacher, 1, tokenizer)
+        module = ours_module(shape, student, teacher, tokenizer, 1.0, sampler=KVCacheSampler)
         phases: list[dict[str, float]] = []
         check = self
 
@@ -522,7 +504,7 @@ class Check:
                     wrapped["done"] = True
 
         trainer.callbacks.append(Wrap())
-        datamodule = ChatDataModule(tokenizer, rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH)
+        datamodule = ChatDataModule(tokenizer, rows, batch_size=shape.batch, max_length=shape.max_length)
         trainer.fit(module, datamodule=datamodule)
         means = {
             key: sum(p.get(key, 0.0) for p in phases[warmup : warmup + timed]) / timed
@@ -532,7 +514,7 @@ class Check:
         means["optimizer_and_logging"] /= timed
         means["student_forward_and_loss"] = means["forward_and_loss_total"] - means["sampling"]
         means["student_forward_and_loss"] -= means["teacher_forward"]
-        out: dict[str, Any] = {"batch": bench.BATCH, "new_tokens": bench.NEW_TOKENS, "mean_s": means}
+        out: dict[str, Any] = {"batch": shape.batch, "new_tokens": shape.new_tokens, "mean_s": means}
         out["lean_taken"] = module.lean_path.enabled  # the timing wrappers must not hide forward's signature
         phases_cb = next(c for c in trainer.callbacks if isinstance(c, Phases))
         if hasattr(phases_cb, "profile"):
@@ -570,20 +552,21 @@ class Check:
     def fsdp_worker(self) -> dict[str, Any]:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        from lightning_gkd import ChatDataModule, GKDModule
+        from lightning_gkd import ChatDataModule
+        from lightning_gkd.cli.compose import build_method
+        from lightning_gkd.studies.bench_models import bench_rows
         from lightning_gkd.training.optimizers import adamw
 
-        bench, tokenizer = self.bench, self.tokenizer()
-        rows = bench.bench_rows(bench.BATCH * (self.steps + 1))
-        module = GKDModule(
-            self.model(bench.STUDENT, 0, tokenizer),
-            self.model(bench.TEACHER, 1, tokenizer),
-            tokenizer,
-            lmbda=1.0,
-            max_new_tokens=bench.NEW_TOKENS,
+        shape, tokenizer = self.shape, self.tokenizer()
+        rows = bench_rows(shape.batch * (self.steps + 1), answer_tokens=shape.new_tokens)
+        module = build_method(
+            ["method=gkd", "method.lmbda=1.0", f"method.sampling.max_new_tokens={shape.new_tokens}"],
+            student=self.model(shape.student, 0, tokenizer),
+            teacher=self.model(shape.teacher, 1, tokenizer),
+            tokenizer=tokenizer,
             optimizer=partial(adamw, lr=1e-5),
         )
-        datamodule = ChatDataModule(tokenizer, rows, batch_size=bench.BATCH, max_length=bench.MAX_LENGTH)
+        datamodule = ChatDataModule(tokenizer, rows, batch_size=shape.batch, max_length=shape.max_length)
         strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
         result = self.fit_timed(module, datamodule, strategy)
         from torch.distributed.tensor import DTensor
@@ -601,13 +584,13 @@ class Check:
 
         folder = self.out / "teacher_model"
         tokenizer = self.tokenizer()
-        self.model(self.bench.TEACHER, 1, tokenizer).to(torch.bfloat16).save_pretrained(folder)
+        self.model(self.shape.teacher, 1, tokenizer).to(torch.bfloat16).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         rows = (32, 16) if self.dry_run else (1024, 128)
         model = [f"model.{key}={folder}" for key in ("tokenizer", "student.name_or_path", "teacher.name_or_path")]
         model += [f"+data.train_data.num_rows={rows[0]}", f"+data.val_data.num_rows={rows[1]}"]
         out: dict[str, Any] = {
-            "teacher": f"{self.bench.TEACHER['num_hidden_layers']} x {self.bench.TEACHER['hidden_size']}, bf16",
+            "teacher": f"{self.shape.teacher['num_hidden_layers']} x {self.shape.teacher['hidden_size']}, bf16",
             "rows": sum(rows),
         }
         for name, extra in (("topk", []), ("hidden_bf16", ["cache.signal=hidden", "cache.hidden_dtype=bfloat16"])):
@@ -723,7 +706,20 @@ def setup() -> None:
     editable = subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT)])
     if editable.returncode != 0:  # the parts import the checkout through PYTHONPATH: the console scripts are a nicety
         print(f"pip install -e {ROOT} failed ({editable.returncode}); the parts run from the checkout", flush=True)
-    importlib.invalidate_caches()  # this process imports the new packages next
+
+
+def run_again(*, without: str | None = None, with_checkout: bool = False) -> None:
+    """Replace this process by the same command (less ``without``): after ``--setup`` installed the wheels, or with
+    this checkout on PYTHONPATH (``with_checkout``) where its package is not installed; every part's process
+    inherits that environment."""
+    env = dict(os.environ)
+    if with_checkout:
+        if env.get("DEVICE_CHECK_CHECKOUT") == str(ROOT):
+            raise SystemExit(f"lightning_gkd cannot be imported from {ROOT}: install it (pip install -e .).")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["DEVICE_CHECK_CHECKOUT"] = str(ROOT)
+    argv = [arg for arg in sys.argv if arg != without]
+    os.execve(sys.executable, [sys.executable, *argv], env)
 
 
 def main() -> None:
@@ -737,10 +733,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.setup:
         setup()
+        run_again(without="--setup")  # a fresh interpreter sees what was installed
+    if importlib.util.find_spec("lightning_gkd") is None:
+        run_again(with_checkout=True)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (2 if args.dry_run else 4)
-    sys.path.insert(0, str(ROOT))
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():

@@ -4,9 +4,9 @@ same run with the teacher in process (dense) and with its top-20 (what a top-k s
 The hidden-state arm trains against a real vLLM pooling server of the chain teacher (`--runner pooling`, per-token
 states, bf16 on the wire: `teacher=server_hidden`'s default), the head read from the teacher's safetensors; the top-20
 arm reads the in-process teacher's top-20 with the tail bucket (`teacher.top_k=20`, `sparse_loss=topk`: the signal a
-server with `prompt_logprobs=20` sends, tests/teachers/test_server.py). Every run is scripts/reproduce_gkd.py's chain
-"GKD β=1" with its budget, learning rate and seeds. Needs vLLM (the vLLM environment, README "vLLM"). Writes
-docs/hidden_teacher.md and .json.
+server with `prompt_logprobs=20` sends, tests/teachers/test_server.py). Every run is the chain study's "GKD β=1"
+(`experiment=study_chain recipe=gkd_beta1`) with its budget, learning rate and seeds. Needs vLLM (the vLLM
+environment, README "vLLM"). Writes docs/hidden_teacher.md and .json.
 
     .venv-vllm/bin/python scripts/hidden_teacher_accuracy.py             # 3 seeds x 3 teachers (~20 min on 2 cores)
     .venv-vllm/bin/python scripts/hidden_teacher_accuracy.py --fast --out /tmp/hidden   # a smoke test
@@ -15,7 +15,6 @@ docs/hidden_teacher.md and .json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -29,18 +28,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce_gkd import CHAIN_METHODS, train_one  # noqa: E402
-
-from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.teachers.hidden_server import POOLER_CONFIG  # noqa: E402
-from lightning_gkd.toy.tasks import toy_task  # noqa: E402
-from lightning_gkd.toy.tiny import asset_path  # noqa: E402
+from lightning_gkd.cli.compose import held_out_after, train_seeds
+from lightning_gkd.studies.reports import generated_by, write_report
+from lightning_gkd.teachers.hidden_server import POOLER_CONFIG
+from lightning_gkd.toy.tiny import asset_path
 
 REPO = Path(__file__).resolve().parents[1]
-TASK = toy_task("chain")
-REVERSE_KL = next(m for m in CHAIN_METHODS if m.name == "GKD β=1")
-TEACHER = asset_path(f"{TASK.assets}/teacher")
+TEACHER = asset_path("toy_chain/teacher")
+FAST_ROWS = ["+data.train_data.num_rows=256", "+data.val_data.num_rows=32", "+data.test_data.num_rows=64"]
 
 
 def start_pooling_server(log: Path) -> tuple[subprocess.Popen, str]:
@@ -78,45 +73,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     parser.add_argument("--fast", action="store_true", help="1 seed, 6 steps, few rows")
     args = parser.parse_args(argv)
-    rows = {split: TASK.rows(split) for split in ("train", "val", "test")}
     if args.fast:
         args.steps, args.seeds = 6, args.seeds[:1]
-        rows = {"train": rows["train"][:256], "val": rows["val"][:32], "test": rows["test"][:64]}
     torch.set_num_threads(1)  # the server gets the other core
     started = time.perf_counter()
-    tokenizer = load_tokenizer(TEACHER)
     work = args.out / ".runs_hidden"
     work.mkdir(parents=True, exist_ok=True)
     process, url = start_pooling_server(work / "server.log")
-    teachers: dict[str, object] = {
-        "in process (dense)": None,
-        "server, hidden states (bf16)": {
-            "kind": "server",
-            "signal": "hidden",
-            "url": url,
-            "head": TEACHER,
-            "dtype": "bfloat16",
-            "concurrency": 4,
-        },
-        "top-20 + tail": {"kind": "local", "model": TEACHER, "top_k": 20},
+    base = ["experiment=study_chain", "recipe=gkd_beta1", f"optimizer.lr={args.lr}"]
+    base += [
+        f"data.batch_size={args.batch_size}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_check_interval={args.steps}",
+        "~callbacks.study_record",
+    ]
+    base += FAST_ROWS if args.fast else []
+    teachers = {
+        "in process (dense)": [],
+        "server, hidden states (bf16)": [
+            "teacher=server_hidden",
+            f"teacher.url={url}",
+            f"teacher.head={TEACHER}",
+            "teacher.dtype=bfloat16",
+            "teacher.concurrency=4",
+        ],
+        "top-20 + tail": ["teacher.top_k=20"],
     }
-    settings = dict(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        eval_every=args.steps,
-        tokenizer=tokenizer,
-        rows=rows,
-        work_dir=work,
-        task=TASK,
-    )
     results: dict[str, dict[str, list[float]]] = {}
     try:
-        for name, teacher in teachers.items():
-            runs = [train_one(REVERSE_KL, seed=s, lr=args.lr, teacher=teacher, **settings) for s in args.seeds]
-            results[name] = {
-                "test": [run.test_accuracy for run in runs],
-                "seconds": [run.seconds for run in runs],
-            }
+        for index, (name, teacher) in enumerate(teachers.items()):
+            runs = train_seeds([*base, *teacher], args.seeds, output_dir=work / f"teacher{index}")
+            seconds = [run["fit_seconds"] for run in runs]
+            results[name] = {"test": [held_out_after(run) for run in runs], "seconds": seconds}
             print(f"{name}: test {[round(a, 3) for a in results[name]['test']]}", flush=True)
     finally:
         process.send_signal(signal.SIGTERM)
@@ -129,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "seconds": time.perf_counter() - started,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hidden_teacher.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "hidden_teacher.md").write_text(render(report))
+    write_report(args.out / "hidden_teacher.md", render(report), report)
     print(render(report))
     return 0
 
@@ -142,7 +128,7 @@ def render(report: dict) -> str:
     lines = [
         "# On-policy reverse KL from a served teacher's hidden states (chain task)",
         "",
-        "Generated by `scripts/hidden_teacher_accuracy.py` (do not edit by hand; rerun the script).",
+        generated_by("scripts/hidden_teacher_accuracy.py"),
         "",
         f"- Command: `{report['command']}`; machine: {report['machine']}; total {report['seconds'] / 60:.1f} min.",
         f"- Every run: docs/results.md's chain \"GKD β=1\" (λ=1, β=1: reverse KL on the student's own samples), "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import warnings
@@ -21,8 +20,9 @@ def measure(lean: bool, positions: int, hidden: int) -> dict[str, float]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_gkd import GKDModule
+    from lightning_gkd.cli.compose import build_method
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+    from lightning_gkd.studies.process_memory import peak_rss_mb
 
     warnings.filterwarnings("ignore")
     config = AutoConfig.for_model(
@@ -39,15 +39,16 @@ def measure(lean: bool, positions: int, hidden: int) -> dict[str, float]:
     )
     torch.manual_seed(0)
     student, teacher = AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_config(config)
-    module = GKDModule(student, teacher, build_chatml_tokenizer(), lean_loss=lean, max_new_tokens=4)
+    settings = ["method=gkd", f"method.divergence.lean_loss={lean}", "method.sampling.max_new_tokens=4"]
+    module = build_method(settings, student=student, teacher=teacher, tokenizer=build_chatml_tokenizer())
     rows = 2
     ids = torch.randint(3, 259, (rows, positions // rows + 1))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     batch["labels"][:, 0] = -100
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = peak_rss_mb()
     loss = module.distillation_loss(batch).loss
     loss.backward()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    after = peak_rss_mb()
     return {"loss": float(loss), "added_mb": after - before, "lean_taken": module.lean_path.enabled}
 
 

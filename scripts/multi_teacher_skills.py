@@ -4,7 +4,7 @@ Skill "add" is the toy addition task (digits units first), taught by the shipped
 other skill. Skill "reverse" writes a number's digits backwards (``"90417~"`` -> ``"71409"``), taught by a second
 teacher of the same size trained here from scratch on it alone (SFT until 97% validation exact match), which never
 saw addition. The student (the shipped toy student start) trains on a 50/50 mix of both skills with supervised KD
-(λ=0, β=0, forward KL on the ground-truth answers), three ways:
+(the addition study's ``recipe=supervised_kd``: λ=0, β=0, forward KL on the ground-truth answers), three ways:
 
 - routed: ``teacher.kind=multi``, each row's ``teacher`` column names its skill's teacher;
 - "add" teacher only / "reverse" teacher only: one teacher scores every row.
@@ -19,31 +19,29 @@ writes docs/multi_teacher.md and .json.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import platform
 import random
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from transformers import get_cosine_schedule_with_warmup
 
-from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.cli.compose import train
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
+from lightning_gkd.studies.reports import generated_by, write_report
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import TOY_TEACHER, asset_path, tiny_causal_lm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_toy_teacher import sft  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
+#: every run's data and rows: chat rows from .jsonl files, 64 tokens at most, validation on the whole split
+DATA = ["data=chat_files", "data.max_length=64", "+data.val_batch_size=256"]
 
 
 def reverse_rows(split: str, num_rows: int | None = None, seed: int = 99) -> list[dict]:
@@ -77,50 +75,83 @@ def mixed(rows: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
-def train_reverse_teacher(tokenizer: Any, steps: int, root: Path) -> torch.nn.Module:
-    model = tiny_causal_lm(TOY_TEACHER, tokenizer, seed=0)
-    rows = (reverse_rows("train"), reverse_rows("val"))
-    sft(model, tokenizer, steps=steps, lr=1e-3, batch_size=64, seed=0, target=0.97, root=root, val_every=100, rows=rows)
-    return model.eval()
+def write_rows(path: Path, rows: list[dict]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
 
 
-def distil(teacher: Any, rows: list[dict], val: list[dict], *, seed: int, steps: int, lr: float, root: Path) -> tuple:
-    L.seed_everything(seed, workers=True)
-    module = GKDModule(
-        load_causal_lm(asset_path("toy/student_init")),
-        teacher,
-        tokenizer := load_tokenizer(asset_path("toy/teacher")),
-        lmbda=0.0,
-        beta=0.0,
-        optimizer=partial(torch.optim.AdamW, lr=lr),
-        scheduler=partial(get_cosine_schedule_with_warmup, num_warmup_steps=steps // 10, num_training_steps=steps),
-        metrics={},
-        seed=seed,
+def train_reverse_teacher(tokenizer: Any, steps: int, work: Path) -> str:
+    """The "reverse" teacher: a toy-teacher-shaped model from random weights (seed 0), SFT (``method=sft``) on the
+    skill's rows until 97% validation exact match (EarlyStopping), exported; its folder."""
+    start = work / "reverse_init"
+    tiny_causal_lm(TOY_TEACHER, tokenizer, seed=0).save_pretrained(start)
+    tokenizer.save_pretrained(start)
+    rows = [
+        f"data.train_data={write_rows(work / 'reverse_train.jsonl', reverse_rows('train'))}",
+        f"data.val_data={write_rows(work / 'reverse_val.jsonl', reverse_rows('val'))}",
+    ]
+    early_stop = {
+        "_target_": "lightning.pytorch.callbacks.EarlyStopping",
+        "monitor": "val/accuracy",
+        "mode": "max",
+        "stopping_threshold": 0.97,
+        "patience": 10**6,
+        "check_on_train_epoch_end": "false",
+    }
+    result = train(
+        [
+            "method=sft",
+            f"model.student.name_or_path={start}",
+            *DATA,
+            *rows,
+            "data.batch_size=64",
+            "optimizer.lr=1e-3",
+            "optimizer.weight_decay=0.01",
+            "optimizer.fused=false",
+            f"scheduler.num_warmup_steps={min(100, steps // 10)}",
+            f"trainer.max_steps={steps}",
+            f"trainer.val_check_interval={min(100, steps)}",
+            "trainer.limit_val_batches=null",
+            "callbacks=none",
+            *[f"+callbacks.early_stop.{key}={value}" for key, value in early_stop.items()],
+            "seed=0",
+        ],
+        output_dir=work / "reverse_teacher",
     )
-    data = ChatDataModule(tokenizer, rows, val, batch_size=32, max_length=64, seed=seed)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gradient_clip_val=1.0,
-        default_root_dir=root,
-        log_every_n_steps=1,
+    return str(result["student_dir"])
+
+
+def distil(teacher: list[str], rows: list[str], *, seed: int, steps: int, lr: float, out: Path) -> tuple[str, dict]:
+    """Supervised KD of the toy student (the addition study's ``supervised_kd`` recipe) from ``teacher`` (overrides)
+    on ``rows``: the exported student's folder and each teacher's supervised tokens, summed over the steps."""
+    result = train(
+        [
+            "experiment=study_addition",
+            "recipe=supervised_kd",
+            *DATA,
+            *rows,
+            *teacher,
+            "data.batch_size=32",
+            f"optimizer.lr={lr}",
+            f"trainer.max_steps={steps}",
+            "trainer.limit_val_batches=0",
+            "trainer.log_every_n_steps=1",
+            "~callbacks.study_record",
+            "callbacks.held_out_eval=null",
+            "export=true",
+            f"seed={seed}",
+        ],
+        output_dir=out,
     )
-    counts: dict[str, float] = {}
-
-    class Counts(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            for key, value in trainer.callback_metrics.items():
-                if key.endswith("/tokens"):
-                    counts[key] = counts.get(key, 0.0) + float(value)
-
-    trainer.callbacks.append(Counts())  # type: ignore[attr-defined]
-    trainer.fit(module, datamodule=data)
-    return module.model, counts
+    with open(out / "logs" / "metrics.csv", newline="") as handle:
+        logged = list(csv.DictReader(handle))
+    counts = {
+        key: sum(float(row[key]) for row in logged if row.get(key))
+        for key in (logged[0] if logged else {})
+        if key.startswith("train/teacher/") and key.endswith("/tokens")
+    }
+    return str(result["student_dir"]), counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,38 +169,42 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     tokenizer = load_tokenizer(asset_path("toy/teacher"))
     work = args.out / ".runs" / "multi_teacher"
-    teachers = {
-        "add": load_causal_lm(asset_path("toy/teacher")),
-        "reverse": train_reverse_teacher(tokenizer, args.teacher_steps, work / "reverse_teacher"),
+    folders = {
+        "add": asset_path("toy/teacher"),
+        "reverse": train_reverse_teacher(tokenizer, args.teacher_steps, work),
     }
-    train, val, test = skill_rows("train", per_skill), skill_rows("val", per_skill), skill_rows("test", per_skill)
-    skill_test = {skill: rows[:256] if args.fast else rows for skill, rows in test.items()}
+    train_rows, val = skill_rows("train", per_skill), skill_rows("val", per_skill)
+    skill_test = {skill: rows[:256] if args.fast else rows for skill, rows in skill_rows("test", per_skill).items()}
 
-    def accuracy(model: torch.nn.Module) -> dict[str, float]:
+    def accuracy(folder: str) -> dict[str, float]:
+        model = load_causal_lm(folder)
         return {
             skill: evaluate_generations(model, tokenizer, rows, max_new_tokens=8)["accuracy"]
             for skill, rows in skill_test.items()
         }
 
-    report: dict[str, Any] = {"teachers": {name: accuracy(model) for name, model in teachers.items()}}
-    report["student_start"] = accuracy(load_causal_lm(asset_path("toy/student_init")))
+    report: dict[str, Any] = {"teachers": {name: accuracy(folder) for name, folder in folders.items()}}
+    report["student_start"] = accuracy(asset_path("toy/student_init"))
     print(f"teachers {report['teachers']}, student start {report['student_start']}", flush=True)
+    routed = ["teacher=multi", "~teacher.teachers.default"]
+    for name, folder in folders.items():
+        routed += [f"+teacher.teachers.{name}.kind=local", f"+teacher.teachers.{name}.model={folder}"]
     arms = {
-        "routed (multi)": {
-            "kind": "multi",
-            "column": "teacher",
-            "teachers": {name: {"kind": "local", "model": model} for name, model in teachers.items()},
-        },
-        '"add" teacher only': teachers["add"],
-        '"reverse" teacher only': teachers["reverse"],
+        "routed (multi)": routed,
+        '"add" teacher only': [f"model.teacher.name_or_path={folders['add']}"],
+        '"reverse" teacher only': [f"model.teacher.name_or_path={folders['reverse']}"],
     }
-    rows, val_rows = mixed(train), mixed(val)
+    rows = [
+        f"data.train_data={write_rows(work / 'mixed_train.jsonl', mixed(train_rows))}",
+        f"data.val_data={write_rows(work / 'mixed_val.jsonl', mixed(val))}",
+    ]
     report["arms"], report["token_counts"] = {}, {}
-    for arm, teacher in arms.items():
+    for index, (arm, teacher) in enumerate(arms.items()):
         scores = []
         for seed in args.seeds:
-            model, counts = distil(teacher, rows, val_rows, seed=seed, steps=args.steps, lr=args.lr, root=work / arm)
-            scores.append(accuracy(model))
+            out = work / f"arm{index}" / f"seed{seed}"
+            student, counts = distil(teacher, rows, seed=seed, steps=args.steps, lr=args.lr, out=out)
+            scores.append(accuracy(student))
             if counts:
                 report["token_counts"][f"seed {seed}"] = counts
         report["arms"][arm] = {skill: [s[skill] for s in scores] for skill in skill_test}
@@ -180,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         seconds=time.perf_counter() - started,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "multi_teacher.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "multi_teacher.md").write_text(render(report))
+    write_report(args.out / "multi_teacher.md", render(report), report)
     print(render(report))
     return 0
 
@@ -193,7 +226,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         "# Two teachers on disjoint skills (toy task, multi-teacher routing)",
         "",
-        "Generated by `scripts/multi_teacher_skills.py` (do not edit by hand; rerun the script).",
+        generated_by("scripts/multi_teacher_skills.py"),
         "",
         f"- Command: `{report['command']}`; machine: {report['machine']}; total {report['seconds'] / 60:.1f} min",
         f"- Student: the toy student start; {report['args']['steps']} steps of batch 32 over a 50/50 mix of both "

@@ -38,11 +38,14 @@ import lightning as L
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from lightning_gkd import ChatDataModule, GKDModule, OPDModule, SFTModule
+from lightning_gkd import ChatDataModule
+from lightning_gkd.cli.compose import build_method
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.rollouts.evaluate import rollout_rows
 from lightning_gkd.samplers import SpeculativeKDSampler
+from lightning_gkd.studies.results_page import update_results_section
+from lightning_gkd.studies.step_timing import plain_trainer
 from lightning_gkd.toy.tiny import asset_path
 from lightning_gkd.toy.tools import (
     MAX_NEW_TOKENS,
@@ -54,9 +57,6 @@ from lightning_gkd.toy.tools import (
     task_rollout,
     tool_rows,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce_gkd import update_results_section  # noqa: E402  (the shared results page)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,25 +135,33 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
         scheduler=partial(
             get_cosine_schedule_with_warmup, num_warmup_steps=max(1, steps // 10), num_training_steps=steps
         ),
-        seed=job["seed"],
+        tokenizer=tok,
     )
-    rollout = dict(
-        tools=list(TOOLS),
-        tool_state_columns=["facts"],
-        max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS,
-        max_transcript_tokens=MAX_TRANSCRIPT_TOKENS,
-        max_new_tokens=MAX_NEW_TOKENS,
-        temperature=1.0,
-    )
+    rollout = [
+        f"method.rollout.tools=[{','.join(TOOLS)}]",
+        "method.rollout.tool_state_columns=[facts]",
+        f"method.rollout.max_tool_calling_iterations={MAX_TOOL_CALLING_ITERATIONS}",
+        f"method.rollout.max_transcript_tokens={MAX_TRANSCRIPT_TOKENS}",
+        f"method.sampling.max_new_tokens={MAX_NEW_TOKENS}",
+        "method.sampling.temperature=1.0",
+    ]
+    seed = f"seed={job['seed']}"
     teacher = asset_path("toy_tools/teacher")
     if method.kind == "sft":
-        module: Any = SFTModule(student, tok, **common)
+        module: Any = build_method(["method=sft", seed], model=student, **common)
     elif method.kind == "opd":
-        module = OPDModule(student, teacher, tok, **rollout, **common)
+        module = build_method(["method=opd", *rollout, seed], student=student, teacher=teacher, **common)
     else:
         if method.skd is not None:
-            rollout["sampler"] = partial(SpeculativeKDSampler, **method.skd)
-        module = GKDModule(student, teacher, tok, lmbda=method.lmbda, beta=method.beta, **rollout, **common)
+            common["sampler"] = partial(SpeculativeKDSampler, **method.skd)
+        settings = [
+            "method=gkd",
+            f"method.lmbda={method.lmbda}",
+            f"method.divergence.beta={method.beta}",
+            *rollout,
+            seed,
+        ]
+        module = build_method(settings, student=student, teacher=teacher, **common)
     data = ChatDataModule(
         tok,
         json.loads(Path(job["train_rows"]).read_text()),
@@ -163,17 +171,7 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
         assistant_turns="all",
     )
     data.use_rollouts(task_rollout(tok).tools)  # SFT renders the tools too (the on-policy methods do it themselves)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        default_root_dir=job["work_dir"],
-    )
+    trainer = plain_trainer(steps, default_root_dir=job["work_dir"])
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - started

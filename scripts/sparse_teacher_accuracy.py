@@ -1,10 +1,11 @@
 """Supervised KD on the toy task from a top-k teacher cache, k in {1, 5, 20, V}, against the dense in-process teacher.
 
 The teacher's top-k log-probs over the training and validation rows are cached once at k = V (the whole 259-token
-vocabulary) with ``build_teacher_cache``; a ``CacheTeacher(top_k=k)`` reads the first k of each position (the same
-top-k a cache built at k holds). Every run is ``scripts/reproduce_gkd.py``'s Supervised KD (λ=0, β=0: forward KL
-on the ground-truth answers; the sparse loss with its tail bucket, ``sparse_loss=topk``) with the same budget,
-learning rate and seeds, so the dense row is the comparison. Writes docs/sparse_teacher.md and .json.
+vocabulary) with ``build_teacher_cache``; ``teacher=cache teacher.top_k=k`` reads the first k of each position (the
+same top-k a cache built at k holds). Every run is the addition study's Supervised KD (``experiment=study_addition
+recipe=supervised_kd``: λ=0, β=0, forward KL on the ground-truth answers; the sparse loss with its tail bucket,
+``sparse_loss=topk``) with the same budget, learning rate and seeds, so the dense row is the comparison. Writes
+docs/sparse_teacher.md and .json.
 
     python scripts/sparse_teacher_accuracy.py               # 3 seeds x 5 teachers (about 10 minutes on 2 cores)
     python scripts/sparse_teacher_accuracy.py --fast --out /tmp/sparse   # a smoke test
@@ -13,7 +14,6 @@ learning rate and seeds, so the dense row is the comparison. Writes docs/sparse_
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -22,17 +22,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce_gkd import METHODS, train_one  # noqa: E402
-
-from lightning_gkd.data.tokenizer import load_tokenizer  # noqa: E402
-from lightning_gkd.teachers.cache_build import build_teacher_cache  # noqa: E402
-from lightning_gkd.toy import addition_rows  # noqa: E402
-from lightning_gkd.toy.tiny import asset_path  # noqa: E402
+from lightning_gkd.cli.compose import held_out_after, train_seeds
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.studies.reports import generated_by, write_report
+from lightning_gkd.teachers.offline.build import build_teacher_cache
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import asset_path
 
 REPO = Path(__file__).resolve().parents[1]
-SUPERVISED_KD = next(m for m in METHODS if m.name == "Supervised KD")
 VOCAB = 259  # the toy tokenizer's
+FAST_ROWS = {"train": 256, "val": 32, "test": 64}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,34 +44,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     parser.add_argument("--fast", action="store_true", help="1 seed, 6 steps, few rows")
     args = parser.parse_args(argv)
-    rows = {"train": addition_rows("train"), "val": addition_rows("val"), "test": addition_rows("test")}
+    rows = {split: None for split in FAST_ROWS}
     if args.fast:
-        args.steps, args.seeds = 6, args.seeds[:1]
-        rows = {"train": rows["train"][:256], "val": rows["val"][:32], "test": rows["test"][:64]}
+        args.steps, args.seeds, rows = 6, args.seeds[:1], dict(FAST_ROWS)
     started = time.perf_counter()
-    tokenizer = load_tokenizer(asset_path("toy/teacher"))
-    work = args.out / ".runs"
+    work = args.out / ".runs" / "sparse_teacher"
     cache = work / "teacher_cache_kV"
     build_started = time.perf_counter()
     manifest = build_teacher_cache(
-        asset_path("toy/teacher"), tokenizer, [*rows["train"], *rows["val"]], cache, top_k=VOCAB, max_length=64
+        asset_path("toy/teacher"),
+        load_tokenizer(asset_path("toy/teacher")),
+        [*addition_rows("train", rows["train"]), *addition_rows("val", rows["val"])],
+        cache,
+        top_k=VOCAB,
+        max_length=64,
     )
     build_seconds = time.perf_counter() - build_started
-    settings = dict(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        eval_every=args.steps,
-        tokenizer=tokenizer,
-        rows=rows,
-        work_dir=work,
-    )
-    teachers: dict[str, object] = {"dense (in-process)": None}
-    teachers.update({f"cache k={k}": {"kind": "cache", "path": str(cache), "top_k": k} for k in args.ks})
+    base = ["experiment=study_addition", "recipe=supervised_kd", f"optimizer.lr={args.lr}"]
+    base += [f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}"]
+    base += [f"data.batch_size={args.batch_size}"]
+    base += [f"+data.{split}_data.num_rows={count}" for split, count in rows.items() if count is not None]
+    teachers = {"dense (in-process)": []}
+    teachers |= {f"cache k={k}": ["teacher=cache", f"teacher.path={cache}", f"teacher.top_k={k}"] for k in args.ks}
     results: dict[str, list[float]] = {}
-    for name, teacher in teachers.items():
-        runs = [train_one(SUPERVISED_KD, seed=s, lr=args.lr, teacher=teacher, **settings) for s in args.seeds]
-        results[name] = [run.test_accuracy for run in runs]
-        print(f"{name}: test {[round(a, 3) for a in results[name]]}, {sum(r.seconds for r in runs):.0f}s", flush=True)
+    for index, (name, teacher) in enumerate(teachers.items()):
+        runs = train_seeds([*base, *teacher], args.seeds, output_dir=work / f"teacher{index}")
+        results[name] = [held_out_after(run) for run in runs]
+        seconds = sum(run["fit_seconds"] for run in runs)
+        print(f"{name}: test {[round(a, 3) for a in results[name]]}, {seconds:.0f}s", flush=True)
     report = {
         "command": "python scripts/sparse_teacher_accuracy.py" + (" --fast" if args.fast else ""),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
@@ -82,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "seconds": time.perf_counter() - started,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sparse_teacher.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "sparse_teacher.md").write_text(render(report))
+    write_report(args.out / "sparse_teacher.md", render(report), report)
     print(render(report))
     return 0
 
@@ -94,7 +91,7 @@ def render(report: dict) -> str:
     lines = [
         "# Supervised KD from a top-k teacher cache (toy task)",
         "",
-        "Generated by `scripts/sparse_teacher_accuracy.py` (do not edit by hand; rerun the script).",
+        generated_by("scripts/sparse_teacher_accuracy.py"),
         "",
         f"- Command: `{report['command']}`; machine: {report['machine']}; total {report['seconds'] / 60:.1f} min",
         f"- Budget: {report['args']['steps']} steps of batch {report['args']['batch_size']}, lr "

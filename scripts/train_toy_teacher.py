@@ -31,22 +31,17 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from transformers import get_cosine_schedule_with_warmup
 
-from lightning_gkd import ChatDataModule, SFTModule
+from lightning_gkd import ChatDataModule
+from lightning_gkd.cli.compose import build_method
 from lightning_gkd.data.tokenizer import build_chatml_bpe_tokenizer, build_chatml_tokenizer, load_tokenizer
 from lightning_gkd.evaluation import evaluate_generations
 from lightning_gkd.models.loading import load_causal_lm
-from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import matched_vocabulary
+from lightning_gkd.studies.step_timing import plain_trainer
+from lightning_gkd.toy.bpe import BPE_MERGES, tokenizer_pairing, training_corpus
 from lightning_gkd.toy.tasks import TOY_TASKS, ToyTask, toy_task
 from lightning_gkd.toy.tiny import tiny_causal_lm
 
 ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets"
-# BPE merges of the shipped toy_bpe teacher's tokenizer: "user", "assistant" (11 merges) and the 29 most frequent
-# 2-digit strings, so 83% of the test answers split differently from bytes (2.56 teacher tokens against 3.52 bytes).
-# Two digits per token make the task harder for the 4x128 teacher (each token's carry depends on the next digits):
-# it stops at 0.94 validation / 0.89 test exact match after 5000 steps where the byte teacher reaches 0.98, and longer
-# schedules overfit (12000 steps: 0.90). With 200 merges (all 2-digit and 99 3-digit strings) it was at 4% after
-# 7500 steps.
-BPE_MERGES = 40
 
 
 class PrintValidation(L.Callback):
@@ -68,19 +63,18 @@ def sft(
     val_every: int = 250,
     rows: tuple[list[dict], list[dict]] | None = None,
     task: ToyTask = TOY_TASKS["addition"],
-) -> SFTModule:
+) -> L.LightningModule:
     """SFT ``model`` on the toy ``task`` (default addition), or on ``rows`` = (train, val) when given."""
     L.seed_everything(seed, workers=True)
-    module = SFTModule(
-        model,
-        tokenizer,
+    module = build_method(
+        ["method=sft", f"method.validation.max_new_tokens={task.max_new_tokens}", f"seed={seed}"],
+        model=model,
+        tokenizer=tokenizer,
         optimizer=partial(torch.optim.AdamW, lr=lr),
         scheduler=partial(
             get_cosine_schedule_with_warmup, num_warmup_steps=min(100, steps // 10), num_training_steps=steps
         ),
         metrics={"accuracy": task.metric},
-        eval_max_new_tokens=task.max_new_tokens,
-        seed=seed,
     )
     data = ChatDataModule(
         tokenizer,
@@ -97,56 +91,20 @@ def sft(
                 "val/accuracy", mode="max", stopping_threshold=target, patience=10**6, check_on_train_epoch_end=False
             )
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        val_check_interval=min(val_every, steps),
-        check_val_every_n_epoch=None,
-        logger=False,
-        enable_checkpointing=False,
-        gradient_clip_val=1.0,
-        callbacks=callbacks,
-        default_root_dir=root,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    validation = {
+        "limit_val_batches": 1.0,
+        "val_check_interval": min(val_every, steps),
+        "check_val_every_n_epoch": None,
+    }
+    trainer = plain_trainer(steps, callbacks=callbacks, default_root_dir=root, **validation)
     trainer.fit(module, datamodule=data)
     return module
-
-
-def training_corpus(task: ToyTask) -> list[str]:
-    """The chat text (ChatML) of ``task``'s default training split: what the BPE tokenizer learns its merges on (never
-    the held-out rows; a longer --train-rows split starts with these rows, so the tokenizer does not depend on it)."""
-    template = build_chatml_tokenizer()
-    return [template.apply_chat_template(row["messages"], tokenize=False) for row in task.rows("train")]
 
 
 def teacher_rows(task: ToyTask, train_rows: int | None) -> tuple[list[dict], list[dict]] | None:
     """The teacher's (train, val) rows: None (the task's splits) unless ``train_rows`` asks for another train size
     (the held-out splits never change with it)."""
     return None if train_rows is None else (task.rows("train", train_rows), task.rows("val"))
-
-
-def tokenizer_pairing(student_tokenizer, teacher_tokenizer, rows: list[dict]) -> dict:
-    """How two tokenizers split ``rows``' answers: vocabulary sizes, token strings both hold, mean tokens per answer
-    and the share of answers split differently."""
-    student_ids, _ = matched_vocabulary(student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab())
-    answers = [row["answer"] for row in rows]
-    split = {
-        role: [tok.convert_ids_to_tokens(tok(answer, add_special_tokens=False)["input_ids"]) for answer in answers]
-        for role, tok in (("student", student_tokenizer), ("teacher", teacher_tokenizer))
-    }
-    return {
-        "student_vocabulary": len(student_tokenizer),
-        "teacher_vocabulary": len(teacher_tokenizer),
-        "shared_token_strings": len(student_ids),
-        "answers": f"{len(rows)} test rows",
-        "student_tokens_per_answer": round(sum(map(len, split["student"])) / len(rows), 3),
-        "teacher_tokens_per_answer": round(sum(map(len, split["teacher"])) / len(rows), 3),
-        "answers_split_differently": round(
-            sum(s != t for s, t in zip(split["student"], split["teacher"], strict=True)) / len(rows), 4
-        ),
-    }
 
 
 def initial_model(folder: Path | None, config: dict, tokenizer, *, seed: int) -> torch.nn.Module:

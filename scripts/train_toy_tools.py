@@ -22,11 +22,13 @@ import lightning as L
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from lightning_gkd import ChatDataModule, SFTModule
+from lightning_gkd import ChatDataModule
+from lightning_gkd.cli.compose import build_method
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer, load_tokenizer
 from lightning_gkd.evaluation.metrics import exact_match
 from lightning_gkd.rollouts import build_environment
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
+from lightning_gkd.studies.step_timing import plain_trainer
 from lightning_gkd.toy.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
 from lightning_gkd.toy.tools import MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS, TOOLS, task_rollout, tool_rows
 
@@ -71,32 +73,22 @@ def sft(
     model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, target: float, every: int, root, start=0
 ):
     L.seed_everything(seed, workers=True)
-    module = SFTModule(
-        model,
-        tokenizer,
+    module = build_method(
+        ["method=sft", f"seed={seed}"],
+        model=model,
+        tokenizer=tokenizer,
         optimizer=partial(torch.optim.AdamW, lr=lr),
         scheduler=partial(
             get_cosine_schedule_with_warmup, num_warmup_steps=min(100, steps // 10), num_training_steps=steps
         ),
-        seed=seed,
     )
     data = ChatDataModule(
         tokenizer, tool_rows("train"), batch_size=batch_size, max_length=MAX_LENGTH, seed=seed, assistant_turns="all"
     )
     _, schemas = build_environment(list(TOOLS), None, tokenizer, timeout=5)
     data.use_rollouts(schemas)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        gradient_clip_val=1.0,
-        callbacks=[RolloutValidation(tool_rows("val")[:128], every, target, start)],
-        default_root_dir=root,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        limit_val_batches=0,
-    )
+    validation = RolloutValidation(tool_rows("val")[:128], every, target, start)
+    trainer = plain_trainer(steps, callbacks=[validation], default_root_dir=root)
     trainer.fit(module, datamodule=data)
     return module
 

@@ -27,6 +27,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"evaluation", "methods", "ops", "rollouts", "training"},
     # the shipped toy tasks and tiny-model builders: above the library, imported only by cli/ and conf/
     "toy": {"data", "evaluation", "models", "ops", "rollouts", "training"},
+    # test doubles (a stand-in vLLM server) the tests and the studies share
+    "testing": {"data", "models", "ops"},
+    # studies and benchmarks built on the package: tables from sweeps of runs, report pages, bench models
+    "studies": {"data", "evaluation", "models", "ops", "toy"},
 }
 
 

@@ -12,6 +12,7 @@
   each validation (on-policy methods); warns, or stops, when they collapse.
 - ``LastStepValidation`` (in ``default``): validate at ``max_steps`` too, when the interval does not fall on it.
 - ``HFExportCallback`` (hf_export): a Hugging Face export beside each checkpoint.
+- ``StudyRecord`` (conf/experiment/study_*.yaml): a study run's curve, compute and completions, for its tables.
 """
 
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
@@ -23,6 +24,7 @@ from lightning_gkd.callbacks.print_metrics import PrintMetricsCallback
 from lightning_gkd.callbacks.sample_table import SampleTable
 from lightning_gkd.callbacks.signal_checkpoint import SignalCheckpoint
 from lightning_gkd.callbacks.step_progress import StepProgressBar
+from lightning_gkd.callbacks.study_record import StudyRecord
 
 __all__ = [
     "HFExportCallback",
@@ -34,4 +36,5 @@ __all__ = [
     "SampleTable",
     "SignalCheckpoint",
     "StepProgressBar",
+    "StudyRecord",
 ]

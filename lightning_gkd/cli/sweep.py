@@ -11,6 +11,10 @@
   ``summary.csv`` / ``summary.md`` (one row per job, the swept keys as columns) are rewritten from every job folder
   after each job (in the job's process: submitit runs jobs elsewhere) and once more, printed, when the sweep ends
   (in the launching process). A job that raised shows as ``failed``; one that left no result (killed) as well.
+- A sweep of study runs (``experiment=study_addition|study_chain`` with ``recipe=...``: each job's ``result.json``
+  holds a ``study`` record) also gets ``study.json`` / ``study.md`` when it ends: each recipe's learning rate chosen
+  on the first seed, every seed at that rate, the gap closed per seed, step- and FLOP-matched validation
+  (``lightning_gkd.studies.study``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import csv
 import hashlib
 import io
 import json
+import os
+import platform
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -31,6 +37,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_gkd.studies.study import study_from_jobs, study_markdown
 from lightning_gkd.training.run_record import write_json_atomically
 
 RESULT = "result.json"
@@ -121,7 +128,10 @@ def write_job_result(
             held_out=result.get("held_out") or {},
             run_dir=result.get("run_dir"),
             student_dir=result.get("student_dir"),
+            fit_seconds=result.get("fit_seconds"),
         )
+        if result.get("study") is not None:  # a study run (callbacks.study_record): its curve, compute, completions
+            payload["study"] = result["study"]
     write_json_atomically(Path(job_dir) / RESULT, payload)
     return payload
 
@@ -242,6 +252,30 @@ def write_summary(sweep_dir: str | Path, *, swept: Sequence[str] | None = None, 
     return table
 
 
+def sweep_command(sweep_dir: str | Path) -> str | None:
+    """The ``lightning-gkd -m`` command of a sweep, from the overrides its ``multirun.yaml`` recorded."""
+    try:
+        overrides = OmegaConf.load(Path(sweep_dir) / "multirun.yaml").hydra.overrides.task
+    except Exception:  # no such file (another sweeper), unreadable
+        return None
+    return " ".join(["lightning-gkd -m", *[str(override) for override in overrides]])
+
+
+def write_study(sweep_dir: str | Path) -> str | None:
+    """``<sweep_dir>/study.json`` and ``study.md`` when the sweep's jobs are study runs (``lightning_gkd.studies``);
+    returns the markdown, or None for a sweep without study records."""
+    sweep_dir = Path(sweep_dir)
+    jobs = collect_jobs(sweep_dir, final=True)
+    if not any(job.get("study") for job in jobs):
+        return None
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    study = study_from_jobs(jobs, command=sweep_command(sweep_dir), machine=machine)
+    text = study_markdown(study)
+    write_json_atomically(sweep_dir / "study.json", study)
+    (sweep_dir / "study.md").write_text(text)
+    return text
+
+
 def in_multirun(config: DictConfig | None = None) -> bool:
     """Whether this Hydra job is part of a multirun (``config``: a config holding ``hydra``; else Hydra's own)."""
     try:
@@ -296,3 +330,10 @@ class SweepSummary(Callback):
             f"written to {sweep_dir / 'summary.csv'} and {sweep_dir / 'summary.md'}",
             flush=True,
         )
+        try:
+            study = write_study(sweep_dir)
+        except ValueError as error:  # study runs that cannot make tables yet (e.g. none finished): say why
+            print(f"== lightning_gkd study: no tables ({error})", flush=True)
+            return
+        if study is not None:
+            print(f"== lightning_gkd study ({sweep_dir / 'study.md'}) ==\n{study}", flush=True)

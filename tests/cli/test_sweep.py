@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from helpers.hydra_compose import compose_train
+from helpers.study_jobs import study_result
 from omegaconf import OmegaConf, open_dict, read_write
 
-from lightning_gkd.cli.sweep import MAX_NAME, job_dir_name, write_job_result, write_summary
+from lightning_gkd.cli.sweep import MAX_NAME, job_dir_name, write_job_result, write_study, write_summary
 
 FAST = [
     "model=tiny",
@@ -111,6 +112,31 @@ def test_the_summary_has_a_row_per_job_and_a_failed_job_shows_as_failed(tmp_path
     assert rows[0]["val/loss"] == "0.25" and rows[0]["held-out accuracy (after)"] == "0.5"
     assert "| 0 | 0 | finished | 2 | 0.5000 | 0.2500 | 0.7500 | 0.5000 | 0_method.divergence.beta=0,seed=1 |" in table
     assert (sweep / "summary.md").read_text() == table + "\n"
+
+
+def test_a_sweep_of_study_runs_writes_its_study_tables(tmp_path):
+    """Each job's result.json keeps its study record (StudyRecord); the sweep's study.json / study.md keep SFT's run at
+    the rate its validation chose, with the sweep's command."""
+    sweep = tmp_path / "sweep"
+    for num, (lr, last_val, test) in enumerate([(1e-3, 0.5, 0.4), (3e-3, 0.6, 0.7)]):
+        result = study_result("SFT", 0, lr, curve=[[50, 0.1], [100, last_val]], test=test)
+        folder = fake_job(sweep, num, [f"optimizer.lr={lr}"], result)
+        saved = json.loads((folder / "result.json").read_text())
+        assert saved["study"] == result["study"] and saved["fit_seconds"] == 10.0
+    task = ["experiment=study_addition", "recipe=sft", "optimizer.lr=1e-3,3e-3"]
+    OmegaConf.save({"hydra": {"overrides": {"task": task}}}, sweep / "multirun.yaml")
+    text = write_study(sweep)
+    study = json.loads((sweep / "study.json").read_text())
+    assert study["command"] == "lightning-gkd -m experiment=study_addition recipe=sft optimizer.lr=1e-3,3e-3"
+    assert [(run["lr"], run["test_accuracy"]) for run in study["runs"]] == [(3e-3, 0.7)]
+    assert (sweep / "study.md").read_text() == text
+    assert "| SFT | what SFT is | 0.003 | 0.700 ± 0.000 (n=1) | 0.700 | 75.0% ± 0.0% |" in text
+
+
+def test_a_sweep_without_study_runs_writes_no_study(tmp_path):
+    sweep = tmp_path / "sweep"
+    fake_job(sweep, 0, ["method.beta=0"], {"global_step": 2, "metrics": {}, "held_out": {}})
+    assert write_study(sweep) is None and not (sweep / "study.md").exists()
 
 
 def _env() -> dict[str, str]:

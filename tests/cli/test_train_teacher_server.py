@@ -1,7 +1,7 @@
-"""`lightning-gkd teacher=server` end to end against a stand-in vLLM server (tests/helpers/fake_vllm_server.py: vLLM's
-JSON, log-probs from the shipped toy teacher): a server that goes down mid-run stops the job cleanly (no export, a
-summary naming the checkpoint, exit status 1), and `ckpt_path=last` with the server back finishes the job with the
-same losses, step for step, as a run that never lost its server."""
+"""`lightning-gkd teacher=server` end to end against a stand-in vLLM server (lightning_gkd/testing/fake_vllm_server.py:
+vLLM's JSON, log-probs from the shipped toy teacher): a server that goes down mid-run stops the job cleanly (no
+export, a summary naming the checkpoint, exit status 1), and `ckpt_path=last` with the server back finishes the job
+with the same losses, step for step, as a run that never lost its server."""
 
 import csv
 from pathlib import Path
@@ -9,13 +9,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers.fake_vllm_server import FakeVLLMServer
 from helpers.hydra_compose import compose_train
 from omegaconf import open_dict
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.cli.train import main, run
 from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer
 from lightning_gkd.toy.tiny import asset_path
 
 SERVERS: list[FakeVLLMServer] = []  # the module's server, for the callback Hydra builds from its name

@@ -41,19 +41,23 @@ def make_module(student, teacher, tokenizer, **kwargs):
 
 
 def fit(module, tokenizer, rows, tmp_path, max_steps=3, **trainer_kwargs):
-    datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=1,
-        val_check_interval=max_steps,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **trainer_kwargs,
+    """Fit on ``rows`` ("train", "val" and, when given, "test"), batch 4, one validation batch at the end, every step
+    logged to <tmp_path>/metrics.csv; ``trainer_kwargs`` add to or replace the Trainer's arguments."""
+    datamodule = ChatDataModule(
+        tokenizer, rows["train"], rows["val"], test_data=rows.get("test"), batch_size=4, max_length=64
     )
+    options = {
+        "accelerator": "cpu",
+        "max_steps": max_steps,
+        "logger": CSVLogger(tmp_path, name="", version=""),
+        "log_every_n_steps": 1,
+        "limit_val_batches": 1,
+        "val_check_interval": max_steps,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    trainer = L.Trainer(**{**options, **trainer_kwargs})
     trainer.fit(module, datamodule=datamodule)
     return trainer
 

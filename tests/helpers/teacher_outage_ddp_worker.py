@@ -4,7 +4,7 @@ rank 1 only. Every rank writes <out>/rank<r>.json: how its fit ended, its step, 
     python tests/helpers/teacher_outage_ddp_worker.py <out_dir>
 
 Lightning starts rank 1 by re-running this script. Each rank serves the teacher (a tiny random Qwen2) from its own
-stand-in vLLM server (tests/helpers/fake_vllm_server.py), as when every node has its own; rank 1's server stops
+stand-in vLLM server (lightning_gkd/testing/fake_vllm_server.py), as when every node has its own; rank 1's server stops
 after optimizer step ``DOWN_AFTER``, so from step ``DOWN_AFTER + 1`` on its requests are refused. The process
 group's timeout is ``TIMEOUT_S``: a rank left waiting in a collective the other never joins fails after it.
 """
@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers.*
 
-from helpers.fake_vllm_server import FakeVLLMServer  # noqa: E402
 from helpers.launch import two_process_trainer  # noqa: E402
 from lightning_gkd import ChatDataModule, GKDModule  # noqa: E402
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer  # noqa: E402
+from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer  # noqa: E402
 from lightning_gkd.toy import addition_rows  # noqa: E402
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm  # noqa: E402
 from lightning_gkd.training.teacher_outage import TeacherOutage  # noqa: E402

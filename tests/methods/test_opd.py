@@ -17,7 +17,6 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from helpers.fake_vllm_server import FakeVLLMServer
 from helpers.fitting import LossOf, with_group_defaults
 from helpers.opd_metrics import OPD_METRICS
 from helpers.tiny_registry import build_tiny, tiny_config
@@ -35,6 +34,7 @@ from lightning_gkd.ops.hf.heads import final_hidden_states, output_head
 from lightning_gkd.samplers import KVCacheSampler, Sampler
 from lightning_gkd.teachers import CacheTeacher, LocalTeacher, supervised_positions
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher
+from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, asset_path, tiny_causal_lm
 

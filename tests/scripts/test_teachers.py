@@ -10,19 +10,13 @@ import sys
 
 import pytest
 from helpers.paths import ROOT
+from helpers.scripts import run_script
 
 pytestmark = pytest.mark.slow  # a script smoke run
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sparse_teacher_accuracy_fast_mode_writes_its_table(tmp_path):
-    assert load("sparse_teacher_accuracy").main(["--fast", "--ks", "1", "259", "--out", str(tmp_path)]) == 0
+    run_script("sparse_teacher_accuracy.py", "--fast", "--ks", "1", "259", "--out", str(tmp_path), cwd=tmp_path)
     report = json.loads((tmp_path / "sparse_teacher.json").read_text())
     assert list(report["results"]) == ["dense (in-process)", "cache k=1", "cache k=259"]
     assert report["cache"]["k"] == 259 and report["cache"]["num_rows"] == 256 + 32
@@ -30,7 +24,7 @@ def test_sparse_teacher_accuracy_fast_mode_writes_its_table(tmp_path):
 
 
 def test_multi_teacher_skills_fast_mode_routes_both_skills(tmp_path):
-    assert load("multi_teacher_skills").main(["--fast", "--out", str(tmp_path)]) == 0
+    run_script("multi_teacher_skills.py", "--fast", "--out", str(tmp_path), cwd=tmp_path)
     report = json.loads((tmp_path / "multi_teacher.json").read_text())
     assert list(report["arms"]) == ["routed (multi)", '"add" teacher only', '"reverse" teacher only']
     counts = report["token_counts"]["seed 0"]

@@ -1,9 +1,9 @@
-"""HiddenServerTeacher (lightning_gkd/teachers/hidden_server.py) against a fake vLLM pooling server (tests/helpers/
-fake_vllm_server.py: vLLM 0.32's /pooling answer, states from a Hugging Face model): the states equal the in-process
-teacher's, the dense losses (any β, and their student gradients) equal the in-process lean loss while top-k's
-reverse KL does not, the probe's refusals, retries and an outage mid-run that checkpoints and resumes exactly, and
-GKD / OPD / routed teachers through a plain Lightning Trainer. The real vLLM pooling server, on three families:
-tests/teachers/test_hidden_server_vllm.py."""
+"""HiddenServerTeacher (lightning_gkd/teachers/hidden_server.py) against a fake vLLM pooling server (lightning_gkd/
+testing/fake_vllm_server.py: vLLM 0.32's /pooling answer, states from a Hugging Face model): the states equal the
+in-process teacher's, the dense losses (any β, and their student gradients) equal the in-process lean loss while
+top-k's reverse KL does not, the probe's refusals, retries and an outage mid-run that checkpoints and resumes
+exactly, and GKD / OPD / routed teachers through a plain Lightning Trainer. The real vLLM pooling server, on three
+families: tests/teachers/test_hidden_server_vllm.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from helpers.fake_vllm_server import FakeVLLMServer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
@@ -27,6 +26,7 @@ from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable, supervised_
 from lightning_gkd.teachers.hidden_server import HiddenServerTeacher
 from lightning_gkd.teachers.server import ServerTeacher
 from lightning_gkd.teachers.spec import build_remote_teacher, teacher_plan
+from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer
 
 FAST = {"retries": 2, "backoff": 0.01, "timeout": 10.0}
 

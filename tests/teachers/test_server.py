@@ -1,4 +1,4 @@
-"""ServerTeacher and ServerSampler (lightning_gkd/teachers/server.py) against a fake vLLM server (tests/helpers/
+"""ServerTeacher and ServerSampler (lightning_gkd/teachers/server.py) against a fake vLLM server (lightning_gkd/testing/
 fake_vllm_server.py: vLLM 0.32's JSON, log-probs from the shipped toy teacher): the signal equals LocalTeacher's, the
 retries and the probe's errors, the sampler's contract. The real server: tests/teachers/test_server_vllm.py."""
 
@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from helpers.fake_vllm_server import FakeVLLMServer
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
@@ -19,6 +18,7 @@ from lightning_gkd.ops.decoding.sampling import generate_completions, sampling_l
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.http import TeacherRequestError
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
+from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import asset_path
 

@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers.fake_vllm_server import FakeVLLMServer
 from helpers.launch import TIMEOUT, clean_env
 from helpers.paths import TESTS
 
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer
 from lightning_gkd.toy.tiny import TINY_TEACHER, tiny_causal_lm
 
 pytestmark = pytest.mark.multiprocess

@@ -7,6 +7,12 @@ format of the real server (checked against it), with log-probs computed by a Hug
 Switches make it misbehave: ``fail_next(n, status)`` answers the next ``n`` requests with an HTTP error,
 ``drop_next(n)`` closes the next ``n`` connections without an answer, ``delay_next(n, seconds)`` answers them late,
 ``stop()`` takes it down (connections are then refused). ``requests`` records every ``(method, path)`` it received.
+
+As a process (the toy studies' served teacher, conf/recipe/*_server.yaml), it serves a saved model until stopped:
+
+    python -m lightning_gkd.testing.fake_vllm_server --model <folder> --max-logprobs 1 [--port 8000]
+
+printing ``serving <folder> at http://127.0.0.1:<port>`` once it answers.
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ class FakeVLLMServer:
         normalize: bool = False,
         logprobs_mode: str = "raw_logprobs",
     ) -> None:
-        self.model, self.tokenizer, self.name = model.eval(), tokenizer, name
+        self.model: Any = model.eval()  # a Hugging Face causal LM (its config, its forward's .logits)
+        self.tokenizer, self.name = tokenizer, name
         self.served = served if served is not None else [name]
         self.max_logprobs, self.max_model_len = max_logprobs, max_model_len
-        self.vocab_size = vocab_size if vocab_size is not None else int(model.config.vocab_size)
+        config: Any = model.config  # a Hugging Face model's
+        self.vocab_size = vocab_size if vocab_size is not None else int(config.vocab_size)
         self.tokenize = tokenize or (lambda text, special: tokenizer(text, add_special_tokens=special)["input_ids"])
         self.eos_token_id = eos_token_id
         self.normalize = normalize
@@ -65,8 +73,9 @@ class FakeVLLMServer:
         self._httpd: ThreadingHTTPServer | None = None
 
     # -- control ----------------------------------------------------------------------------------------------------
-    def start(self) -> FakeVLLMServer:
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+    def start(self, port: int = 0) -> FakeVLLMServer:
+        """Serve on 127.0.0.1: ``port``, or a free one (0)."""
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self._httpd.daemon_threads = True
         threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self
@@ -202,7 +211,7 @@ class FakeVLLMServer:
                 "tokens": strings,
                 "top_logprobs": [{s: v} for s, v in zip(strings, sampled, strict=True)],
             }
-        usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(tokens)}
+        usage: dict[str, Any] = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(tokens)}
         usage.update(completion_tokens=len(tokens), prompt_tokens_details=None, completion_tokens_details=None)
         return 200, {
             "id": f"cmpl-fake{len(self.requests)}",
@@ -363,3 +372,44 @@ def _handler(server: FakeVLLMServer) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
 
     return Handler
+
+
+def serve_folder(folder: str, *, max_logprobs: int, max_model_len: int, port: int = 0) -> FakeVLLMServer:
+    """A started server of the causal LM saved in ``folder`` (float32, its own tokenizer, its EOS), served as the
+    default name (``toy-teacher``; a teacher spec's ``model: null`` takes the only one served)."""
+    from lightning_gkd.data.tokenizer import load_tokenizer
+    from lightning_gkd.models.loading import load_causal_lm
+    from lightning_gkd.ops.hf.forward import resolve_eos_token_id
+
+    model, tokenizer = load_causal_lm(folder), load_tokenizer(folder)
+    eos = resolve_eos_token_id(model, tokenizer)
+    return FakeVLLMServer(
+        model,
+        tokenizer,
+        max_logprobs=max_logprobs,
+        max_model_len=max_model_len,
+        eos_token_id=eos if isinstance(eos, int) else None,
+    ).start(port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description="Serve a saved causal LM with vLLM's OpenAI-compatible JSON.")
+    parser.add_argument("--model", required=True, help="the model's folder (save_pretrained, with its tokenizer)")
+    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--max-model-len", type=int, default=128)
+    parser.add_argument("--port", type=int, default=0, help="0: a free port")
+    args = parser.parse_args(argv)
+    server = serve_folder(args.model, max_logprobs=args.max_logprobs, max_model_len=args.max_model_len, port=args.port)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    print(f"serving {args.model} at {server.url}", flush=True)
+    stopped.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()
