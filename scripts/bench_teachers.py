@@ -186,9 +186,9 @@ def worker(
 
 def build_cache(work: Path, name: str, signal_kind: str, count: int, shape: BenchShape) -> Any:
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-    from lightning_gkd.teachers.offline.build import build_teacher_cache_report
+    from lightning_gkd.teachers.offline.build import build_teacher_cache
 
-    return build_teacher_cache_report(
+    return build_teacher_cache(
         str(work / "teacher"),
         build_chatml_tokenizer(),
         rows(shape, count),

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         cache,
         top_k=VOCAB,
         max_length=64,
-    )
+    ).manifest
     build_seconds = time.perf_counter() - build_started
     base = ["experiment=study_addition", "recipe=supervised_kd", f"optimizer.lr={args.lr}"]
     base += [f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}"]

@@ -72,8 +72,7 @@ class ComputeMeter:
             new = int((out["labels"] != IGNORE_INDEX).sum())
             self.tokens["generated"] += new
             read = new + int(batch["prompt_attention_mask"].sum())
-            last_stats = getattr(module.sampler, "last_stats", None)
-            stats = last_stats() if callable(last_stats) else {}
+            stats = module.sampler.last_stats() if module.sampler is not None else {}
             if model is not teacher_model and "teacher_tokens_per_token" in stats:
                 verified = round(stats["teacher_tokens_per_token"] * new)
                 self.tokens["teacher_verified"] = self.tokens.get("teacher_verified", 0) + verified

@@ -25,7 +25,7 @@ from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import source_vocab_size
-from lightning_gkd.teachers.offline.build import CacheBuildReport, build_teacher_cache_report
+from lightning_gkd.teachers.offline.build import CacheBuildReport, build_teacher_cache
 from lightning_gkd.teachers.offline.completions import build_teacher_completions
 from lightning_gkd.teachers.offline.fingerprints import data_fingerprint, teacher_identity
 from lightning_gkd.teachers.offline.format import check_signal, manifest_signal
@@ -61,7 +61,7 @@ def run(cfg: DictConfig) -> CacheBuildReport:
     rows = fit_rows(datamodule)  # training, then validation rows: both losses read the cache
     if cfg.cache.get("completions", "dataset") == "teacher":
         rows = ChainedRows([teacher_completions(cfg, teacher, datamodule, trainer), *rows.parts[1:]])
-    report = build_teacher_cache_report(
+    report = build_teacher_cache(
         teacher,
         datamodule.tokenizer,
         rows,

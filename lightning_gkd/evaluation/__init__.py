@@ -7,7 +7,6 @@ from lightning_gkd.evaluation.metrics import (
     exact_match,
     gap_closed,
     gaps_closed,
-    greedy_texts,
     reference_texts,
 )
 from lightning_gkd.evaluation.settings import ValidationSettings
@@ -20,6 +19,5 @@ __all__ = [
     "exact_match",
     "gap_closed",
     "gaps_closed",
-    "greedy_texts",
     "reference_texts",
 ]

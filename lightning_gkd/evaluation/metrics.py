@@ -96,23 +96,6 @@ def greedy_completions(
     return out["input_ids"][:, prompts.shape[1] :]
 
 
-def greedy_texts(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: Mapping[str, torch.Tensor],
-    *,
-    max_new_tokens: int,
-    eos_token_id: EosTokenId | None = None,
-    sampler: Any = None,
-) -> list[str]:
-    """``greedy_completions`` decoded up to EOS."""
-    eos = eos_token_id if eos_token_id is not None else resolve_eos_token_id(model, tokenizer)
-    completions = greedy_completions(
-        model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, sampler=sampler
-    )
-    return decode_until_eos(tokenizer, completions.tolist(), eos)
-
-
 def evaluate_generations(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -125,7 +108,7 @@ def evaluate_generations(
     sampler: Any = None,
 ) -> dict[str, float]:
     """Greedy-decode the prompts of ``rows`` (chat rows whose last turn is the reference answer) and score them;
-    through ``sampler.greedy`` when given one that has it (see ``greedy_texts``).
+    through ``sampler.greedy`` when the sampler decodes (see ``greedy_completions``).
 
     Returns ``{name: metric(predictions, references)}``; the default metric is ``{"accuracy": exact_match}``.
     """
@@ -138,9 +121,10 @@ def evaluate_generations(
     for start in range(0, len(rows), batch_size):
         chunk = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
         batch = {k: v.to(device) for k, v in collator(chunk).items()}
-        predictions += greedy_texts(
+        completions = greedy_completions(
             model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, sampler=sampler
         )
+        predictions += decode_until_eos(tokenizer, completions.tolist(), eos)
         references += reference_texts(tokenizer, batch, eos)
     return {name: float(metric(predictions, references)) for name, metric in metrics.items()}
 

@@ -62,7 +62,8 @@ def test_the_hydra_entry_point_caches_the_toy_teacher(tmp_path, capsys):
     # the Python API with the teacher's folder (no spec, dtype auto) has the same settings: nothing to do either
     same = {**settings(), "shard_size": 16}
     rows = [*addition_rows("train", 40), *addition_rows("val", 8)]
-    assert build_teacher_cache(TEACHER, TEACHER, rows, tmp_path / "teacher_cache", trainer=TRAINER, **same) == manifest
+    built = build_teacher_cache(TEACHER, TEACHER, rows, tmp_path / "teacher_cache", trainer=TRAINER, **same)
+    assert built.manifest == manifest
     with pytest.raises(ValueError, match="k: 20 there, 5 now"):
         run(compose_cache(tmp_path, [*overrides, "cache.top_k=5"]))
     with pytest.raises(ValueError, match="cache.top_k must be an integer >= 1, got 0"):

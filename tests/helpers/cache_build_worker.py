@@ -21,7 +21,7 @@ import lightning as L
 import torch
 
 from lightning_gkd.data.tokenizer import load_tokenizer
-from lightning_gkd.teachers.offline.build import build_teacher_cache_report
+from lightning_gkd.teachers.offline.build import build_teacher_cache
 from lightning_gkd.teachers.offline.shards import shard_name
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import asset_path
@@ -67,7 +67,7 @@ def main() -> None:
         use_distributed_sampler=False,
         callbacks=[KillAfterFirstFile(lambda s: folder / shard_name(s))] if kill else [],
     )
-    report = build_teacher_cache_report(
+    report = build_teacher_cache(
         teacher, load_tokenizer(teacher), addition_rows("train")[:ROWS], folder, trainer=trainer, **settings()
     )
     if trainer.is_global_zero:

@@ -309,7 +309,7 @@ def _trainer(trainer: L.Trainer | Mapping[str, Any] | None) -> L.Trainer:
     return L.Trainer(**{**defaults, **dict(trainer or {}), "use_distributed_sampler": False})
 
 
-def build_teacher_cache_report(
+def build_teacher_cache(
     teacher: ModelSource,
     tokenizer: PreTrainedTokenizerBase | str,
     rows: Sequence[Mapping[str, Any]],
@@ -327,7 +327,7 @@ def build_teacher_cache_report(
 ) -> CacheBuildReport:
     """Cache ``teacher``'s signal over ``rows`` (chat rows, collated as ``ChatMLCollator`` does at ``max_length``)
     into the folder ``path``, or resume a stopped build with the same settings (others are refused before the teacher
-    loads); returns the manifest and this run's figures.
+    loads); returns the manifest and this run's figures (``CacheBuildReport``: ``.manifest``).
 
     ``signal``: ``topk`` (its top-``top_k`` log-probs) or ``hidden`` (its final hidden states, stored as
     ``hidden_dtype`` (``float16``, or ``bfloat16`` for states beyond float16's range), and its head in
@@ -398,37 +398,3 @@ def build_teacher_cache_report(
     assert manifest is not None  # rank 0 just wrote it
     built = sum(shard["tokens"] for index, shard in enumerate(manifest["shards"]) if index in pending)
     return CacheBuildReport(folder, manifest, len(pending), built, time.perf_counter() - writer.started)
-
-
-def build_teacher_cache(
-    teacher: ModelSource,
-    tokenizer: PreTrainedTokenizerBase | str,
-    rows: Sequence[Mapping[str, Any]],
-    path: str | Path,
-    *,
-    top_k: int = 20,
-    signal: str = "topk",
-    hidden_dtype: str = "float16",
-    max_length: int = 1024,
-    batch_size: int = 32,
-    shard_size: int = 1024,
-    trainer: L.Trainer | Mapping[str, Any] | None = None,
-    trust_remote_code: bool = False,
-    vocab_rows: int | None = None,
-) -> dict[str, Any]:
-    """``build_teacher_cache_report(...).manifest``: the cache's manifest (see there for the arguments)."""
-    return build_teacher_cache_report(
-        teacher,
-        tokenizer,
-        rows,
-        path,
-        top_k=top_k,
-        signal=signal,
-        hidden_dtype=hidden_dtype,
-        max_length=max_length,
-        batch_size=batch_size,
-        shard_size=shard_size,
-        trainer=trainer,
-        trust_remote_code=trust_remote_code,
-        vocab_rows=vocab_rows,
-    ).manifest

@@ -11,7 +11,7 @@ from helpers.teacher_cache import TEACHER, TRAINER, one_thread
 
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.models.loading import load_frozen_causal_lm
-from lightning_gkd.teachers.offline.build import build_teacher_cache_report
+from lightning_gkd.teachers.offline.build import build_teacher_cache
 from lightning_gkd.toy import addition_rows
 
 
@@ -35,7 +35,7 @@ def built(tmp_path_factory, tokenizer, rows) -> Path:
     """The one-shot, single-process build (k=20, 6 shards of 16 rows, batches of 8)."""
     path = tmp_path_factory.mktemp("one_shot") / "cache"
     with one_thread():
-        report = build_teacher_cache_report(TEACHER, tokenizer, rows, path, trainer=TRAINER, **settings())
+        report = build_teacher_cache(TEACHER, tokenizer, rows, path, trainer=TRAINER, **settings())
     assert report.built_shards == 6 and report.built_tokens == report.manifest["total_tokens"] > 0
     return path
 
@@ -44,6 +44,6 @@ def built(tmp_path_factory, tokenizer, rows) -> Path:
 def hidden_built(tmp_path_factory, tokenizer, rows) -> Path:
     """The hidden-state build (float16) over the rows and shards of ``built``."""
     path = tmp_path_factory.mktemp("hidden") / "cache"
-    report = build_teacher_cache_report(TEACHER, tokenizer, rows, path, trainer=TRAINER, signal="hidden", **settings())
+    report = build_teacher_cache(TEACHER, tokenizer, rows, path, trainer=TRAINER, signal="hidden", **settings())
     assert report.built_shards == 6 and report.built_tokens == report.manifest["total_tokens"] > 0
     return path

@@ -25,7 +25,7 @@ import lightning_gkd.teachers.offline.build as cache_build
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.models.loading import load_frozen_causal_lm
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
-from lightning_gkd.teachers.offline.build import build_teacher_cache, build_teacher_cache_report
+from lightning_gkd.teachers.offline.build import build_teacher_cache
 from lightning_gkd.teachers.offline.manifest import read_manifest
 from lightning_gkd.teachers.offline.reader import CacheTeacher, HiddenCacheTeacher, open_teacher_cache
 from lightning_gkd.teachers.offline.shards import shard_name
@@ -33,7 +33,7 @@ from lightning_gkd.teachers.offline.shards import shard_name
 
 def test_cache_size_per_million_tokens_grows_with_k(tmp_path, built, tokenizer, rows):
     k1 = {**settings(), "top_k": 1}
-    small = build_teacher_cache(TEACHER, tokenizer, rows, tmp_path / "k1", trainer=TRAINER, **k1)
+    small = build_teacher_cache(TEACHER, tokenizer, rows, tmp_path / "k1", trainer=TRAINER, **k1).manifest
     large = read_manifest(built)
     assert small["total_tokens"] == large["total_tokens"]
     # per supervised token: k ids (4 B) + k log-probs (2 B) + the next log-prob (2 B), plus offsets and keys
@@ -98,7 +98,7 @@ def test_a_build_with_other_settings_is_refused_before_the_teacher_loads(tmp_pat
         raise AssertionError("the teacher was loaded")
 
     monkeypatch.setattr(cache_build, "load_frozen_causal_lm", no_model)
-    same = build_teacher_cache(TEACHER, tokenizer, rows, built, trainer=TRAINER, **settings())  # complete: no-op
+    same = build_teacher_cache(TEACHER, tokenizer, rows, built, trainer=TRAINER, **settings()).manifest  # a no-op
     assert same == read_manifest(built)
     for change, message in (
         ({"top_k": 5}, "k: 20 there, 5 now"),
@@ -132,7 +132,7 @@ def test_bfloat16_hidden_cache_holds_states_beyond_float16(tmp_path, tokenizer, 
     path = tmp_path / "bf16"
     manifest = build_teacher_cache(
         scaled, tokenizer, rows[:32], path, trainer=TRAINER, signal="hidden", hidden_dtype="bfloat16", **few
-    )
+    ).manifest
     assert manifest["hidden_dtype"] == "bfloat16" and manifest["num_shards"] == 2
     assert Dataset.from_file(str(path / shard_name(0))).features["hidden"].feature.feature.dtype == "uint16"
     cache, live = open_teacher_cache(path), LocalTeacher(scaled)
@@ -157,9 +157,7 @@ def test_a_stopped_hidden_build_resumes_to_the_same_bytes(tmp_path, hidden_built
     (folder / "manifest.json").write_text(json.dumps({**building, "status": "building"}))
     with pytest.raises(RuntimeError, match=r"incomplete.*cache.signal=hidden cache.hidden_dtype=float16` with"):
         HiddenCacheTeacher(folder)
-    report = build_teacher_cache_report(
-        TEACHER, tokenizer, rows, folder, trainer=TRAINER, signal="hidden", **settings()
-    )
+    report = build_teacher_cache(TEACHER, tokenizer, rows, folder, trainer=TRAINER, signal="hidden", **settings())
     assert report.built_shards == 2
     assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in hidden_built.iterdir())
     for path in hidden_built.iterdir():
@@ -175,9 +173,9 @@ def test_a_hidden_build_refuses_other_settings_and_a_head_it_cannot_describe(
 
     monkeypatch.setattr(cache_build, "load_frozen_causal_lm", no_model)
     hidden = {**settings(), "signal": "hidden"}
-    assert build_teacher_cache(TEACHER, tokenizer, rows, hidden_built, trainer=TRAINER, **hidden) == read_manifest(
-        hidden_built
-    )  # complete: nothing to do
+    assert build_teacher_cache(
+        TEACHER, tokenizer, rows, hidden_built, trainer=TRAINER, **hidden
+    ).manifest == read_manifest(hidden_built)  # complete: nothing to do
     for path, change, message in (
         (hidden_built, {"signal": "topk"}, "signal: 'hidden' there, 'topk' now"),
         (hidden_built, {"hidden_dtype": "bfloat16"}, "hidden_dtype: 'float16' there, 'bfloat16' now"),
@@ -211,7 +209,7 @@ def test_a_top_k_cache_from_before_signal_opens_and_resumes(tmp_path, built, tok
     manifest = {k: v for k, v in read_manifest(built).items() if k not in ("signal", "hidden_dtype", "head")}
     (old / "manifest.json").write_text(json.dumps(manifest))
     assert isinstance(open_teacher_cache(old), CacheTeacher)
-    assert build_teacher_cache(TEACHER, tokenizer, rows, old, trainer=TRAINER, **settings()) == manifest
+    assert build_teacher_cache(TEACHER, tokenizer, rows, old, trainer=TRAINER, **settings()).manifest == manifest
 
 
 def test_a_cache_of_a_teacher_padded_further_covers_the_students_rows(tmp_path, tokenizer, rows):
@@ -234,7 +232,7 @@ def test_a_cache_of_a_teacher_padded_further_covers_the_students_rows(tmp_path, 
             top_k=TOP_K,
             max_length=MAX_LENGTH,
             vocab_rows=shared,
-        )  # the build limits the teacher it is given in place
+        ).manifest  # the build limits the teacher it is given in place
         build_teacher_cache(padded, tokenizer, rows[:8], tmp_path / "all", top_k=TOP_K, max_length=MAX_LENGTH)
     assert manifest["vocab_rows"] == shared and manifest["max_token_id"] < shared
     batch = ChatMLCollator(tokenizer, max_length=MAX_LENGTH)(rows[:8])
