@@ -128,6 +128,43 @@ def test_each_room_imports_only_the_rooms_below_it(room):
     assert wrong == {}
 
 
+#: the rooms inside ops/ -> the ops rooms they may import (docs/architecture.md)
+OPS_MAY_IMPORT: dict[str, set[str]] = {
+    "constants": set(),
+    "hf": set(),
+    "divergence": {"constants", "hf"},
+    "decoding": {"constants", "hf"},
+    "cross_tokenizer": {"constants", "divergence", "hf"},
+}
+
+
+def imported_ops_rooms(path: Path) -> set[str]:
+    """The rooms of lightning_gkd.ops a module imports."""
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        rooms |= {name.split(".")[2] for name in names if name.startswith("lightning_gkd.ops.")}
+    return rooms
+
+
+def test_the_rooms_inside_ops_import_only_the_rooms_below_them():
+    ops = PACKAGE / "ops"
+    assert {path.stem if path.is_file() else path.name for path in ops.iterdir() if path.name != "__init__.py"} - {
+        "__pycache__"
+    } == set(OPS_MAY_IMPORT)
+    wrong = {}
+    for path in sorted(ops.rglob("*.py")):
+        relative = path.relative_to(ops)
+        room = relative.parts[0].removesuffix(".py")
+        if room == "__init__":
+            continue
+        if extra := imported_ops_rooms(path) - {room} - OPS_MAY_IMPORT[room]:
+            wrong[str(relative)] = sorted(extra)
+    assert wrong == {}
+
+
 def test_ops_import_no_lightning():
     for path in (PACKAGE / "ops").rglob("*.py"):
         source = path.read_text()
