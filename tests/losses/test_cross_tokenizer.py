@@ -6,12 +6,10 @@ with a BPE teacher and the byte-level student, and what it cannot do is refused 
 import copy
 import csv
 
-import lightning as L
 import pytest
 import torch
 from helpers import fitting
-from helpers.fitting import with_group_defaults
-from lightning.pytorch.loggers import CSVLogger
+from helpers.fitting import small_trainer, with_group_defaults
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
@@ -60,18 +58,7 @@ def steps_on_one_batch(module, batch, steps: int) -> list[float]:
 def fit(module, tokenizer, rows, root, max_steps=3, val=None, **data_kwargs):
     val = rows["val"] if val is None else val
     datamodule = ChatDataModule(tokenizer, rows["train"], val, batch_size=4, max_length=64, **data_kwargs)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(root, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=1,
-        val_check_interval=max_steps,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=root,
-    )
+    trainer = small_trainer(root, csv=True, max_steps=max_steps, limit_val_batches=1, val_check_interval=max_steps)
     trainer.fit(module, datamodule=datamodule)
     return trainer
 

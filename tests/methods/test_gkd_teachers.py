@@ -9,14 +9,12 @@ import subprocess
 import sys
 import time
 
-import lightning as L
 import pytest
 import torch
 from helpers import fitting
-from helpers.fitting import with_group_defaults
+from helpers.fitting import small_trainer, with_group_defaults
 from helpers.launch import clean_env
 from helpers.paths import HELPERS
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat import ChatMLCollator
@@ -33,16 +31,8 @@ def make_module(student, teacher, tokenizer, **kwargs):
 
 def fit(module, tokenizer, rows, root, max_steps=3, ckpt_path=None):
     datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(root, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    # a ModelCheckpoint, as in a run: a teacher outage saves last.ckpt into its folder
+    trainer = small_trainer(root, csv=True, max_steps=max_steps, enable_checkpointing=True)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     return trainer
 
