@@ -6,10 +6,9 @@ import csv
 import json
 from functools import partial
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
@@ -22,18 +21,7 @@ from lightning_gkd.toy.tiny import asset_path
 
 def fit(module, tokenizer, rows, tmp_path, held_out, max_steps):
     data = ChatDataModule(tokenizer, addition_rows("train", 64), test_data=rows, batch_size=8, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[held_out],
-        default_root_dir=tmp_path,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, datamodule=data)
+    small_trainer(tmp_path, csv=True, max_steps=max_steps, callbacks=[held_out]).fit(module, datamodule=data)
 
 
 def logged(tmp_path):

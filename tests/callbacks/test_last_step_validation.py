@@ -8,6 +8,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.callbacks import LastStepValidation
@@ -28,18 +29,13 @@ class ValidationSteps(L.Callback):
 )
 def test_validation_at_the_last_step(max_steps, with_callback, expected, tmp_path, student, tokenizer, toy_rows):
     seen = ValidationSteps()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
         max_steps=max_steps,
         val_check_interval=5,
         check_val_every_n_epoch=None,
         limit_val_batches=1,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
         callbacks=[seen, *([LastStepValidation()] if with_callback else [])],
     )
     module = SFTModule(student, tokenizer, training={"optimizer": partial(torch.optim.SGD, lr=0.01)})

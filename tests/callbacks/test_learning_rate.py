@@ -8,27 +8,16 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.callbacks import LearningRateLogger
 from lightning_gkd.callbacks.learning_rate import _ours
 
 
-def fit(tmp_path, student, tokenizer, toy_rows, logger, optimizer=None) -> tuple[L.Trainer, LearningRateLogger]:
+def fit(tmp_path, student, tokenizer, toy_rows, csv_log, optimizer=None) -> tuple[L.Trainer, LearningRateLogger]:
     monitor = LearningRateLogger()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        logger=logger,
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[monitor],
-    )
+    trainer = small_trainer(tmp_path, csv=csv_log, max_steps=4, callbacks=[monitor])
     module = SFTModule(
         student,
         tokenizer,
@@ -42,7 +31,7 @@ def fit(tmp_path, student, tokenizer, toy_rows, logger, optimizer=None) -> tuple
 
 
 def test_the_rate_of_each_step_is_logged_as_train_lr(tmp_path, student, tokenizer, toy_rows):
-    fit(tmp_path, student, tokenizer, toy_rows, CSVLogger(tmp_path, name="", version=""))
+    fit(tmp_path, student, tokenizer, toy_rows, csv_log=True)
     with open(tmp_path / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert not any(name.startswith("lr-") for name in rows[0])
@@ -52,7 +41,7 @@ def test_the_rate_of_each_step_is_logged_as_train_lr(tmp_path, student, tokenize
 def test_without_a_logger_it_still_reaches_the_callback_metrics(tmp_path, student, tokenizer, toy_rows):
     # Lightning's LearningRateMonitor raises "Cannot use `LearningRateMonitor` callback with `Trainer` that has
     # no logger" here
-    trainer, monitor = fit(tmp_path, student, tokenizer, toy_rows, False)
+    trainer, monitor = fit(tmp_path, student, tokenizer, toy_rows, csv_log=False)
     assert float(trainer.callback_metrics["train/lr"]) == pytest.approx(0.02)
     assert monitor.lrs["train/lr"] == pytest.approx([0.04, 0.04, 0.02, 0.02])
 

@@ -12,15 +12,13 @@ import subprocess
 import sys
 from functools import partial
 
-import lightning as L
 import pytest
 import torch
 from helpers.eos_boost import boost_eos
-from helpers.fitting import with_group_defaults
+from helpers.fitting import small_trainer, with_group_defaults
 from helpers.hydra_compose import compose_train
 from helpers.launch import TIMEOUT, clean_env
 from helpers.paths import TESTS
-from lightning.pytorch.loggers import CSVLogger
 
 import lightning_gkd.callbacks.length_guard as length_guard
 import lightning_gkd.methods.base as base
@@ -51,17 +49,14 @@ def make_module(student, teacher, tokenizer, method=GKDModule, **kwargs):
 
 def fit(module, tokenizer, rows, tmp_path, callbacks, *, max_steps=4, limit_val_batches=2, ckpt_path=None):
     datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
+        csv=True,
         max_steps=max_steps,
         val_check_interval=2,
         limit_val_batches=limit_val_batches,
         num_sanity_val_steps=1,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+        enable_checkpointing=True,  # a ModelCheckpoint, as in a run: LengthGuard(stop=True) saves into its folder
         plugins=[SafeCheckpointIO()],
         callbacks=callbacks,
     )

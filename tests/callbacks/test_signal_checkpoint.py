@@ -17,6 +17,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.paths import ROOT
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -51,16 +52,8 @@ def fit(student, teacher, tokenizer, rows, tmp_path, callbacks, max_steps, ckpt_
         sampling={"max_new_tokens": 4},
         training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        plugins=[SafeCheckpointIO()],
-        callbacks=callbacks,
+    trainer = small_trainer(
+        tmp_path, max_steps=max_steps, enable_checkpointing=True, plugins=[SafeCheckpointIO()], callbacks=callbacks
     )
     trainer.fit(
         module, datamodule=ChatDataModule(tokenizer, rows["train"], batch_size=4, max_length=64), ckpt_path=ckpt_path
@@ -170,14 +163,12 @@ def test_a_signal_before_the_first_step_saves_nothing(student, teacher, tokenize
                 os.kill(os.getpid(), signal.SIGTERM)
 
     saver = SignalCheckpoint(tmp_path / "checkpoints")
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
         max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
+        limit_val_batches=1.0,
         num_sanity_val_steps=2,
-        default_root_dir=tmp_path,
         callbacks=[saver, DuringSanityCheck()],
     )
     data = ChatDataModule(tokenizer, toy_rows["train"], toy_rows["val"], batch_size=4, val_batch_size=4)

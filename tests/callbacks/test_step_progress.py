@@ -9,6 +9,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, SFTModule
 from lightning_gkd.callbacks import PrintMetricsCallback, StepProgressBar
@@ -16,20 +17,14 @@ from lightning_gkd.callbacks import PrintMetricsCallback, StepProgressBar
 
 def fit(bar: StepProgressBar, student, tokenizer, toy_rows, tmp_path, extra=(), **trainer_kwargs) -> L.Trainer:
     settings = {
-        "accelerator": "cpu",
         "max_steps": 6,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_model_summary": False,
         "limit_val_batches": 1,
         "val_check_interval": 3,
         "check_val_every_n_epoch": None,
-        "log_every_n_steps": 1,
         "num_sanity_val_steps": 0,
-        "default_root_dir": tmp_path,
         **trainer_kwargs,
     }
-    trainer = L.Trainer(callbacks=[bar, *extra], **settings)
+    trainer = small_trainer(tmp_path, enable_progress_bar=True, callbacks=[bar, *extra], **settings)
     module = SFTModule(student, tokenizer, training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)})
     # 16 rows of 4: an epoch is 4 steps, so the 6 steps cross an epoch boundary
     trainer.fit(module, datamodule=ChatDataModule(tokenizer, toy_rows["train"][:16], toy_rows["val"], batch_size=4))

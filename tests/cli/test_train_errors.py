@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers.fitting import with_group_defaults
+from helpers.fitting import small_trainer, with_group_defaults
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule, SFTModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer, load_tokenizer
@@ -39,18 +39,7 @@ def chat_setup(ctx: Ctx, rows: list, **kwargs: Any) -> None:
 
 
 def fit(ctx: Ctx, module: L.LightningModule, data: L.LightningDataModule, **kwargs: Any) -> None:
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=ctx.tmp_path,
-        **kwargs,
-    )
-    trainer.fit(module, datamodule=data)
+    small_trainer(ctx.tmp_path, max_steps=1, **kwargs).fit(module, datamodule=data)
 
 
 def gkd(ctx: Ctx, teacher: Any = None, **kwargs: Any) -> GKDModule:
@@ -108,15 +97,7 @@ def corrupt_checkpoint(ctx: Ctx) -> None:
     (folder / "step2.ckpt").write_bytes(b"")  # an earlier checkpoint to suggest
     bad = folder / "last.ckpt"
     bad.write_bytes(b"PK\x03\x04 this is not a checkpoint")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=ctx.tmp_path,
-        plugins=[SafeCheckpointIO()],
-    )
+    trainer = small_trainer(ctx.tmp_path, max_steps=1, enable_checkpointing=True, plugins=[SafeCheckpointIO()])
     trainer.fit(gkd(ctx), datamodule=ChatDataModule(ctx.tokenizer, [GOOD], batch_size=1), ckpt_path=bad)
 
 

@@ -11,11 +11,10 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.hydra_compose import FAST, compose_train
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule
 from lightning_gkd.callbacks.sample_table import SampleTable, top1_agreement
@@ -57,15 +56,13 @@ def test_sample_table_and_progress_bar_metrics_during_a_fit(student, teacher, to
         sampling={"max_new_tokens": 4},
         training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
+        csv=True,
         max_steps=4,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
         limit_val_batches=1,
         val_check_interval=4,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+        enable_progress_bar=True,  # the bar that shows the progress-bar metrics
         callbacks=[table],
     )
     trainer.fit(module, datamodule=ChatDataModule(tokenizer, toy_rows["train"], toy_rows["val"], batch_size=4))
@@ -92,16 +89,7 @@ def test_sample_table_and_progress_bar_metrics_during_a_fit(student, teacher, to
 def test_sample_table_compares_dpo_against_its_reference(student, tokenizer, tmp_path, capsys):
     table = SampleTable(every_n_steps=1, num_samples=2, max_new_tokens=3)
     module = DPOModule(student, tokenizer, reference=copy.deepcopy(student))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        callbacks=[table],
-    )
+    trainer = small_trainer(tmp_path, max_steps=1, callbacks=[table])
     trainer.fit(module, datamodule=PreferenceDataModule(tokenizer, addition_preference_rows("train", 8), batch_size=2))
     assert len(table.history) == 2 and "top-1 agreement with reference" in capsys.readouterr().out
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 
-import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
 from lightning_gkd.data.chat import ChatMLCollator
@@ -143,17 +143,7 @@ def test_a_tiny_fit_trains_on_the_template_and_samples_from_its_prompt(non_prefi
     batch = ChatMLCollator(tok, max_length=96)(rows(4))
     with torch.no_grad():
         before = float(sft.completion_loss(batch).loss)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(sft, datamodule=data)
+    small_trainer(tmp_path, max_steps=8).fit(sft, datamodule=data)
     with torch.no_grad():
         assert float(sft.completion_loss(batch).loss) < before
 

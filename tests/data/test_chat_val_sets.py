@@ -1,21 +1,11 @@
 """Several named validation sets: one loader each, logged as val/<name>/loss and val/<name>/<metric>."""
 
-import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.evaluation import exact_match
-
-
-def trainer() -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
 
 
 def direct_loss(module: GKDModule, data: ChatDataModule, rows) -> float:
@@ -24,7 +14,7 @@ def direct_loss(module: GKDModule, data: ChatDataModule, rows) -> float:
         return float(module.completion_loss(batch).loss)
 
 
-def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, teacher, tokenizer, toy_rows):
+def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, teacher, tokenizer, toy_rows, tmp_path):
     sets = {"easy": toy_rows["val"][:5], "hard": toy_rows["val"][5:16]}
     data = ChatDataModule(
         tokenizer, toy_rows["train"][:8], val_data=sets, batch_size=4, val_batch_size=16, max_length=64
@@ -33,7 +23,7 @@ def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, tea
         student, teacher, tokenizer, lmbda=0.0, validation={"metrics": {"accuracy": exact_match}, "max_new_tokens": 4}
     )
     assert data.val_names == ["easy", "hard"]
-    results = trainer().validate(module, datamodule=data, verbose=False)
+    results = small_trainer(tmp_path, limit_val_batches=1.0).validate(module, datamodule=data, verbose=False)
     logged = {key: float(value) for result in results for key, value in result.items()}
     assert set(logged) == {"val/easy/loss", "val/hard/loss", "val/easy/accuracy", "val/hard/accuracy"}
     for name, rows in sets.items():
@@ -42,7 +32,7 @@ def test_named_sets_log_one_loss_each_equal_to_a_direct_computation(student, tea
     assert all(0.0 <= logged[f"val/{name}/accuracy"] <= 1.0 for name in sets)
 
 
-def test_named_sets_in_a_fit(student, teacher, tokenizer, toy_rows):
+def test_named_sets_in_a_fit(student, teacher, tokenizer, toy_rows, tmp_path):
     data = ChatDataModule(
         tokenizer,
         toy_rows["train"][:8],
@@ -51,22 +41,13 @@ def test_named_sets_in_a_fit(student, teacher, tokenizer, toy_rows):
         val_data={"a": toy_rows["val"][:4], "b": toy_rows["val"][4:8]},
     )
     module = GKDModule(student, teacher, tokenizer, lmbda=0.0)
-    fit = L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        max_steps=2,
-        val_check_interval=2,
-        num_sanity_val_steps=0,
-    )
+    fit = small_trainer(tmp_path, max_steps=2, limit_val_batches=1.0, val_check_interval=2, num_sanity_val_steps=0)
     fit.fit(module, datamodule=data)
     keys = {key for key in fit.callback_metrics if key.startswith("val/")}
     assert keys == {"val/a/loss", "val/b/loss"}
 
 
-def test_a_single_set_still_logs_val_loss(student, teacher, tokenizer, toy_rows):
+def test_a_single_set_still_logs_val_loss(student, teacher, tokenizer, toy_rows, tmp_path):
     data = ChatDataModule(
         tokenizer, toy_rows["train"][:8], val_data=toy_rows["val"][:6], val_batch_size=16, max_length=64
     )
@@ -74,7 +55,7 @@ def test_a_single_set_still_logs_val_loss(student, teacher, tokenizer, toy_rows)
         student, teacher, tokenizer, lmbda=0.0, validation={"metrics": {"accuracy": exact_match}, "max_new_tokens": 4}
     )
     assert data.val_names is None
-    (result,) = trainer().validate(module, datamodule=data, verbose=False)
+    (result,) = small_trainer(tmp_path, limit_val_batches=1.0).validate(module, datamodule=data, verbose=False)
     assert set(result) == {"val/loss", "val/accuracy"}
     assert result["val/loss"] == pytest.approx(direct_loss(module, data, toy_rows["val"][:6]), rel=1e-5)
 

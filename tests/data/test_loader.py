@@ -1,16 +1,13 @@
 """Grouped generation: one sampling call per group of k micro-batches, each an optimizer step; every prompt once
 per epoch; ranks get distinct whole groups; a mid-group resume repeats an uninterrupted run exactly."""
 
-import csv
 from collections import Counter
 from functools import partial
 
-import lightning as L
 import pytest
 import torch
-from helpers.fitting import with_group_defaults
+from helpers.fitting import logged, small_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat import ChatMLCollator
@@ -24,32 +21,6 @@ from lightning_gkd.data.loader import (
 )
 from lightning_gkd.data.rows import RowDataset
 from lightning_gkd.toy import addition_rows
-
-
-def make_module(student, teacher, tokenizer, **kwargs):
-    defaults = with_group_defaults(
-        kwargs, sampling={"max_new_tokens": 6}, training={"optimizer": partial(torch.optim.AdamW, lr=1e-2)}
-    )
-    return GKDModule(student, teacher, tokenizer, **defaults)
-
-
-def trainer_for(tmp_path, max_steps, **kwargs):
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
-
-
-def logged(tmp_path, key):
-    with open(tmp_path / "metrics.csv") as handle:
-        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
 
 
 class RecordingGKD(GKDModule):
@@ -121,7 +92,7 @@ def test_k4_eight_optimizer_steps_make_two_sampling_calls_and_use_each_prompt_on
         original(model, batch, seed),
     )[1]
     datamodule = ChatDataModule(tokenizer, rows, batch_size=4, max_length=64, steps_per_generation=4)
-    trainer = trainer_for(tmp_path, max_steps=8)
+    trainer = small_trainer(tmp_path, csv=True, max_steps=8)
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 8  # optimizer steps, not groups
     assert calls == [16, 16]  # one call per group of 4 x 4 prompts
@@ -141,7 +112,7 @@ def test_grouped_generation_with_gradient_accumulation(student, teacher, tokeniz
     datamodule = ChatDataModule(
         tokenizer, addition_rows("train", 32), batch_size=4, max_length=64, generation_batch_size=16
     )
-    trainer = trainer_for(tmp_path, max_steps=4, accumulate_grad_batches=2)
+    trainer = small_trainer(tmp_path, csv=True, max_steps=4, accumulate_grad_batches=2)
     trainer.fit(module, datamodule=datamodule)
     assert trainer.global_step == 4
     assert module.sampling_calls == 2  # 8 micro-batches = 2 groups of 4
@@ -161,7 +132,9 @@ def _run(student, teacher, tokenizer, tmp_path, *, max_steps, ckpt_path=None, ev
         tokenizer, addition_rows("train", 48), batch_size=4, max_length=64, steps_per_generation=3, seed=5
     )
     callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every else []
-    trainer = trainer_for(tmp_path, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(every))
+    trainer = small_trainer(
+        tmp_path, csv=True, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(every)
+    )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return logged(tmp_path, "train/loss"), logged(tmp_path, "train/on_policy"), module
 

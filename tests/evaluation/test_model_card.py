@@ -1,6 +1,6 @@
 """Every export writes a README.md model card: base models, method and knobs, data, steps, final metrics."""
 
-import lightning as L
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.evaluation.model_card import describe_source, is_hub_id, model_card
@@ -20,16 +20,7 @@ def test_export_without_a_trainer_writes_models_and_hyperparameters(student, tea
 def test_export_after_fit_records_steps_data_and_metrics(student, teacher, tokenizer, toy_rows, tmp_path):
     data = ChatDataModule(tokenizer, toy_rows["train"][:8], val_data=toy_rows["val"][:4], batch_size=4, max_length=64)
     module = GKDModule(student, teacher, tokenizer, lmbda=0.0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        max_steps=2,
-        val_check_interval=2,
-        num_sanity_val_steps=0,
-    )
+    trainer = small_trainer(tmp_path, max_steps=2, limit_val_batches=1.0, val_check_interval=2, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
     card = (module.export(tmp_path / "out") / "README.md").read_text()
     assert "- steps: 2" in card

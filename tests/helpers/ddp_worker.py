@@ -48,6 +48,7 @@ from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe
 from lightning_gkd.toy import addition_rows, tool_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.toy.tools import TOOLS
+from tests.helpers.fitting import small_trainer
 from tests.helpers.scripted_sampler import ScriptedSampler
 
 KEYS = ("input_ids", "attention_mask", "labels")
@@ -123,19 +124,7 @@ def make_module(tokenizer, *, lmbda: float, **kwargs) -> Recorded:
 def fit(
     out: Path, module: Recorded, data: ChatDataModule, steps: int, accumulate: int = 1, strategy: Any = "ddp"
 ) -> L.Trainer:
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-    )
+    trainer = small_trainer(out, devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate)
     trainer.fit(module, datamodule=data)
     return trainer
 

@@ -28,6 +28,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from helpers.fitting import small_trainer  # tests/ is on PYTHONPATH (tests/models/test_sharding.py)
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.ops.decoding.sampling import generate_completions
@@ -94,18 +95,14 @@ def make_trainer(out: Path, max_steps: int, distributed_ckpt: bool) -> L.Trainer
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed_ckpt
     )
-    return L.Trainer(
-        accelerator="cpu",
+    return small_trainer(
+        out,
         devices=2,
         strategy=strategy,
         max_steps=max_steps,
         gradient_clip_val=CLIP,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)],
-        default_root_dir=out,
     )
 
 

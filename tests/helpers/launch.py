@@ -45,13 +45,14 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def two_process_trainer(out: Path, kind: str, max_steps: int, *, timeout_s: float | None = None, **kwargs: object):
-    """A Lightning Trainer of 2 CPU processes (gloo) under DDP (``kind`` "ddp") or FSDP2 ("fsdp":
+    """The tests' ``small_trainer`` on 2 CPU processes (gloo) under DDP (``kind`` "ddp") or FSDP2 ("fsdp":
     ``ModelParallelStrategy``), no validation, logging, checkpoints or bars: the workers' fits. ``timeout_s``: the
     process group's timeout (a collective one rank never joins fails after it; default Lightning's 30 minutes)."""
     from datetime import timedelta
 
-    import lightning as L
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from helpers.fitting import small_trainer
 
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     strategy = (
@@ -59,16 +60,4 @@ def two_process_trainer(out: Path, kind: str, max_steps: int, *, timeout_s: floa
         if kind == "fsdp"
         else DDPStrategy(**timeout)
     )
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-        **kwargs,
-    )
+    return small_trainer(out, devices=2, strategy=strategy, max_steps=max_steps, **kwargs)

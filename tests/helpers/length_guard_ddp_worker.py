@@ -26,6 +26,7 @@ from lightning_gkd.data.tokenizer import build_chatml_tokenizer
 from lightning_gkd.toy import addition_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from tests.helpers.eos_boost import boost_eos
+from tests.helpers.fitting import small_trainer
 
 STUDENT_BOOST, TEACHER_BOOST, BUDGET, VAL_ROWS = 0.9, 1.0, 8, 8
 
@@ -67,18 +68,14 @@ def main() -> None:
     )
     guard = LengthGuard(min_length_ratio=0.0, max_eos_drop=1.0)
     counts = RankCounts(guard)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        out,
         devices=2,
         strategy="ddp",
         max_steps=2,
+        limit_val_batches=1.0,
         val_check_interval=2,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
         callbacks=[counts, guard],
     )
     trainer.fit(module, datamodule=data)

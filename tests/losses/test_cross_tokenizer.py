@@ -4,14 +4,11 @@ the cross path equals plain GKD with identical tokenizers, fits on- and off-poli
 with a BPE teacher and the byte-level student, and what it cannot do is refused before any model loads."""
 
 import copy
-import csv
 
-import lightning as L
 import pytest
 import torch
 from helpers import fitting
-from helpers.fitting import with_group_defaults
-from lightning.pytorch.loggers import CSVLogger
+from helpers.fitting import logged, small_trainer, with_group_defaults
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
@@ -60,25 +57,9 @@ def steps_on_one_batch(module, batch, steps: int) -> list[float]:
 def fit(module, tokenizer, rows, root, max_steps=3, val=None, **data_kwargs):
     val = rows["val"] if val is None else val
     datamodule = ChatDataModule(tokenizer, rows["train"], val, batch_size=4, max_length=64, **data_kwargs)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(root, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=1,
-        val_check_interval=max_steps,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=root,
-    )
+    trainer = small_trainer(root, csv=True, max_steps=max_steps, limit_val_batches=1, val_check_interval=max_steps)
     trainer.fit(module, datamodule=datamodule)
     return trainer
-
-
-def logged(root, key):
-    with open(root / "metrics.csv") as handle:
-        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
 
 
 def sample_shaped_batch(tokenizer, rows):

@@ -8,6 +8,7 @@ import sys
 
 import lightning as L
 import pytest
+from helpers.fitting import small_trainer
 from helpers.gradient_probe import GradientsAtBatchStart, StepAsLightningDoes
 from helpers.launch import clean_env
 from helpers.paths import HELPERS
@@ -17,30 +18,19 @@ from lightning_gkd.methods.base import check_data_format
 from lightning_gkd.toy.preference import addition_preference_rows
 
 
-def _trainer(tmp_path, max_steps=1, **kwargs):
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
-
-
 def test_gkd_refuses_preference_pairs_and_dpo_refuses_chat_rows_before_a_step(
     tmp_path, tokenizer, student, teacher, toy_rows
 ):
     pairs = PreferenceDataModule(tokenizer, addition_preference_rows("train", 8), batch_size=2)
     gkd = GKDModule(student, teacher, tokenizer, sampling={"max_new_tokens": 2})
     with pytest.raises(ValueError, match=r"GKDModule trains on chat rows .* holds preference pairs"):
-        _trainer(tmp_path).fit(gkd, datamodule=pairs)
+        small_trainer(tmp_path, max_steps=1).fit(gkd, datamodule=pairs)
     assert gkd.global_step == 0
     dpo = DPOModule(student, tokenizer, reference=copy.deepcopy(student))
     with pytest.raises(ValueError, match=r"DPOModule trains on preference pairs .* holds chat rows"):
-        _trainer(tmp_path).fit(dpo, datamodule=ChatDataModule(tokenizer, toy_rows["train"], batch_size=2))
+        small_trainer(tmp_path, max_steps=1).fit(
+            dpo, datamodule=ChatDataModule(tokenizer, toy_rows["train"], batch_size=2)
+        )
 
 
 def test_datamodules_that_declare_no_format_and_matching_ones_pass(tokenizer, toy_rows):
@@ -94,7 +84,7 @@ def test_gradients_are_freed_after_each_step_and_training_is_unchanged(tmp_path,
         )
         module, data = _method_and_data(kind, student, teacher, tokenizer, toy_rows, reference_step=reference)
         probe, losses = GradientsAtBatchStart(), LossRecorder()
-        _trainer(tmp_path, max_steps=3, callbacks=[probe, losses]).fit(module, datamodule=data)
+        small_trainer(tmp_path, max_steps=3, callbacks=[probe, losses]).fit(module, datamodule=data)
         runs[reference] = (probe.seen, losses.losses, [p.detach().clone() for p in student.parameters()])
     assert runs[False][0] == [False, False, False]
     assert runs[True][0] == [False, True, True]  # Lightning's own step: the last step's gradients linger
@@ -105,7 +95,7 @@ def test_gradients_are_freed_after_each_step_and_training_is_unchanged(tmp_path,
 def test_gradients_are_kept_between_accumulated_micro_batches(tmp_path, tokenizer, student, teacher, toy_rows):
     module, data = _method_and_data("gkd", student, teacher, tokenizer, toy_rows)
     probe = GradientsAtBatchStart()
-    _trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[probe]).fit(module, datamodule=data)
+    small_trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[probe]).fit(module, datamodule=data)
     assert probe.seen == [False, True, False, True]  # freed at each real step, summed within the window
 
 

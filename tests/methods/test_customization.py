@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.hydra_compose import compose_train
 from hydra.utils import instantiate
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -152,7 +153,7 @@ def test_an_8bit_reference_trains_a_policy_on_gpu(student, tokenizer, tmp_path):
     )
     assert module.reference.is_loaded_in_8bit
     data = PreferenceDataModule(tokenizer, addition_preference_rows("train", 16), batch_size=4, max_length=64)
-    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False)
+    trainer = small_trainer(tmp_path, accelerator="gpu", max_steps=2)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2 and math.isfinite(float(trainer.callback_metrics["train/loss"]))
 
@@ -181,36 +182,29 @@ class GradientCapture(L.Callback):
 
 
 def accumulated_gradient(
-    policy, reference, tokenizer, rows, batch_size: int, accumulate: int
+    tmp_path, policy, reference, tokenizer, rows, batch_size: int, accumulate: int
 ) -> dict[str, torch.Tensor]:
     module = DPOModule(copy.deepcopy(policy), tokenizer, reference=copy.deepcopy(reference))
     capture = GradientCapture()
     data = PreferenceDataModule(tokenizer, rows, batch_size=batch_size, shuffle=False, max_length=64)
-    L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        accumulate_grad_batches=accumulate,
-        callbacks=[capture],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, datamodule=data)
+    small_trainer(tmp_path, max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture]).fit(
+        module, datamodule=data
+    )
     assert len(capture.steps) == 1
     return capture.steps[0]
 
 
-def test_gradient_accumulation_equals_one_large_batch_when_micro_batches_are_equal(student, tokenizer):
+def test_gradient_accumulation_equals_one_large_batch_when_micro_batches_are_equal(student, tokenizer, tmp_path):
     rows = addition_preference_rows("train", 6)
     reference = copy.deepcopy(student)
     with torch.no_grad():  # policy != reference, so each pair's weight sigma(-beta * margin) differs
         for p in student.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    full = accumulated_gradient(student, reference, tokenizer, rows, batch_size=6, accumulate=1)
-    three_by_two = accumulated_gradient(student, reference, tokenizer, rows, batch_size=2, accumulate=3)
+    full = accumulated_gradient(tmp_path, student, reference, tokenizer, rows, batch_size=6, accumulate=1)
+    three_by_two = accumulated_gradient(tmp_path, student, reference, tokenizer, rows, batch_size=2, accumulate=3)
     for name, grad in full.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(three_by_two[name], grad, atol=1e-7, rtol=1e-4)
     # The condition matters: micro-batches of 4 then 2 pairs weigh each pair of the smaller one double.
-    uneven = accumulated_gradient(student, reference, tokenizer, rows, batch_size=4, accumulate=2)
+    uneven = accumulated_gradient(tmp_path, student, reference, tokenizer, rows, batch_size=4, accumulate=2)
     assert not torch.allclose(uneven["model.embed_tokens.weight"], full["model.embed_tokens.weight"], atol=1e-6)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import csv
 import functools
 import math
 from functools import partial
@@ -11,8 +10,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from helpers.fitting import with_group_defaults
-from lightning.pytorch.loggers import CSVLogger
+from helpers.fitting import logged, small_trainer, with_group_defaults
 
 from lightning_gkd import ChatDataModule, DPOModule, PreferenceDataModule, preference_loss
 from lightning_gkd.data.preference import PreferenceCollator
@@ -47,26 +45,18 @@ def make_module(student, tokenizer, reference="copy", **kwargs) -> DPOModule:
 
 def fit(module, tokenizer, pairs, tmp_path, max_steps=3, ckpt_path=None, **trainer_kwargs) -> L.Trainer:
     data = PreferenceDataModule(tokenizer, pairs["train"], pairs["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
+        csv=True,
         max_steps=max_steps,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
         limit_val_batches=1,
         val_check_interval=max_steps,
         num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+        enable_checkpointing=True,  # a resume test reads the checkpoint
         **trainer_kwargs,
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer
-
-
-def logged(tmp_path, key) -> list[float]:
-    with open(tmp_path / "metrics.csv") as handle:
-        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -274,7 +264,7 @@ def test_policy_and_reference_load_from_local_folders(student, tokenizer, tmp_pa
     assert all(torch.equal(v, expected[k]) for k, v in module.reference.state_dict().items())
 
 
-def test_unusable_setups_fail_with_a_clear_message(student, tokenizer, toy_rows, pairs):
+def test_unusable_setups_fail_with_a_clear_message(student, tokenizer, toy_rows, pairs, tmp_path):
     with pytest.raises(ValueError, match="DPOModule needs a reference"):
         DPOModule(student, tokenizer)
     with pytest.raises(ValueError, match=r"reference is the policy object itself.*copy.deepcopy"):
@@ -290,20 +280,13 @@ def test_unusable_setups_fail_with_a_clear_message(student, tokenizer, toy_rows,
             {"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
         )
     precomputing = make_module(copy.deepcopy(student), tokenizer, precompute_ref_logps=True)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = small_trainer(tmp_path, max_steps=1)
     loader = PreferenceDataModule(tokenizer, pairs["train"], batch_size=4).train_dataloader()
     with pytest.raises(ValueError, match="precompute_ref_logps=True reads the data from the datamodule"):
         trainer.fit(precomputing, train_dataloaders=loader)
 
 
-def test_named_validation_sets_log_each_sets_statistics(student, tokenizer):
+def test_named_validation_sets_log_each_sets_statistics(student, tokenizer, tmp_path):
     """PreferenceDataModule(val_data={name: rows}): one loader per set; DPOModule logs val/<name>/... for each,
     equal to validating that set alone."""
     sets = {"easy": addition_preference_rows("val", 6), "hard": addition_preference_rows("test", 10)[4:]}
@@ -312,7 +295,7 @@ def test_named_validation_sets_log_each_sets_statistics(student, tokenizer):
 
     def validate(val_data) -> dict[str, float]:
         data = PreferenceDataModule(tokenizer, train, val_data, batch_size=4, val_batch_size=16, max_length=64)
-        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = small_trainer(tmp_path, limit_val_batches=1.0)
         results = trainer.validate(module, datamodule=data, verbose=False)
         return {key: float(value) for result in results for key, value in result.items()}
 

@@ -3,20 +3,17 @@ to end), several teachers routed by a data column, the settings each kind refuse
 teacher that stays down (checkpoint, resume, no step trained twice; under DDP for one rank only: every rank stops
 together). Plain Lightning Trainer, real collation."""
 
-import csv
 import json
 import subprocess
 import sys
 import time
 
-import lightning as L
 import pytest
 import torch
 from helpers import fitting
-from helpers.fitting import with_group_defaults
+from helpers.fitting import logged, small_trainer, with_group_defaults
 from helpers.launch import clean_env
 from helpers.paths import HELPERS
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.data.chat import ChatMLCollator
@@ -33,23 +30,10 @@ def make_module(student, teacher, tokenizer, **kwargs):
 
 def fit(module, tokenizer, rows, root, max_steps=3, ckpt_path=None):
     datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(root, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    # a ModelCheckpoint, as in a run: a teacher outage saves last.ckpt into its folder
+    trainer = small_trainer(root, csv=True, max_steps=max_steps, enable_checkpointing=True)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     return trainer
-
-
-def logged(root, key):
-    with open(root / "metrics.csv") as handle:
-        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
 
 
 def batch_of(tokenizer, rows, start=0, size=5):
@@ -69,7 +53,10 @@ def test_local_top_k_at_full_vocabulary_trains_like_the_dense_loss(
     sparse = make_module(student, sparse_spec, tokenizer, lmbda=0.5, divergence={"beta": beta})
     assert sparse.teacher is teacher and sparse.teacher_source.top_k == vocab
     fit(sparse, tokenizer, toy_rows, tmp_path / "sparse")
-    dense_losses, sparse_losses = logged(tmp_path / "dense", "train/loss"), logged(tmp_path / "sparse", "train/loss")
+    dense_losses, sparse_losses = (
+        logged(tmp_path / "dense", "train/loss"),
+        logged(tmp_path / "sparse", "train/loss"),
+    )
     assert len(sparse_losses) == 3 and logged(tmp_path / "sparse", "train/on_policy") == logged(
         tmp_path / "dense", "train/on_policy"
     )

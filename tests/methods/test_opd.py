@@ -14,13 +14,11 @@ import math
 from dataclasses import replace
 from functools import partial
 
-import lightning as L
 import pytest
 import torch
-from helpers.fitting import LossOf, with_group_defaults
+from helpers.fitting import LossOf, small_trainer, with_group_defaults
 from helpers.opd_metrics import OPD_METRICS
 from helpers.tiny_registry import build_tiny, tiny_config
-from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd import ChatDataModule, OPDModule
@@ -297,18 +295,7 @@ def fit(module, tokenizer, root, max_steps=3, **data_kwargs):
     data = ChatDataModule(
         tokenizer, addition_rows("train", 32), addition_rows("val", 8), batch_size=4, max_length=64, **data_kwargs
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(root, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=1,
-        val_check_interval=max_steps,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    trainer = small_trainer(root, csv=True, max_steps=max_steps, limit_val_batches=1, val_check_interval=max_steps)
     trainer.fit(module, datamodule=data)
     return read_metrics(root)
 

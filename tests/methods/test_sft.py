@@ -3,10 +3,10 @@
 import json
 from functools import partial
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
@@ -74,17 +74,13 @@ def test_sft_learns_the_toy_task_and_logs_val_accuracy(student, tokenizer, tmp_p
     )
     data = ChatDataModule(tokenizer, rows, rows, test_data=rows, batch_size=4, max_length=64)
     held_out = HeldOutEvaluation(max_new_tokens=6)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
         max_steps=60,
+        limit_val_batches=1.0,
         val_check_interval=60,
         check_val_every_n_epoch=None,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[held_out],
-        default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=data)
     assert trainer.callback_metrics["val/accuracy"] == pytest.approx(held_out.results["after"]["accuracy"])
@@ -100,17 +96,7 @@ def test_held_out_evaluation_scores_the_teacher_once(student, teacher, tokenizer
     module = GKDModule(student, teacher, tokenizer, lmbda=0.0, sampling={"max_new_tokens": 4})
     held_out = HeldOutEvaluation(max_new_tokens=4)
     data = ChatDataModule(tokenizer, rows, test_data=rows, batch_size=4)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[held_out],
-        default_root_dir=tmp_path,
-        limit_val_batches=0,
-    )
+    trainer = small_trainer(tmp_path, max_steps=1, callbacks=[held_out])
     trainer.fit(module, datamodule=data)
     expected = evaluate_generations(teacher, tokenizer, rows, max_new_tokens=4)
     assert held_out.results["teacher"] == expected

@@ -7,7 +7,6 @@ import copy
 import sys
 from functools import partial
 
-import lightning as L
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
 
 peft = pytest.importorskip("peft")
 
-from helpers.fitting import fit  # noqa: E402  (the shared tiny GKD fit)
+from helpers.fitting import fit, small_trainer  # noqa: E402  (the shared tiny GKD fit and Trainer)
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 
@@ -146,17 +145,7 @@ def test_dpo_with_a_lora_spec_uses_the_adapters_disabled_reference(base_folder, 
     base_before = base_weights(module.policy)
     pairs = {"train": addition_preference_rows("train", 16), "val": addition_preference_rows("val", 4)}
     data = PreferenceDataModule(tokenizer, pairs["train"], pairs["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = small_trainer(tmp_path, max_steps=2)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2
     after = dict(module.policy.named_parameters())

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import time
 
-import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
@@ -314,7 +314,7 @@ def test_an_environment_without_tools_plays_a_simulated_user(tool_tokenizer):
 
 
 # -- methods with tools, through a real Trainer -----------------------------------------------------------------------
-def fit_with_tools(module, tokenizer, rows, steps=2, batch_size=2, **data):
+def fit_with_tools(module, tokenizer, rows, tmp_path, steps=2, batch_size=2, **data):
     datamodule = ChatDataModule(
         tokenizer,
         rows,
@@ -325,23 +325,15 @@ def fit_with_tools(module, tokenizer, rows, steps=2, batch_size=2, **data):
         length_check_rows=4,
         **data,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=1,
-        val_check_interval=steps,
-        num_sanity_val_steps=0,
+    trainer = small_trainer(
+        tmp_path, max_steps=steps, limit_val_batches=1, val_check_interval=steps, num_sanity_val_steps=0
     )
     trainer.fit(module, datamodule=datamodule)
     return trainer
 
 
 @pytest.mark.parametrize("method", ["gkd", "seq_kd", "opd"])
-def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(tool_tokenizer, method):
+def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(tool_tokenizer, method, tmp_path):
     rows = tool_rows("train", 4)
     sampler = ScriptedSampler(tool_tokenizer, scripted_rows(rows))
     student = tiny_causal_lm({**TINY_STUDENT}, tool_tokenizer, seed=0)
@@ -365,7 +357,7 @@ def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(
         return loss(batch)
 
     module.training_loss = record
-    trainer = fit_with_tools(module, tool_tokenizer, rows)
+    trainer = fit_with_tools(module, tool_tokenizer, rows, tmp_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["train/tools/calls"] == 3.0 and metrics["train/tools/turns"] == 4.0
     assert metrics["train/tools/failures"] == 0.0 and metrics["train/tools/failure_rate"] == 0.0
@@ -377,7 +369,7 @@ def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(
     assert (batch["labels"] != IGNORE_INDEX).sum() < batch["attention_mask"][:, batch["prompts"].shape[1] :].sum()
 
 
-def test_a_real_sampler_rolls_out_with_tools_and_counts_what_a_random_student_gets_wrong(tool_tokenizer):
+def test_a_real_sampler_rolls_out_with_tools_and_counts_what_a_random_student_gets_wrong(tool_tokenizer, tmp_path):
     rows = tool_rows("train", 4)
     student = tiny_causal_lm({**TINY_STUDENT}, tool_tokenizer, seed=0)
     teacher = tiny_causal_lm({**TINY_TEACHER}, tool_tokenizer, seed=1)
@@ -389,7 +381,7 @@ def test_a_real_sampler_rolls_out_with_tools_and_counts_what_a_random_student_ge
         sampling={"max_new_tokens": 8, "sampler": KVCacheSampler},
         rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"], "max_tool_calling_iterations": 2},
     )
-    trainer = fit_with_tools(module, tool_tokenizer, rows, steps=1)
+    trainer = fit_with_tools(module, tool_tokenizer, rows, tmp_path, steps=1)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["train/tools/turns"] >= 1.0 and "train/tools/calls" in metrics
 
@@ -411,7 +403,6 @@ def _grouped_tool_run(tokenizer, rows, tmp_path, *, max_steps, ckpt_path=None, e
     from functools import partial
 
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
 
     student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
     teacher = tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1)
@@ -435,17 +426,8 @@ def _grouped_tool_run(tokenizer, rows, tmp_path, *, max_steps, ckpt_path=None, e
         length_check_rows=4,
     )
     callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every else []
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-        enable_checkpointing=bool(every),
+    trainer = small_trainer(
+        tmp_path, csv=True, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(every)
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     import csv

@@ -22,6 +22,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.vllm_models import VLLM_TINY, in_process_vllm
 
 from lightning_gkd import ChatDataModule, GKDModule
@@ -179,17 +180,12 @@ def fit(module, tokenizer, rows, tmp_path, *, steps: int, callbacks=()) -> L.Tra
     datamodule = ChatDataModule(
         tokenizer, rows, rows[:2], batch_size=2, max_length=400, assistant_turns="all", length_check_rows=4
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=1,
         val_check_interval=steps,
         num_sanity_val_steps=0,
-        default_root_dir=tmp_path,
         callbacks=list(callbacks),
     )
     trainer.fit(module, datamodule=datamodule)

@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers.fitting import fit, logged, make_module
+from helpers.fitting import fit, logged, make_module, small_trainer
 from helpers.hydra_compose import compose_train
 
 from lightning_gkd import ChatDataModule, GKDModule
@@ -84,24 +84,13 @@ def test_teacher_samples_under_seq_kd_are_plain_teacher_samples(student, teacher
 def test_grouped_generation_samples_a_group_once_with_the_teacher_in_the_loop(
     student, teacher, tokenizer, toy_rows, tmp_path
 ):
-    import lightning as L
-
     module = make_module(
         student, teacher, tokenizer, lmbda=1.0, sampling={"sampler": partial(SpeculativeKDSampler, accept_top_k=3)}
     )
     data = ChatDataModule(
         tokenizer, toy_rows["train"], toy_rows["val"], batch_size=2, steps_per_generation=2, max_length=64, seed=0
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
+    trainer = small_trainer(tmp_path, max_steps=4)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 4 and module.sampling_calls == 2
 

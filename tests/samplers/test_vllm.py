@@ -12,6 +12,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.paths import HELPERS
 from helpers.vllm_models import in_process_vllm, vllm_tiny
 
@@ -154,21 +155,6 @@ def gkd(tokenizer, sampler, *, seed: int = 0, lmbda: float = 1.0, **kwargs) -> G
     )
 
 
-def trainer(tmp_path, steps: int, callbacks=(), **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=list(callbacks),
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize(("sync_every", "expected_syncs"), [(1, 4), (2, 2)])
 def test_the_engine_follows_the_trained_student(sync_every, expected_syncs, tokenizer, tmp_path):
     """4 on-policy steps: the engine loads the student when fitting starts, then re-syncs before each sampling
@@ -178,7 +164,7 @@ def test_the_engine_follows_the_trained_student(sync_every, expected_syncs, toke
     module = gkd(tokenizer, partial(VLLMSampler, sync_every=sync_every))
     before = {k: v.clone() for k, v in module.student.state_dict().items()}
     recorder = SyncRecorder()
-    trainer(tmp_path, 4, [recorder]).fit(module, datamodule=data)
+    small_trainer(tmp_path, max_steps=4, callbacks=[recorder]).fit(module, datamodule=data)
     assert recorder.syncs == expected_syncs
     assert module.sampling_calls == 4
     assert any(not torch.equal(before[k], v) for k, v in module.student.state_dict().items())
@@ -219,7 +205,7 @@ def test_opd_weights_the_samples_of_an_engine_synced_every_second_step(tokenizer
         validation={"metrics": {}},
     )
     recorder, weights = SyncRecorder(), StepWeights()
-    trainer(tmp_path, 4, [recorder, weights]).fit(module, datamodule=data)
+    small_trainer(tmp_path, max_steps=4, callbacks=[recorder, weights]).fit(module, datamodule=data)
     assert recorder.syncs == 2 and module.sampling_calls == 4
     for step in (0, 2):
         assert weights.means[step] == pytest.approx(1.0, abs=2e-3), weights.means
@@ -313,7 +299,7 @@ def test_seq_kd_samples_the_teacher_from_a_second_engine_that_is_never_synced(to
             self.batch = batch
 
     engines = Engines()
-    trainer(tmp_path, 3, [recorder, engines]).fit(module, datamodule=data)
+    small_trainer(tmp_path, max_steps=3, callbacks=[recorder, engines]).fit(module, datamodule=data)
     assert engines.running == 2
     # one load per engine; the student is never sampled here, so its engine is never re-synced
     assert recorder.syncs == 2

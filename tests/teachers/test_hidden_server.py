@@ -14,7 +14,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, GKDModule, OPDModule
 from lightning_gkd.data.chat import ChatMLCollator
@@ -198,17 +198,14 @@ def test_teacher_specs_with_signal_hidden(served):
 
 def fit(module, tokenizer, rows, root, max_steps=3, ckpt_path=None, callbacks=()):
     datamodule = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        root,
+        csv=True,
         max_steps=max_steps,
-        logger=CSVLogger(root, name="", version=""),
-        log_every_n_steps=1,
         val_check_interval=max_steps,
         limit_val_batches=1,
         num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
+        enable_checkpointing=True,  # a test resumes from the checkpoint
         callbacks=list(callbacks),
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)

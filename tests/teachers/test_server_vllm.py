@@ -17,8 +17,8 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.vllm_server import stop, vllm_server
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
@@ -166,17 +166,8 @@ def fit_gkd(module, tokenizer, root, *, steps=3, callbacks=()):
     from lightning_gkd import ChatDataModule
 
     data = ChatDataModule(tokenizer, addition_rows("train", 64), addition_rows("val", 8), batch_size=4, max_length=40)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=CSVLogger(root, name="", version=""),
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=list(callbacks),
-    )
+    # a ModelCheckpoint, as in a run: a teacher outage saves last.ckpt into its folder
+    trainer = small_trainer(root, csv=True, max_steps=steps, enable_checkpointing=True, callbacks=list(callbacks))
     trainer.fit(module, datamodule=data)
     with open(root / "metrics.csv") as handle:
         return [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]

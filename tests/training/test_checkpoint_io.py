@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.paths import ROOT
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -91,15 +92,7 @@ def test_dpo_cached_reference_logps_resume_through_weights_only_loading(student,
             precompute_ref_logps=True,
             training={"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
         )
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=max_steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            plugins=[SafeCheckpointIO()],
-        )
+        trainer = small_trainer(tmp_path, max_steps=max_steps, enable_checkpointing=True, plugins=[SafeCheckpointIO()])
         trainer.fit(module, datamodule=PreferenceDataModule(tokenizer, pairs, batch_size=4), ckpt_path=ckpt_path)
         return module, trainer
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from functools import partial
 
-import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from helpers.hydra_compose import compose_train
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
@@ -80,17 +80,11 @@ def perturb_adapters(model):
 
 def fit(module, tokenizer, rows, tmp_path, max_steps, callbacks):
     data = ChatDataModule(tokenizer, rows["train"], rows["val"], batch_size=4, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
         max_steps=max_steps,
-        logger=False,
         callbacks=callbacks,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=data)
     return trainer

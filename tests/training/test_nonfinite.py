@@ -10,6 +10,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 
 from lightning_gkd import ChatDataModule, DPOModule, GKDModule, PreferenceDataModule, SFTModule
 from lightning_gkd.methods.base import MAX_CONSECUTIVE_SKIPS
@@ -28,20 +29,6 @@ def poison(model: torch.nn.Module, when=lambda: True) -> list[int]:
 
     model.get_decoder().register_forward_hook(hook)
     return calls
-
-
-def trainer_for(tmp_path, max_steps: int, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
 
 
 def chat_data(tokenizer, toy_rows) -> ChatDataModule:
@@ -84,7 +71,7 @@ def test_nan_logits_stop_the_run_naming_step_and_model(
         if kind == "dpo"
         else chat_data(tokenizer, toy_rows)
     )
-    trainer = trainer_for(tmp_path, 5, callbacks=[Count()])
+    trainer = small_trainer(tmp_path, max_steps=5, callbacks=[Count()])
     with pytest.raises(
         RuntimeError,
         match=rf"Non-finite training loss \(nan\) at global step 2: {named} \(NaN or "
@@ -109,7 +96,7 @@ def test_a_loss_that_overflows_on_finite_logits_says_so(student, teacher, tokeni
         r"finite, so the "
         r"loss computation itself overflowed",
     ):
-        trainer_for(tmp_path, 2).fit(module, datamodule=chat_data(tokenizer, toy_rows))
+        small_trainer(tmp_path, max_steps=2).fit(module, datamodule=chat_data(tokenizer, toy_rows))
 
 
 def test_skip_option_skips_the_poisoned_batch_and_trains_on(student, teacher, tokenizer, toy_rows, tmp_path):
@@ -127,7 +114,7 @@ def test_skip_option_skips_the_poisoned_batch_and_trains_on(student, teacher, to
         match=r"Non-finite training loss \(nan\) at global step 1: the teacher produced "
         r"non-finite logits \(NaN or inf\)\. Skipping this batch",
     ):
-        trainer = trainer_for(tmp_path, 3, callbacks=[Count()])
+        trainer = small_trainer(tmp_path, max_steps=3, callbacks=[Count()])
         trainer.fit(module, datamodule=chat_data(tokenizer, toy_rows))
     assert batches["n"] == 3 and trainer.global_step == 3  # Lightning counts the skipped batch's (empty) step
     assert all(torch.isfinite(p).all() for p in module.student.parameters())
@@ -144,4 +131,4 @@ def test_skip_gives_up_after_too_many_bad_batches_in_a_row(student, teacher, tok
             RuntimeError, match=rf"That is {MAX_CONSECUTIVE_SKIPS} skipped batches in a row, so the run is stopped"
         ),
     ):
-        trainer_for(tmp_path, 100).fit(module, datamodule=chat_data(tokenizer, toy_rows))
+        small_trainer(tmp_path, max_steps=100).fit(module, datamodule=chat_data(tokenizer, toy_rows))

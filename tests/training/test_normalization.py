@@ -14,8 +14,8 @@ from itertools import pairwise
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import small_trainer
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_gkd import ChatDataModule, GKDModule, SFTModule
@@ -64,17 +64,7 @@ def one_step(module, tokenizer, rows, tmp_path, *, batch_size, accumulate, steps
         shuffle=False,
         steps_per_generation=steps_per_generation,
     )
-    L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        accumulate_grad_batches=accumulate,
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, datamodule=data)
+    small_trainer(tmp_path, csv=True, max_steps=1, accumulate_grad_batches=accumulate).fit(module, datamodule=data)
     assert len(grads) == 1
     by_id = grads[0]
     gradients = {name: by_id[id(p)] for name, p in module.model.named_parameters() if id(p) in by_id}
@@ -203,17 +193,12 @@ def test_16_mixed_unscaled_gradients_are_the_float32_token_mean_and_an_overflow_
     )
     steps = ScalerSteps(overflow_at=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # (Lightning's default, 2**16, overflows step 0 here)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
+        csv=True,
         max_steps=3,
         accumulate_grad_batches=2,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        logger=CSVLogger(tmp_path, name="", version=""),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[steps],
     )
     datamodule = ChatDataModule(tokenizer, rows, batch_size=4, max_length=64, shuffle=False)
@@ -248,21 +233,16 @@ def test_16_mixed_unscaled_gradients_are_the_float32_token_mean_and_an_overflow_
         assert logged[step] == pytest.approx(float(token_mean), rel=1e-3)
 
 
-def test_16_mixed_with_the_fused_adamw_skips_an_overflow_step(student, tokenizer):
+def test_16_mixed_with_the_fused_adamw_skips_an_overflow_step(student, tokenizer, tmp_path):
     """The default optimizer (AdamW, fused) unscales and checks for inf inside its own step, so under 16-mixed
     Lightning hands it still-scaled gradients, which the step normalisation scales first (a linear factor: the
     same update). An overflowing step is skipped there too: weights unchanged, scale halved."""
     module = SFTModule(copy.deepcopy(student), tokenizer)
     steps = ScalerSteps(overflow_at=1)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = small_trainer(
+        tmp_path,
         max_steps=3,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))],
-        logger=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[steps],
     )
     trainer.fit(module, datamodule=ChatDataModule(tokenizer, uneven_rows(12), batch_size=4, max_length=64))

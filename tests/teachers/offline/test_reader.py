@@ -106,8 +106,7 @@ def test_training_from_the_cache_equals_training_with_the_live_teacher(tmp_path,
     import csv
     from functools import partial
 
-    import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
+    from helpers.fitting import small_trainer
 
     from lightning_gkd import GKDModule
     from lightning_gkd.models.loading import load_causal_lm
@@ -128,17 +127,8 @@ def test_training_from_the_cache_equals_training_with_the_live_teacher(tmp_path,
             validation={"metrics": {}},
         )
         data = ChatDataModule(tokenizer, train, val, batch_size=8, max_length=MAX_LENGTH, shuffle=False)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=4,
-            val_check_interval=4,
-            limit_val_batches=1,
-            num_sanity_val_steps=0,
-            logger=CSVLogger(root, name="", version=""),
-            log_every_n_steps=1,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
+        trainer = small_trainer(
+            root, csv=True, max_steps=4, val_check_interval=4, limit_val_batches=1, num_sanity_val_steps=0
         )
         trainer.fit(module, datamodule=data)
         with open(root / "metrics.csv") as handle:
