@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 elapsed = time.perf_counter() - started
                 if repeat:
                     times[name].append(elapsed)
-                    stats[name].append(getattr(sampler, "last_stats", dict)())
+                    stats[name].append(sampler.last_stats())
                     tokens[name].append(int((out["labels"] != -100).sum()))
         base = statistics.median(times["hf"]) / statistics.fmean(tokens["hf"])
         for name in samplers:

@@ -56,14 +56,25 @@ CONFIGS = (
 LEVERS = ("fused_adamw", "bf16_teacher", "sampler_medium", "tied_rows")
 
 
-def ours_module(shape: BenchShape, student: Any, teacher: Any, tokenizer: Any, lmbda: float, **objects: Any) -> Any:
+def ours_module(
+    shape: BenchShape,
+    student: Any,
+    teacher: Any,
+    tokenizer: Any,
+    lmbda: float,
+    *,
+    frozen_dtype: str = "auto",
+    **objects: Any,
+) -> Any:
     """GKDModule on the bench's settings (beta 0.5, sampling at temperature 0.9, the shape's new tokens, seed 0, our
-    fused AdamW at lr 1e-5), built from conf/method/gkd.yaml like every method the scripts build."""
+    fused AdamW at lr 1e-5, the teacher in ``frozen_dtype``), built from conf/method/gkd.yaml like every method the
+    scripts build."""
     from lightning_gkd.cli.compose import build_method
     from lightning_gkd.training.optimizers import adamw
 
     settings = [f"method.lmbda={lmbda}", "method.divergence.beta=0.5", "method.sampling.temperature=0.9"]
     settings += [f"method.sampling.max_new_tokens={shape.new_tokens}", "seed=0"]
+    settings += [f"method.training.frozen_dtype={frozen_dtype}"]
     objects.setdefault("optimizer", partial(adamw, lr=1e-5))  # our default: fused where torch can
     return build_method(["method=gkd", *settings], student=student, teacher=teacher, tokenizer=tokenizer, **objects)
 
@@ -101,8 +112,8 @@ def time_steps(config: str, lmbda: float, warmup: int, steps: int, shape: BenchS
             if "vllm" in config
             else partial(KVCacheSampler, weights_dtype="bfloat16" if config == "ours_bf16_sampling" else None)
         )
-        frozen = {"frozen_dtype": "float32"} if config == "ours_fp32" else {}  # else the default, "auto"
-        module = ours_module(shape, student, teacher, tokenizer, lmbda, sampler=sampler, **frozen)
+        frozen_dtype = "float32" if config == "ours_fp32" else "auto"  # auto: the default
+        module = ours_module(shape, student, teacher, tokenizer, lmbda, sampler=sampler, frozen_dtype=frozen_dtype)
         datamodule = ChatDataModule(
             tokenizer, rows, batch_size=shape.batch, max_length=shape.max_length, steps_per_generation=group
         )
@@ -354,9 +365,7 @@ def breakdown(
     module = ours_module(shape, student, teacher, tokenizer, 1.0, sampler=sampler)
     if "tied_rows" not in levers:  # the module makes the tied embedding's gradient the rows looked up; undo it
         student.get_input_embeddings().__class__ = torch.nn.Embedding
-    engine = getattr(module.sampler, "start", None)
-    if engine is not None:
-        engine({"student": student}, max_model_len=shape.max_length + shape.new_tokens)
+    module.sampler.start({"student": student}, max_model_len=shape.max_length + shape.new_tokens)
     rows = bench_rows(shape.batch * (batches + 1), answer_tokens=shape.new_tokens)
     datamodule = ChatDataModule(tokenizer, rows, batch_size=shape.batch, max_length=shape.max_length)
     datamodule.setup("fit")
