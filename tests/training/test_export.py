@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import torch
 from helpers.fitting import small_trainer
-from helpers.hydra_compose import compose_train
+from helpers.hydra_compose import FAST, compose_train
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 
@@ -25,15 +25,6 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 ATOL = 1e-5
-FAST = [
-    "trainer.max_steps=3",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "data.batch_size=4",
-    "method.sampling.max_new_tokens=6",
-    "print_config=false",
-]
 
 
 @pytest.fixture(scope="module")
