@@ -529,7 +529,7 @@ def decode_profile(shape: BenchShape, tokens: int = 12) -> dict[str, dict[str, f
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_gkd.data.tokenizer import build_chatml_tokenizer
-    from lightning_gkd.ops.decoding.sampling import returned_cache
+    from lightning_gkd.ops.decoding.kv_decoders import returned_cache
     from lightning_gkd.ops.hf.forward import float32_matmul_precision
     from lightning_gkd.samplers import KVCacheSampler
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gkd.ops.decoding.kv_decoders import DECODE_MODES, KVDecoder, make_decoder, resolve_decode
 from lightning_gkd.ops.decoding.sampling import generate_completions, validate_sampling_args
 from lightning_gkd.ops.hf.forward import (
     check_matmul_precision,
@@ -20,8 +23,19 @@ from lightning_gkd.ops.hf.forward import (
 )
 from lightning_gkd.samplers.base import Sampler
 
-#: ``weights_dtype`` choices: the dtype of the sampling copy (``None``: sample with the model itself).
-SAMPLING_DTYPES = ("bfloat16", "float16")
+log = logging.getLogger(__name__)
+
+#: ``weights_dtype`` choices: the dtype of the sampling copy (``None``: sample with the model itself; ``auto``: the
+#: autocast dtype where training runs mixed precision on a GPU, else the model itself).
+SAMPLING_DTYPES = ("auto", "bfloat16", "float16")
+
+
+def autocast_sampling_dtype(device: torch.device) -> torch.dtype | None:
+    """``weights_dtype=auto``'s dtype on ``device``: the autocast dtype when autocast is on for a CUDA device (the
+    step runs under Lightning's bf16-/16-mixed precision), else None (sample with the model itself)."""
+    if device.type == "cuda" and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 @dataclass
@@ -47,13 +61,24 @@ class KVCacheSampler(Sampler):
     from those products, as from a bf16 serving engine. "highest" always samples from the exact float32 model.
     Training and greedy validation are not affected.
 
-    ``weights_dtype`` ("bfloat16" or "float16"; default ``None``: off) samples from a copy of the model cast to that
-    dtype, which halves the bytes every decoded token reads. The copy is made at the first sampling call (it holds
-    half a float32 model's bytes for the whole fit) and re-synced from the model, in place, at the first sampling
-    call after an optimizer step changed the model (``weights_updated``), like the vLLM engine's copy. The samples
-    and ``sampled_logprobs`` are then those of the cast copy, as from a bf16 serving engine. A model whose floating
-    weights already have that dtype is sampled as is; a sharded (FSDP2) model is refused: gather it or use
-    ``sampler=vllm``.
+    ``weights_dtype`` ("bfloat16" or "float16"; ``None``: off; default "auto": the autocast dtype when the step runs
+    under bf16-/16-mixed precision on a GPU, else off) samples from a copy of the model cast to that dtype, which
+    halves the bytes every decoded token reads and, under autocast, removes its cast of every weight at every decode
+    forward (the copy decodes with autocast off, as a bf16 serving engine does). The copy is made at the first
+    sampling call (it holds half a float32 model's bytes for the whole fit) and re-synced from the model, in place,
+    at the first sampling call after an optimizer step changed the model (``weights_updated``), like the vLLM
+    engine's copy. The samples and ``sampled_logprobs`` are then those of the cast copy, as from a bf16 serving
+    engine. A model whose floating weights already have that dtype is sampled as is; a sharded (FSDP2) model is
+    refused when the dtype is named (gather it or use ``sampler=vllm``) and sampled as is under "auto".
+
+    ``decode`` chooses how the forwards run (``ops.decoding.kv_decoders``), once, at the first sampling call
+    (logged): "dynamic" (transformers' growing cache), "static" (a static cache and one mask for the whole decode:
+    no host read per token), "compiled" (the static decode forward ``torch.compile``d with ``compile_backend``,
+    default inductor, as CUDA graphs on a GPU; prompts left-padded to a multiple of ``prompt_bucket`` and batches to
+    a power of two, so a run compiles a few shapes) or "auto" (default: "compiled" on CUDA for a family with
+    static-cache support, else "dynamic"). ``finished_lag`` reads "all rows finished" that many tokens late (None:
+    4 on CUDA, 0 on the CPU; ``ops.decoding.sampling.LaggedFlag``). Samples are the same whichever is chosen, up
+    to floating-point summation order in the static cache's longer, masked attention.
     """
 
     tokenizer: Any
@@ -62,7 +87,12 @@ class KVCacheSampler(Sampler):
     top_k: int = 0
     top_p: float = 1.0
     matmul_precision: str | None = "medium"
-    weights_dtype: str | None = None
+    weights_dtype: str | None = "auto"
+    decode: str = "auto"
+    compile_backend: str | None = None
+    prompt_bucket: int = 64
+    finished_lag: int | None = None
+    _decoder: KVDecoder | None = field(default=None, init=False, repr=False)
     _copies: dict[int, _SamplingCopy] = field(default_factory=dict, init=False, repr=False)
     _version: int = field(default=0, init=False, repr=False)
     #: Seconds spent making and re-syncing sampling copies (``weights_dtype``), in this process.
@@ -71,16 +101,33 @@ class KVCacheSampler(Sampler):
     def __post_init__(self) -> None:
         validate_sampling_args(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         check_matmul_precision(self.matmul_precision)
-        self.check_settings(weights_dtype=self.weights_dtype)
+        self.check_settings(
+            weights_dtype=self.weights_dtype,
+            decode=self.decode,
+            prompt_bucket=self.prompt_bucket,
+            finished_lag=self.finished_lag,
+        )
 
     @staticmethod
-    def check_settings(weights_dtype: str | None = None, **_: Any) -> None:
+    def check_settings(
+        weights_dtype: str | None = "auto",
+        decode: str = "auto",
+        prompt_bucket: int = 64,
+        finished_lag: int | None = None,
+        **_: Any,
+    ) -> None:
         """The factory's options, checked before any model loads."""
         if weights_dtype is not None and weights_dtype not in SAMPLING_DTYPES:
             raise ValueError(
                 f"sampler.weights_dtype must be one of {SAMPLING_DTYPES} or null (sample with the model itself), "
                 f"got {weights_dtype!r}."
             )
+        if decode not in DECODE_MODES:
+            raise ValueError(f"sampler.decode must be one of {DECODE_MODES}, got {decode!r}.")
+        if isinstance(prompt_bucket, bool) or not isinstance(prompt_bucket, int) or prompt_bucket < 1:
+            raise ValueError(f"sampler.prompt_bucket must be an integer >= 1, got {prompt_bucket!r}.")
+        if finished_lag is not None and (not isinstance(finished_lag, int) or finished_lag < 0):
+            raise ValueError(f"sampler.finished_lag must be an integer >= 0 or null (auto), got {finished_lag!r}.")
 
     def weights_updated(self) -> None:
         """An optimizer step is about to change the trainable models: their sampling copies re-sync when next used."""
@@ -89,9 +136,16 @@ class KVCacheSampler(Sampler):
     def sample(
         self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
     ) -> dict[str, torch.Tensor]:
-        with float32_matmul_precision(self.matmul_precision):
+        sampling_model = self.sampling_model(model, prompts.device)
+        # a cast copy decodes in its own dtype: autocast would only add casts
+        autocast_off = (
+            torch.autocast(prompts.device.type, enabled=False)
+            if sampling_model is not model
+            else contextlib.nullcontext()
+        )
+        with float32_matmul_precision(self.matmul_precision), autocast_off:
             return generate_completions(
-                self.sampling_model(model),
+                sampling_model,
                 prompts,
                 prompt_attention_mask,
                 max_new_tokens=self.max_new_tokens,
@@ -102,14 +156,35 @@ class KVCacheSampler(Sampler):
                 top_k=self.top_k,
                 top_p=self.top_p,
                 seed=seed,
+                decoder=self.decoder(sampling_model, prompts.device),
+                finished_lag=self.finished_lag,
             )
 
-    def sampling_model(self, model: nn.Module) -> nn.Module:
-        """The module that decodes for ``model``: ``model`` itself, or its copy in ``weights_dtype`` (made on first
-        use, re-synced when an optimizer step changed ``model`` since)."""
-        if self.weights_dtype is None:
+    def decoder(self, model: nn.Module, device: torch.device) -> KVDecoder:
+        """The decoder ``decode`` resolves to for the first model sampled (kept for the whole run, logged once)."""
+        if self._decoder is None:
+            mode = resolve_decode(self.decode, model, device)
+            options: dict[str, Any] = {"prompt_bucket": self.prompt_bucket}
+            if self.compile_backend is not None:
+                options["backend"] = self.compile_backend
+            self._decoder = make_decoder(mode, **options)
+            log.info("KVCacheSampler decodes with the %s decoder (decode=%s, on %s)", mode, self.decode, device)
+        return self._decoder
+
+    def sampling_model(self, model: nn.Module, device: torch.device | None = None) -> nn.Module:
+        """The module that decodes for ``model`` on ``device`` (its parameters' device when None): ``model``
+        itself, or its copy in ``weights_dtype`` (made on first use, re-synced when an optimizer step changed
+        ``model`` since)."""
+        if self.weights_dtype == "auto":
+            if device is None:
+                device = next(model.parameters()).device
+            dtype = autocast_sampling_dtype(device)
+            if dtype is None or is_sharded(model):
+                return model
+        elif self.weights_dtype is None:
             return model
-        dtype = getattr(torch, self.weights_dtype)
+        else:
+            dtype = getattr(torch, self.weights_dtype)
         floating = [p for p in model.parameters() if p.is_floating_point()]
         if all(p.dtype == dtype for p in floating):
             return model

@@ -232,7 +232,7 @@ def test_weights_dtype_keeps_a_model_already_in_that_dtype_and_checks_its_value(
     bf16 = copy.deepcopy(student).to(torch.bfloat16)
     assert KVCacheSampler(tokenizer, weights_dtype="bfloat16").sampling_model(bf16) is bf16
     assert KVCacheSampler(tokenizer).sampling_model(student) is student
-    with pytest.raises(ValueError, match=r"weights_dtype must be one of \('bfloat16', 'float16'\).*got 'int8'"):
+    with pytest.raises(ValueError, match=r"weights_dtype must be one of \('auto', 'bfloat16', 'float16'\).*got 'int8'"):
         KVCacheSampler(tokenizer, weights_dtype="int8")
 
 

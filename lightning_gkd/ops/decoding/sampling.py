@@ -19,10 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gkd.ops.constants import IGNORE_INDEX
+from lightning_gkd.ops.decoding.kv_decoders import DynamicKVDecoder, KVDecoder
 from lightning_gkd.ops.hf.forward import (
     EosTokenId,
-    accepts_logits_to_keep,
-    cache_keyword,
     eval_mode,
     is_sharded,
     position_ids_from_mask,
@@ -85,18 +84,6 @@ def validate_sampling_args(
         raise ValueError(f"{where}top_k must be >= 0 (an integer; 0 disables it), got {top_k!r}")
 
 
-def returned_cache(outputs: Any) -> Any:
-    """The KV cache of a forward output, read from ``.cache`` or ``.past_key_values``.
-
-    ``.cache`` is checked first: on transformers 5.x reading ``.past_key_values`` works
-    but logs a deprecation warning.
-    """
-    cache = getattr(outputs, "cache", None)
-    if cache is None:
-        cache = getattr(outputs, "past_key_values", None)
-    return cache
-
-
 def _all_finished(finished: torch.Tensor, synced: bool) -> bool:
     """Whether decoding can stop: every row here has produced an EOS, and with ``synced`` every rank's rows."""
     done = finished.all()
@@ -104,6 +91,47 @@ def _all_finished(finished: torch.Tensor, synced: bool) -> bool:
         done = done.to(torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
     return bool(done)
+
+
+class LaggedFlag:
+    """A device boolean read on the host ``lag`` pushes after it was computed, without waiting for the device.
+
+    Each ``push`` starts a non-blocking copy of this step's flag into a (pinned, on CUDA) host slot and returns the
+    flag pushed ``lag`` pushes ago (False before then): by then its copy has long finished, so the host keeps
+    queueing work ahead of the device instead of draining it every token. ``lag`` 0 reads the flag at once (a sync
+    on a GPU; free on the CPU). Reads go through numpy: no tensor op, no ``.item()``."""
+
+    def __init__(self, lag: int, device: torch.device) -> None:
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag!r}.")
+        cuda = device.type == "cuda"
+        self.lag, self.pushed = lag, 0
+        self._host = torch.zeros(max(lag, 1), dtype=torch.bool, pin_memory=cuda)
+        self._view = self._host.numpy()
+        self._events = [torch.cuda.Event() for _ in range(max(lag, 1))] if cuda else []
+
+    def push(self, flag: torch.Tensor) -> bool:
+        slot = self.pushed % len(self._view)
+        if self.lag and self.pushed >= self.lag:
+            if self._events:
+                self._events[slot].synchronize()
+            late = bool(self._view[slot])
+        else:
+            late = False
+        self._host[slot].copy_(flag, non_blocking=self.lag > 0)
+        if self._events:
+            self._events[slot].record()
+        self.pushed += 1
+        if self.lag == 0:
+            if self._events:
+                self._events[slot].synchronize()
+            return bool(self._view[slot])
+        return late
+
+
+#: ``finished_lag`` by device type: how many tokens late ``sample_tokens`` reads "every row finished" (a GPU runs
+#: ahead of the host only if the host never waits for it; on the CPU there is nothing to wait for).
+DEFAULT_FINISHED_LAG = {"cuda": 4}
 
 
 def _pick_tokens(
@@ -193,6 +221,8 @@ def sample_tokens(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     logprobs_out: list[torch.Tensor] | None = None,
+    decoder: KVDecoder | None = None,
+    finished_lag: int | None = None,
 ) -> torch.Tensor:
     """Decode up to ``max_new_tokens`` tokens per prompt with a KV cache.
 
@@ -218,6 +248,11 @@ def sample_tokens(
         generator: RNG for ``torch.multinomial``; ``None`` uses the global RNG.
         logprobs_out: when a list, a ``(B, N)`` float tensor is appended to it: each generated token's
             log-probability under the distribution it was picked from (see ``_pick_tokens``; 0 after EOS).
+        decoder: runs the forwards (``ops.decoding.kv_decoders``); None: a ``DynamicKVDecoder`` (transformers'
+            growing cache).
+        finished_lag: read "every row has finished" this many tokens late, so the host never waits for the device
+            (``LaggedFlag``); the decode then runs at most that many tokens past the last EOS, trimmed from the
+            result, which equals a decode that stops at once. None: ``DEFAULT_FINISHED_LAG`` (4 on CUDA, 0 else).
 
     Returns:
         ``(B, N)`` long tensor of generated tokens, ``N <= max_new_tokens``; ``N`` is
@@ -227,54 +262,49 @@ def sample_tokens(
         rows are finished (their ``N`` is the same).
     """
     validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
-    batch, prompt_len = prompt_ids.shape
+    batch = prompt_ids.shape[0]
     device = prompt_ids.device
-    cache_kw, keep_logits = cache_keyword(model), accepts_logits_to_keep(model)
     eos = eos_tensor(eos_token_id, device)
     synced = is_sharded(model) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     pick = partial(
         _pick_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
     )
+    decoder = decoder if decoder is not None else DynamicKVDecoder()
+    lag = DEFAULT_FINISHED_LAG.get(device.type, 0) if finished_lag is None else finished_lag
+    # sharded: every forward is a collective, so the ranks agree on the stop at once (as before)
+    all_done = None if eos is None or synced else LaggedFlag(lag, device)
 
-    # The attention mask for the whole decode, grown by slicing instead of concatenating.
-    full_mask = torch.ones(batch, prompt_len + max_new_tokens, dtype=torch.long, device=device)
-    full_mask[:, :prompt_len] = prompt_attention_mask
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
-    prefill_kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_logits else {}
-    outputs = model(
-        input_ids=prompt_ids,
-        attention_mask=full_mask[:, :prompt_len],
-        position_ids=position_ids_from_mask(prompt_attention_mask),
-        use_cache=True,
-        **prefill_kwargs,
-    )
-    # Next position of each row = its number of real prompt tokens.
-    next_position = prompt_attention_mask.long().sum(dim=-1, keepdim=True)
-
-    num_tokens = max_new_tokens
-    for step in range(max_new_tokens):
-        tokens, token_logprobs = pick(outputs.logits[:, -1, :])
-        if eos is not None:
-            tokens = tokens.masked_fill(finished, pad_token_id)
-            token_logprobs = token_logprobs.masked_fill(finished, 0.0)
-            finished |= torch.isin(tokens, eos)
-        out[:, step] = tokens
-        logprobs[:, step] = token_logprobs
-        if step + 1 == max_new_tokens:
-            break
-        if eos is not None and _all_finished(finished, synced):
-            num_tokens = step + 1
-            break
-        outputs = model(
-            input_ids=tokens[:, None],
-            attention_mask=full_mask[:, : prompt_len + step + 1],
-            position_ids=next_position + step,
-            use_cache=True,
-            **{cache_kw: returned_cache(outputs)},
-        )
+    try:
+        logits = decoder.prefill(model, prompt_ids, prompt_attention_mask, max_new_tokens)
+        num_tokens = max_new_tokens
+        for step in range(max_new_tokens):
+            tokens, token_logprobs = pick(logits)
+            if eos is not None:
+                tokens = tokens.masked_fill(finished, pad_token_id)
+                token_logprobs = token_logprobs.masked_fill(finished, 0.0)
+                finished |= torch.isin(tokens, eos)
+            out[:, step] = tokens
+            logprobs[:, step] = token_logprobs
+            if step + 1 == max_new_tokens:
+                break
+            if eos is not None and synced and _all_finished(finished, synced):
+                num_tokens = step + 1
+                break
+            if all_done is not None and all_done.push(finished.all()):
+                num_tokens = step + 1  # trimmed below to where the last row finished
+                break
+            logits = decoder.step(tokens, step)
+    finally:
+        decoder.release()
+    if all_done is not None and all_done.lag > 0:
+        # read late: the decode may have run a few tokens past its last EOS (all padding); one read per decode
+        lengths, stopped = completion_lengths(out[:, :num_tokens], eos_token_id)
+        if bool(stopped.all()):
+            num_tokens = int(lengths.max())
     if logprobs_out is not None:
         logprobs_out.append(logprobs[:, :num_tokens])
     return out[:, :num_tokens]
@@ -366,6 +396,8 @@ def generate_completions(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
+    decoder: KVDecoder | None = None,
+    finished_lag: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sample completions for a batch of prompts and return a training batch.
 
@@ -386,6 +418,7 @@ def generate_completions(
         seed: when given, sampling uses a fresh ``torch.Generator`` on the prompts'
             device seeded with it: results are reproducible and the global RNG is
             untouched. ``None`` uses the global RNG.
+        decoder, finished_lag: see :func:`sample_tokens`.
 
     Returns:
         The dict of :func:`completion_batch`: ``input_ids``, ``attention_mask``,
@@ -415,6 +448,8 @@ def generate_completions(
             top_p=top_p,
             generator=generator,
             logprobs_out=logprobs,
+            decoder=decoder,
+            finished_lag=finished_lag,
         )
     return completion_batch(prompt_ids, prompt_attention_mask, completion_ids, eos_token_id, logprobs[0])
 

@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gkd.ops.decoding.kv_decoders import returned_cache
 from lightning_gkd.ops.decoding.sampling import (
     completion_batch,
     completion_mask,
     eos_tensor,
     inverse_cdf_pick,
-    returned_cache,
     sampling_logits,
     uniform_draws,
     validate_sampling_args,
