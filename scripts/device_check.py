@@ -12,10 +12,13 @@ Parts (each timed and guarded: one failing prints its traceback and the rest sti
                      ``lightning_gkd.studies.bench_models``), bf16-mixed: seconds a step, peak GPU memory, the last loss
 * ``lean_memory``    peak GPU memory of one GKD loss forward + backward, lean (hidden states, chunked) vs full
                      logits, at vocabulary 151,936 x 4,096 supervised tokens (scripts/lean_memory.py's comparison)
-* ``sampler``        our KVCacheSampler's decode tokens/s vs Hugging Face ``generate`` on the 0.5B-shaped student
+* ``sampler``        decode tokens/s of our KVCacheSampler (its defaults: a bf16 copy, the compiled static-cache
+                     decoder on CUDA) vs Hugging Face ``generate`` on the 0.5B-shaped student, at every cell of the
+                     grid (batch {2, 16, 64} x new tokens {32, 256}), repetitions interleaved, first calls apart
 * ``bench_trl``      the bench's real-shape worker (``lightning_gkd.cli.bench_worker``) on the GPU: ours vs TRL's
-                     DistillationTrainer (lambda 1),
-                     seconds a step, tokens/s and MFU (model FLOPs over the GPU's bf16 peak); skipped without trl
+                     DistillationTrainer (lambda 1) at every cell of the grid, repetitions interleaved (ours, TRL,
+                     TRL, ours), seconds a step, tokens/s and MFU, and ours' phase breakdown per cell; skipped
+                     without trl
 * ``step_profile``   one on-policy GKD step with bench_trl's settings, in-process: synchronised seconds of each
                      phase, host-device syncs a step and where, torch.profiler's top operators
 * ``step_profile_cpu_built``  the same with the models built on the CPU, as the bench worker builds them
@@ -51,6 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "device_wheels"
 #: Dense bf16 peak of the GPU, TFLOP/s, for MFU (NVIDIA's data sheets; the SXM parts).
 BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+#: (batch, new tokens) cells of the decode and step grids: on the GPU (Qwen2.5-0.5B / 1.5B shapes), and in the dry run
+GPU_GRID = [(2, 32), (16, 32), (64, 32), (2, 256), (16, 256), (64, 256)]
+DRY_RUN_GRID = [(2, 4), (4, 8)]
 PARTS = (
     "default_job",
     "methods",
@@ -300,80 +306,118 @@ class Check:
             out["note"] = "CPU dry run: losses compared, GPU memory not measured"
         return out
 
+    def grid(self) -> list[tuple[int, int]]:
+        """The (batch, new tokens) cells: ``GPU_GRID`` on the GPU, ``DRY_RUN_GRID`` in the dry run."""
+        return DRY_RUN_GRID if self.dry_run else GPU_GRID
+
     def sampler(self) -> dict[str, Any]:
-        """Decode tokens/s of our KVCacheSampler and of HF ``generate`` (sampling, temperature 0.9, the KV cache on
-        both), the float32 student under bf16 autocast as in training, prompts of ~60 tokens."""
+        """Decode tokens/s of our KVCacheSampler (its defaults: on a GPU a bf16 copy decoded by the compiled
+        static-cache decoder) and of HF ``generate`` (sampling, temperature 0.9, its dynamic cache), the float32
+        student under bf16 autocast as in training, ~60-token prompts, at every cell of the grid; repetitions
+        interleaved (ours, generate, generate, ours, ...), the first call of each (compilation) timed apart."""
         import torch
 
         from lightning_gkd.samplers import KVCacheSampler
 
         tokenizer = self.tokenizer()
-        batch, new = (2, 8) if self.dry_run else (8, 128)
         model = self.model(self.shape.student, 0, tokenizer).to(self.device).eval()
-        prompts = torch.randint(3, len(tokenizer), (batch, 60), generator=torch.Generator().manual_seed(0))
-        prompts, mask = prompts.to(self.device), torch.ones_like(prompts, device=self.device)
-        ours = KVCacheSampler(tokenizer, max_new_tokens=new, temperature=0.9)
+        reps = 2 if self.dry_run else 3
+        cells: dict[str, Any] = {}
+        for batch, new in self.grid():
+            prompts = torch.randint(3, len(tokenizer), (batch, 60), generator=torch.Generator().manual_seed(0))
+            prompts, mask = prompts.to(self.device), torch.ones_like(prompts, device=self.device)
+            ours = KVCacheSampler(tokenizer, max_new_tokens=new, temperature=0.9)
 
-        def run_ours(seed: int) -> int:
-            out = ours.sample(model, prompts, mask, seed=seed)["input_ids"]
-            return batch * (out.shape[1] - prompts.shape[1])
+            def run_ours(seed: int, ours: Any = ours, prompts: Any = prompts, mask: Any = mask) -> int:
+                out = ours.sample(model, prompts, mask, seed=seed)["input_ids"]
+                return prompts.shape[0] * (out.shape[1] - prompts.shape[1])
 
-        def run_hf(seed: int) -> int:
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=prompts,
-                    attention_mask=mask,
-                    do_sample=True,
-                    temperature=0.9,
-                    top_k=0,
-                    max_new_tokens=new,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            return batch * (out.shape[1] - prompts.shape[1])
+            def run_hf(seed: int, prompts: Any = prompts, mask: Any = mask, new: int = new) -> int:
+                torch.manual_seed(seed)
+                with torch.no_grad():
+                    out = model.generate(
+                        input_ids=prompts,
+                        attention_mask=mask,
+                        do_sample=True,
+                        temperature=0.9,
+                        top_k=0,
+                        max_new_tokens=new,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
+                return prompts.shape[0] * (out.shape[1] - prompts.shape[1])
 
-        result: dict[str, Any] = {"batch": batch, "max_new_tokens": new}
-        for name, fn in (("ours", run_ours), ("hf_generate", run_hf)):
+            runs = {"ours": run_ours, "hf_generate": run_hf}
+            cell: dict[str, Any] = {name: {"tokens": 0, "seconds": 0.0} for name in runs}
+            if self.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             with torch.autocast(self.device, dtype=torch.bfloat16):
-                fn(0)  # warm-up
-                self.synchronize()
-                start, tokens = time.perf_counter(), 0
-                for seed in (1, 2, 3):
-                    tokens += fn(seed)
-                self.synchronize()
-            seconds = time.perf_counter() - start
-            result[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-        result["ours_over_hf"] = result["ours"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"]
-        return result
+                for name, fn in runs.items():  # the first call: compilation, the sampling copy, allocator warm-up
+                    started = time.perf_counter()
+                    fn(0)
+                    self.synchronize()
+                    cell[name]["first_call_s"] = time.perf_counter() - started
+                for rep in range(reps):
+                    for name in runs if rep % 2 == 0 else reversed(list(runs)):
+                        started = time.perf_counter()
+                        tokens = runs[name](1 + rep)
+                        self.synchronize()
+                        cell[name]["seconds"] += time.perf_counter() - started
+                        cell[name]["tokens"] += tokens
+            for name in runs:
+                cell[name]["tokens_per_s"] = cell[name]["tokens"] / cell[name]["seconds"]
+            cell["ours_over_generate"] = cell["ours"]["tokens_per_s"] / cell["hf_generate"]["tokens_per_s"]
+            cell["decoder"] = type(ours._decoder).__name__ + (
+                " (compiled)" if getattr(ours._decoder, "compile", 0) else ""
+            )
+            if self.device == "cuda":
+                cell["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            cell["batch"], cell["new_tokens"] = batch, new
+            cells[f"b{batch}_n{new}"] = cell
+            print(f"  decode b={batch} n={new}: ours/generate {cell['ours_over_generate']:.2f}x", flush=True)
+        return cells
 
     def bench_trl(self) -> dict[str, Any]:
         """The bench's worker (``lightning_gkd.cli.bench_worker``, its own process each) for ours and TRL's
-        DistillationTrainer at lambda 1."""
+        DistillationTrainer at lambda 1, at every cell of the grid, repetitions interleaved (ours, TRL, TRL, ours),
+        and ours' phase breakdown per cell (sampling, teacher, student forward + loss, backward, optimizer)."""
         if importlib.util.find_spec("trl") is None:
             raise Skipped("trl is not installed here (pip install trl==1.16.0 to compare with its DistillationTrainer)")
         from lightning_gkd.cli.bench_worker import measure
 
-        shape = self.shape
-        warmup, steps = (1, 2) if self.dry_run else (2, 4)
-        flops, tokens = self.step_flops()
+        warmup, steps, reps = (1, 2, 2) if self.dry_run else (2, 3, 2)
         peak = self.peak_flops()
-        out: dict[str, Any] = {"batch": shape.batch, "new_tokens": shape.new_tokens, "tokens_per_step": tokens}
-        for config in ("ours", "trl_distill"):
-            result = measure(config, 1.0, warmup, steps, shape=self.shape_name, tiny=self.dry_run, device=self.device)
-            seconds = result["seconds_per_step"]
-            out[config] = {
-                "s_per_step": seconds,
-                "tokens_per_s": tokens / seconds,
-                "mfu": None if peak is None else flops / seconds / peak,
-                "first_step_s": result["first_step_seconds"],
-                "models_s": result["models_seconds"],
-            }
-        out["ours_over_trl"] = out["ours"]["s_per_step"] / out["trl_distill"]["s_per_step"]
+        cells: dict[str, Any] = {}
+        for batch, new in self.grid():
+            flops, tokens = self.step_flops(batch, new)
+            cell: dict[str, Any] = {"batch": batch, "new_tokens": new, "tokens_per_step": tokens}
+            cell_options = {"shape": self.shape_name, "tiny": self.dry_run, "device": self.device}
+            cell_options |= {"batch": batch, "new_tokens": new}
+            timings: dict[str, list[float]] = {"ours": [], "trl_distill": []}
+            for rep in range(reps):
+                for config in ("ours", "trl_distill") if rep % 2 == 0 else ("trl_distill", "ours"):
+                    result = measure(config, 1.0, warmup, steps, **cell_options)
+                    timings[config].append(result["seconds_per_step"])
+            for config, seconds in timings.items():
+                best = min(seconds)
+                cell[config] = {
+                    "s_per_step": best,
+                    "s_per_step_reps": seconds,
+                    "tokens_per_s": tokens / best,
+                    "mfu": None if peak is None else flops / best / peak,
+                }
+            cell["ours_over_trl"] = cell["ours"]["s_per_step"] / cell["trl_distill"]["s_per_step"]
+            try:
+                cell["ours_phases_s"] = measure("breakdown:ours", 1.0, 0, 0, **cell_options)
+            except RuntimeError as error:
+                cell["ours_phases_s"] = {"error": str(error).strip().splitlines()[-1][:300]}
+            cells[f"b{batch}_n{new}"] = cell
+            print(f"  step b={batch} n={new}: ours/TRL {cell['ours_over_trl']:.2f}x", flush=True)
+        out: dict[str, Any] = {"cells": cells}
         if peak is None:
             out["note"] = "MFU needs a GPU with a known bf16 peak (BF16_PEAK_TFLOPS)"
         return out
 
-    def step_flops(self) -> tuple[float, int]:
+    def step_flops(self, batch: int | None = None, new_tokens: int | None = None) -> tuple[float, int]:
         """Model FLOPs of one on-policy step at the bench's shapes, and the tokens it trains on: the student's
         forward + backward (6 x non-embedding parameters x tokens, head 6 x V x H x supervised), the teacher's
         forward (2 x, head at the supervised positions), and the decode (2 x student parameters x sampled)."""
@@ -381,9 +425,10 @@ class Check:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from lightning_gkd import ChatDataModule
+        from lightning_gkd.cli.bench_worker import with_cell
         from lightning_gkd.studies.bench_models import bench_rows
 
-        shape, tokenizer = self.shape, self.tokenizer()
+        shape, tokenizer = with_cell(self.shape, batch, new_tokens), self.tokenizer()
         rows = bench_rows(shape.batch, answer_tokens=shape.new_tokens)
         datamodule = ChatDataModule(tokenizer, rows, batch_size=shape.batch)
         datamodule.setup("fit")
@@ -664,18 +709,43 @@ def render(report: dict[str, Any]) -> str:
                 f"{fmt(row['loss'], 6)} |"
             )
     if get.get("sampler"):
-        s = get["sampler"]
-        lines += ["", f"Decode, batch {s['batch']}, {s['max_new_tokens']} new tokens:", ""]
-        lines += ["| sampler | tokens / s |", "|---|---|"]
-        lines += [f"| {name} | {s[name]['tokens_per_s']:.0f} |" for name in ("ours", "hf_generate")]
+        lines += [
+            "",
+            "Decode (the 0.5B-shaped student, ~60-token prompts, sampling at temperature 0.9, bf16 autocast):",
+            "",
+        ]
+        lines += [
+            "| batch | new tokens | ours tokens / s | generate tokens / s | ours / generate | ours' decoder | "
+            "first call s (ours / generate) | peak GPU GiB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for cell in get["sampler"].values():
+            ours, hf = cell["ours"], cell["hf_generate"]
+            lines.append(
+                f"| {cell.get('batch', '')} | {cell.get('new_tokens', '')} | {ours['tokens_per_s']:.0f} | "
+                f"{hf['tokens_per_s']:.0f} | {cell['ours_over_generate']:.2f}x | {cell['decoder']} | "
+                f"{ours['first_call_s']:.1f} / {hf['first_call_s']:.1f} | {fmt(cell.get('peak_gpu_gb'))} |"
+            )
     if get.get("bench_trl"):
-        b = get["bench_trl"]
-        lines += ["", f"On-policy step vs TRL (batch {b['batch']}, {b['new_tokens']} sampled tokens):", ""]
-        lines += ["| trainer | s / step | tokens / s | MFU |", "|---|---|---|---|"]
-        for name in ("ours", "trl_distill"):
-            row = b[name]
-            mfu = "—" if row["mfu"] is None else f"{row['mfu']:.1%}"
-            lines.append(f"| {name} | {row['s_per_step']:.3f} | {row['tokens_per_s']:.0f} | {mfu} |")
+        lines += [
+            "",
+            "On-policy step, ours vs TRL's DistillationTrainer (lambda 1; best of interleaved repetitions):",
+            "",
+        ]
+        lines += [
+            "| batch | new tokens | ours s / step | TRL s / step | ours / TRL | ours MFU | TRL MFU | "
+            "ours' phases (s) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for cell in get["bench_trl"]["cells"].values():
+            ours, trl = cell["ours"], cell["trl_distill"]
+            phases = cell.get("ours_phases_s") or {}
+            phase_text = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in phases.items())
+            mfu = ["—" if row["mfu"] is None else f"{row['mfu']:.1%}" for row in (ours, trl)]
+            lines.append(
+                f"| {cell['batch']} | {cell['new_tokens']} | {ours['s_per_step']:.3f} | {trl['s_per_step']:.3f} | "
+                f"{cell['ours_over_trl']:.2f}x | {mfu[0]} | {mfu[1]} | {phase_text} |"
+            )
     for name in ("step_profile", "step_profile_cpu_built"):
         if get.get(name):
             prof = get[name]

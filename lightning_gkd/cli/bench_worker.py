@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -578,6 +579,16 @@ def decode_profile(shape: BenchShape, tokens: int = 12) -> dict[str, dict[str, f
     return out
 
 
+def with_cell(shape: BenchShape, batch: int | None, new_tokens: int | None) -> BenchShape:
+    """``shape`` with its batch and sampled tokens replaced where given; ``max_length`` grown to hold the prompt and
+    the longer samples."""
+    if batch is not None:
+        shape = replace(shape, batch=batch)
+    if new_tokens is not None:
+        shape = replace(shape, new_tokens=new_tokens, max_length=max(shape.max_length, 128 + new_tokens))
+    return shape
+
+
 def measurement(name: str, lmbda: float, warmup: int, steps: int, shape: BenchShape, device: str) -> Any:
     """The result of one measurement (see the module docstring), in this process."""
     if name == "floor":
@@ -594,12 +605,24 @@ def measurement(name: str, lmbda: float, warmup: int, steps: int, shape: BenchSh
 
 
 def measure(
-    name: str, lmbda: float, warmup: int, steps: int, *, shape: str, tiny: bool = False, device: str = "cpu"
+    name: str,
+    lmbda: float,
+    warmup: int,
+    steps: int,
+    *,
+    shape: str,
+    tiny: bool = False,
+    device: str = "cpu",
+    batch: int | None = None,
+    new_tokens: int | None = None,
 ) -> Any:
-    """``measurement`` in a fresh Python process (its peak memory its own); ``RuntimeError`` with the end of its
-    error output when it fails (``Killed:`` when the kernel killed it, usually for memory)."""
+    """``measurement`` in a fresh Python process (its peak memory its own), at ``shape`` with its ``batch`` and
+    ``new_tokens`` replaced when given; ``RuntimeError`` with the end of its error output when it fails
+    (``Killed:`` when the kernel killed it, usually for memory)."""
     command = [sys.executable, "-m", "lightning_gkd.cli.bench_worker", "--shape", shape, "--device", device]
     command += ["--tiny"] if tiny else []
+    command += [] if batch is None else ["--batch", str(batch)]
+    command += [] if new_tokens is None else ["--new-tokens", str(new_tokens)]
     done = subprocess.run([*command, name, str(lmbda), str(warmup), str(steps)], capture_output=True, text=True)
     if done.returncode in (-9, 137):  # SIGKILL: on Linux usually the kernel's out-of-memory killer
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -614,12 +637,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=["small", "real"], default="small")
     parser.add_argument("--tiny", action="store_true", help="toy model sizes (checks a script, not speed)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16-mixed on one GPU")
+    parser.add_argument("--batch", type=int, help="the shape's batch replaced (a cell of a grid)")
+    parser.add_argument("--new-tokens", type=int, help="the shape's sampled tokens replaced (a cell of a grid)")
     parser.add_argument("measurement")
     parser.add_argument("lmbda", type=float)
     parser.add_argument("warmup", type=int)
     parser.add_argument("steps", type=int)
     args = parser.parse_args(argv)
-    shape = bench_shape(args.shape, tiny=args.tiny)
+    shape = with_cell(bench_shape(args.shape, tiny=args.tiny), args.batch, args.new_tokens)
     result = measurement(args.measurement, args.lmbda, args.warmup, args.steps, shape, args.device)
     print(json.dumps(result))
 

@@ -79,6 +79,9 @@ class VLLMSampler(Sampler):
     * ``sleep``: GPU only: free the engine's memory between sampling calls (``LLM.sleep``/``wake_up``).
     * ``dtype``: the engine's dtype; ``None``: the model's parameter dtype.
     * ``enforce_eager``: ``None``: True on CPU (no graph capture), False on GPU.
+    * ``prefix_caching``: vLLM's prefix caching (default on): prompts that share a prefix (a group's rows, the turns
+      of a multi-turn rollout, whose transcript grows by appending) reuse its KV blocks. The cache is reset at every
+      weight sync, so no block computed with older weights is reused.
     * ``engine_kwargs``: anything else for ``vllm.LLM``.
     """
 
@@ -96,6 +99,7 @@ class VLLMSampler(Sampler):
     sleep: bool = False
     dtype: str | None = None
     enforce_eager: bool | None = None
+    prefix_caching: bool = True
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -122,6 +126,7 @@ class VLLMSampler(Sampler):
         #: Weight syncs done, and seconds spent starting engines, syncing and sampling, in this process.
         self.syncs = 0
         self.seconds: dict[str, float] = {"start": 0.0, "sync": 0.0, "sample": 0.0}
+        self._last_stats: dict[str, float] = {}
 
     # -- lifecycle (called by the method) ---------------------------------------------------------------------------
     def start(self, models: Mapping[str, nn.Module], *, max_model_len: int | None = None) -> None:
@@ -148,6 +153,11 @@ class VLLMSampler(Sampler):
             shutdown_engine(engine.llm, keep_process_group=engine.keep_process_group)
             engine.folder.cleanup()
 
+    def last_stats(self) -> dict[str, float]:
+        """The last call's weight sync (seconds; 0 when none was due) and the weights version it sampled with (the
+        optimizer steps the engine's weights had seen)."""
+        return dict(self._last_stats)
+
     # -- the Sampler ------------------------------------------------------------------------------------------------
     def sample(
         self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
@@ -173,7 +183,12 @@ class VLLMSampler(Sampler):
     ) -> dict[str, torch.Tensor]:
         vllm = import_vllm()
         engine = self._engine(model)
+        synced_before = self.seconds["sync"]
         self._sync_if_due(model, engine)
+        self._last_stats = {
+            "weight_sync_seconds": self.seconds["sync"] - synced_before,
+            "weights_version": float(engine.synced_version),
+        }
         eos = resolve_eos_token_id(model, self.tokenizer)
         stop_ids = eos_ids(eos)
         max_tokens = max_new_tokens or self.max_new_tokens
@@ -258,7 +273,7 @@ class VLLMSampler(Sampler):
             "enforce_eager": on_cpu if self.enforce_eager is None else self.enforce_eager,
             "tensor_parallel_size": self.tensor_parallel_size,
             "logprobs_mode": "processed_logprobs",
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": self.prefix_caching,
             "seed": 0,
             **memory,
         }

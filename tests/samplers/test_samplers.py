@@ -253,3 +253,54 @@ def test_weights_dtype_in_a_fit_resyncs_after_each_step(student, teacher, tokeni
     for cast, weight in zip(copied.parameters(), module.student.parameters(), strict=True):
         assert torch.equal(cast, weight.detach().to(torch.bfloat16))
     assert module.sampling_calls == 3
+
+
+def test_the_decoder_is_chosen_once_and_logged_and_a_static_fit_matches_the_dynamic_one(
+    student, teacher, tokenizer, toy_rows, tmp_path, caplog
+):
+    """decode=auto is the dynamic decoder on the CPU; decode=static (and compiled, traced with the eager backend)
+    run a real GKD fit to the same losses as the dynamic decoder."""
+    import copy
+    import logging
+    from functools import partial
+
+    from lightning_gkd.ops.decoding.kv_decoders import DynamicKVDecoder, StaticKVDecoder
+
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    sampler = KVCacheSampler(tokenizer, max_new_tokens=4)
+    with caplog.at_level(logging.INFO, logger="lightning_gkd.samplers.kv_cache"):
+        sampler.sample(student, ids, (ids != 0).long(), seed=0)
+        sampler.sample(student, ids, (ids != 0).long(), seed=1)
+    assert isinstance(sampler._decoder, DynamicKVDecoder)
+    assert [r.getMessage() for r in caplog.records].count(
+        "KVCacheSampler decodes with the dynamic decoder (decode=auto, on cpu)"
+    ) == 1
+    losses = {}
+    for decode in ("dynamic", "static", "compiled"):
+        factory = partial(KVCacheSampler, decode=decode, compile_backend="eager", prompt_bucket=16)
+        module = make_module(
+            copy.deepcopy(student), copy.deepcopy(teacher), tokenizer, lmbda=1.0, sampling={"sampler": factory}
+        )
+        fit(module, tokenizer, toy_rows, tmp_path / decode, max_steps=3)
+        assert isinstance(module.sampler._decoder, DynamicKVDecoder if decode == "dynamic" else StaticKVDecoder)
+        losses[decode] = logged(tmp_path / decode, "train/loss")
+    assert len(losses["dynamic"]) == 3
+    torch.testing.assert_close(losses["static"], losses["dynamic"], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(losses["compiled"], losses["dynamic"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"decode": "graphs"}, r"sampler.decode must be one of \('auto', 'dynamic', 'static', 'compiled'\)"),
+        ({"prompt_bucket": 0}, "sampler.prompt_bucket must be an integer >= 1, got 0"),
+        ({"finished_lag": -1}, "sampler.finished_lag must be an integer >= 0 or null"),
+    ],
+)
+def test_decode_options_are_checked_before_any_model_loads(tokenizer, kwargs, message):
+    from functools import partial
+
+    from lightning_gkd.samplers.base import check_sampler
+
+    with pytest.raises(ValueError, match=message):
+        check_sampler(partial(KVCacheSampler, **kwargs))

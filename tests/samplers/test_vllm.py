@@ -179,6 +179,32 @@ def test_the_engine_follows_the_trained_student(sync_every, expected_syncs, toke
     assert all(torch.equal(ours[k], reference[k]) for k in KEYS)
 
 
+def test_prefix_caching_is_on_and_reset_at_every_weight_sync(tokenizer, toy_batch):
+    """The same prompts twice (the second call reuses the cached prefixes), then a weight change: the next call syncs
+    (timed, versioned) and decodes with the new weights only; no block cached under the old ones is reused."""
+    student = vllm_tiny("qwen2", tokenizer, seed=0)
+    sampler = VLLMSampler(tokenizer, max_new_tokens=6, max_model_len=96)
+    assert sampler.prefix_caching
+    prompts, mask = toy_batch["prompts"], toy_batch["prompt_attention_mask"]
+    try:
+        first = sampler.greedy(student, prompts, mask, max_new_tokens=6)
+        again = sampler.greedy(student, prompts, mask, max_new_tokens=6)
+        assert all(torch.equal(first[k], again[k]) for k in KEYS)
+        assert sampler.last_stats() == {"weight_sync_seconds": 0.0, "weights_version": 0.0}
+        with torch.no_grad():
+            for parameter in student.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.5)
+        sampler.weights_updated()
+        changed = sampler.greedy(student, prompts, mask, max_new_tokens=6)
+        stats = sampler.last_stats()
+    finally:
+        sampler.close()
+    assert stats["weights_version"] == 1.0 and stats["weight_sync_seconds"] > 0
+    reference = hf_greedy(student, tokenizer, toy_batch, 6)
+    assert all(torch.equal(changed[k], reference[k]) for k in KEYS)
+    assert not torch.equal(changed["input_ids"], first["input_ids"])
+
+
 class StepWeights(L.Callback):
     """Each training step's logged mean and largest importance weight (OPDModule)."""
 

@@ -57,13 +57,20 @@ def test_dry_run_runs_every_part_and_writes_the_report(tmp_path):
     lean = r["lean_memory"]
     assert lean["lean"]["lean_taken"] and not lean["full"]["lean_taken"]
     assert lean["loss_rel_diff"] < 1e-3 and lean["full"]["added_gpu_gb"] is None and "note" in lean
-    sampler = r["sampler"]
-    for name in ("ours", "hf_generate"):
-        assert sampler[name]["tokens"] == 3 * sampler["batch"] * sampler["max_new_tokens"]
-        assert sampler[name]["tokens_per_s"] > 0
-    bench = r["bench_trl"]
-    assert bench["ours"]["mfu"] is None and bench["trl_distill"]["tokens_per_s"] > 0
-    assert bench["ours_over_trl"] == pytest.approx(bench["ours"]["s_per_step"] / bench["trl_distill"]["s_per_step"])
+    grid = [(2, 4), (4, 8)]  # the dry run's cells of the GPU grid (batch x new tokens)
+    decode = r["sampler"]
+    assert [(cell["batch"], cell["new_tokens"]) for cell in decode.values()] == grid
+    for cell in decode.values():
+        for name in ("ours", "hf_generate"):  # three interleaved repetitions' tokens, the first call timed apart
+            assert cell[name]["tokens"] == 2 * cell["batch"] * cell["new_tokens"]
+            assert cell[name]["tokens_per_s"] > 0 and cell[name]["first_call_s"] > 0
+        assert cell["decoder"] == "DynamicKVDecoder"  # the CPU default; compiled on CUDA
+    cells = r["bench_trl"]["cells"]
+    assert [(cell["batch"], cell["new_tokens"]) for cell in cells.values()] == grid
+    for cell in cells.values():
+        assert cell["ours"]["mfu"] is None and len(cell["trl_distill"]["s_per_step_reps"]) == 2
+        assert cell["ours_over_trl"] == pytest.approx(cell["ours"]["s_per_step"] / cell["trl_distill"]["s_per_step"])
+        assert cell["ours_phases_s"]["sample"] > 0 and cell["ours_phases_s"]["backward"] > 0
     for name in ("step_profile", "step_profile_cpu_built"):
         profile = r[name]
         means = profile["mean_s"]
@@ -79,4 +86,4 @@ def test_dry_run_runs_every_part_and_writes_the_report(tmp_path):
 
     table = (out / "device_check.md").read_text()
     assert "| default_job | ok |" in table and "| gkd under FSDP2 | 2 |" in table
-    assert "| hidden_bf16 | " in table and "| trl_distill | " in table
+    assert "| hidden_bf16 | " in table and "| 4 | 8 | " in table and "x | DynamicKVDecoder |" in table
