@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, cache_keyword, position_ids_from_mask
+from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, cache_keyword, is_sharded, position_ids_from_mask
 
 #: decoder names (``KVCacheSampler(decode=...)``), ``auto`` resolved by ``resolve_decode``.
 DECODE_MODES = ("auto", "dynamic", "static", "compiled")
@@ -53,12 +53,14 @@ def supports_static_cache(model: nn.Module) -> bool:
 
 def resolve_decode(decode: str, model: nn.Module, device: torch.device) -> str:
     """The decoder ``decode`` means for ``model`` on ``device``: ``auto`` is ``compiled`` on CUDA for a family that
-    supports a static cache, else ``dynamic`` (the CPU default: nothing there is launch-bound, and compiling costs
-    a minute). ``static`` and ``compiled`` on a family without static-cache support are refused."""
+    supports a static cache and a model that is not sharded (an FSDP2 forward is a collective per layer), else
+    ``dynamic`` (the CPU default: nothing there is launch-bound, and compiling costs a minute). ``static`` and
+    ``compiled`` on a family without static-cache support are refused."""
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}.")
     if decode == "auto":
-        return "compiled" if device.type == "cuda" and supports_static_cache(model) else "dynamic"
+        compiled = device.type == "cuda" and supports_static_cache(model) and not is_sharded(model)
+        return "compiled" if compiled else "dynamic"
     if decode != "dynamic" and not supports_static_cache(model):
         raise ValueError(
             f"decode={decode} needs a transformers model whose family supports a static KV cache, but "

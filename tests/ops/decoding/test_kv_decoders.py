@@ -198,11 +198,16 @@ def test_the_inductor_compiled_decode_equals_eager_greedy_and_does_not_recompile
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_resolve_decode_picks_the_dynamic_decoder_on_the_cpu_and_refuses_static_for_other_models():
+def test_resolve_decode_picks_the_dynamic_decoder_on_the_cpu_and_refuses_static_for_other_models(monkeypatch):
+    from lightning_gkd.ops.decoding import kv_decoders
+
     model = build_tiny(tiny_config("qwen2", VOCAB), seed=0)
     cpu = torch.device("cpu")
     assert resolve_decode("auto", model, cpu) == "dynamic"
     assert resolve_decode("auto", model, torch.device("cuda")) == "compiled"
+    with monkeypatch.context() as patch:  # an FSDP2-sharded student: each forward is a collective
+        patch.setattr(kv_decoders, "is_sharded", lambda module: True)
+        assert resolve_decode("auto", model, torch.device("cuda")) == "dynamic"
     assert resolve_decode("static", model, cpu) == "static"
     with pytest.raises(ValueError, match=r"decode=compiled needs a transformers model .* Use decode=dynamic"):
         resolve_decode("compiled", torch.nn.Linear(2, 2), cpu)
