@@ -131,12 +131,18 @@ class DynamicKVDecoder(KVDecoder):
 
 
 def _decode_forward(
-    model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+    model: nn.Module,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any,
+    cache_kw: str,
 ) -> torch.Tensor:
-    """One decode forward on a static cache: ``(B, V)`` logits of ``tokens`` ``(B, 1)``."""
-    return model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True).logits[
-        :, -1, :
-    ]
+    """One decode forward on a static cache (passed as ``cache_kw``): ``(B, V)`` logits of ``tokens`` ``(B, 1)``."""
+    outputs = model(
+        input_ids=tokens, attention_mask=mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache}
+    )
+    return outputs.logits[:, -1, :]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -210,7 +216,7 @@ class StaticKVDecoder(KVDecoder):
         if padded_batch > batch:  # rows that only keep the shape: copies of the first row
             ids[batch:] = ids[0]
             mask[batch:] = mask[0]
-        self._batch, self._model, self._mask = batch, model, mask
+        self._batch, self._model, self._mask, self._cache_kw = batch, model, mask, cache_keyword(model)
         self._cache_obj = self._cache(model, padded_batch, padded_len + max_new_tokens, device)
         self._next_position = mask[:, :padded_len].sum(dim=-1, keepdim=True)
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
@@ -218,8 +224,8 @@ class StaticKVDecoder(KVDecoder):
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask[:, :padded_len]),
-            cache=self._cache_obj,
             use_cache=True,
+            **{self._cache_kw: self._cache_obj},
             **keep,
         )
         return outputs.logits[:batch, -1, :]
@@ -231,7 +237,8 @@ class StaticKVDecoder(KVDecoder):
             tokens = torch.cat([tokens, tokens[:1].expand(padded - self._batch)])
         if self.compile and self._device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self._forward()(self._model, tokens[:, None], self._mask, self._next_position + step, self._cache_obj)
+        positions = self._next_position + step
+        logits = self._forward()(self._model, tokens[:, None], self._mask, positions, self._cache_obj, self._cache_kw)
         # a CUDA graph's output is overwritten by its next replay: the caller may keep these logits
         return logits[: self._batch].clone() if self.compile else logits[: self._batch]
 
