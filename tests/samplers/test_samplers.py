@@ -258,8 +258,8 @@ def test_weights_dtype_in_a_fit_resyncs_after_each_step(student, teacher, tokeni
 def test_the_decoder_is_chosen_once_and_logged_and_a_static_fit_matches_the_dynamic_one(
     student, teacher, tokenizer, toy_rows, tmp_path, caplog
 ):
-    """decode=auto is the dynamic decoder on the CPU; decode=static (and compiled, traced with the eager backend)
-    run a real GKD fit to the same losses as the dynamic decoder."""
+    """decode=auto is the dynamic decoder on the CPU; decode=static runs a real GKD fit to the same losses as the
+    dynamic decoder (the compiled decoder: test_kv_decoders)."""
     import copy
     import logging
     from functools import partial
@@ -276,8 +276,8 @@ def test_the_decoder_is_chosen_once_and_logged_and_a_static_fit_matches_the_dyna
         "KVCacheSampler decodes with the dynamic decoder (decode=auto, on cpu)"
     ) == 1
     losses = {}
-    for decode in ("dynamic", "static", "compiled"):
-        factory = partial(KVCacheSampler, decode=decode, compile_backend="eager", prompt_bucket=16)
+    for decode in ("dynamic", "static"):
+        factory = partial(KVCacheSampler, decode=decode)
         module = make_module(
             copy.deepcopy(student), copy.deepcopy(teacher), tokenizer, lmbda=1.0, sampling={"sampler": factory}
         )
@@ -286,7 +286,6 @@ def test_the_decoder_is_chosen_once_and_logged_and_a_static_fit_matches_the_dyna
         losses[decode] = logged(tmp_path / decode, "train/loss")
     assert len(losses["dynamic"]) == 3
     torch.testing.assert_close(losses["static"], losses["dynamic"], rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(losses["compiled"], losses["dynamic"], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize(
