@@ -31,6 +31,13 @@ from lightning_gkd.data.validation import (
     rows_without_completion,
     validate_chat_rows,
 )
+from lightning_gkd.data.vision_chat import (
+    VisionChatCollator,
+    check_vision_options,
+    check_vision_prompt_lengths,
+    load_processor,
+    processor_tokenizer,
+)
 from lightning_gkd.ops.constants import IGNORE_INDEX
 
 
@@ -211,6 +218,14 @@ class ChatDataModule(RowsDataModule):
             Training batches only: validation batches label the last turn (the completion the generation metrics
             compare with), and on-policy steps sample a completion of the last turn's prompt (``prompts``), so
             with ``"all"`` only off-policy steps (dataset completions) train on the earlier turns.
+        processor: a vision-language model's processor (``AutoProcessor``), or the folder / hub id to load it from:
+            rows may then hold images (message contents as lists of ``{"type": "text"}`` and ``{"type": "image"}``
+            parts, the images in the parts or in an ``images`` column; ``lightning_gkd.data.images``), and batches
+            carry each row's image inputs (``vision``; ``lightning_gkd.data.vision_chat``). The processor renders
+            and tokenizes (its tokenizer replaces ``tokenizer``; ``chat_template`` replaces its template). Prompts are
+            never truncated (a prompt longer than ``max_length`` is an error at setup, with the count of such rows),
+            ``assistant_turns`` must be ``"last"`` and ``truncate_prompts`` False. Without it, a row holding an image
+            is an error at setup.
 
     Rows are ``{"messages": [...]}``; or, as TRL takes them, ``{"prompt": ..., "completion": ...}`` (strings:
     prompt -> a user turn, completion -> an assistant turn; or message lists) and prompt-only ``{"prompt": ...}``
@@ -243,10 +258,22 @@ class ChatDataModule(RowsDataModule):
         generation_batch_size: int | None = None,
         truncate_prompts: bool = False,
         assistant_turns: AssistantTurns = "last",
+        processor: Any = None,
     ) -> None:
         assistant_turns = check_assistant_turns(assistant_turns)
+        #: the vision-language processor that collates rows with images (None: text rows, ``tokenizer``)
+        self.processor = load_processor(processor) if isinstance(processor, (str, Path)) else processor
+        if self.processor is not None:
+            check_vision_options(assistant_turns=assistant_turns, truncate_prompts=truncate_prompts)
+            if chat_template is not None:
+                self.processor.chat_template = read_chat_template(chat_template)
+            tokenizer = processor_tokenizer(self.processor)
         super().__init__(
-            prepare_tokenizer(tokenizer, chat_template),
+            prepare_tokenizer(
+                tokenizer,
+                chat_template if self.processor is None else None,
+                require_chat_template=self.processor is None,
+            ),
             train_data,
             val_data,
             batch_size=batch_size,
@@ -270,13 +297,17 @@ class ChatDataModule(RowsDataModule):
         self.carries_prompt_messages = False
         self.tools: list[dict[str, Any]] | None = None  # rendered by the chat template (``use_rollouts``)
         self.first_turn_prompts = False
-        self.collator = ChatMLCollator(
-            self.tokenizer,
-            max_length=max_length,
-            name="train_data",
-            assistant_turns=assistant_turns,
-            truncate_prompts=truncate_prompts,
-        )
+        self.collator: ChatMLCollator | VisionChatCollator
+        if self.processor is not None:
+            self.collator = VisionChatCollator(self.processor, max_length=max_length, name="train_data")
+        else:
+            self.collator = ChatMLCollator(
+                self.tokenizer,
+                max_length=max_length,
+                name="train_data",
+                assistant_turns=assistant_turns,
+                truncate_prompts=truncate_prompts,
+            )
         self.val_collator = self._val_collator("val_data")
         self.test_rows: Sequence[Mapping[str, Any]] | None = None
 
@@ -324,21 +355,24 @@ class ChatDataModule(RowsDataModule):
                     )
         self.columns = list(dict.fromkeys([*self.columns, *columns]))
         for collator in (self.collator, self.val_collator):
-            if isinstance(collator, ChatMLCollator):
-                collator.columns = list(self.columns)
+            collator.columns = list(self.columns)
 
     def carry_prompt_messages(self) -> None:
         """Carry each row's prompt messages into every batch (``prompt_messages``, see ``ChatMLCollator``): a
         teacher with another tokenizer renders them with its own chat template."""
         self.carries_prompt_messages = True
         for collator in (self.collator, self.val_collator):
-            if isinstance(collator, ChatMLCollator):
-                collator.carry_prompt_messages = True
+            collator.carry_prompt_messages = True
 
     def use_rollouts(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
         """Prepare batches for multi-turn rollouts (a method with tools or an environment calls it): the chat
         template renders ``tools`` (JSON schemas) in every conversation, prompts end before the first assistant
         turn (where the student starts acting) and carry their messages (``prompt_messages``)."""
+        if self.processor is not None:
+            raise ValueError(
+                "Multi-turn rollouts (tools, environments) do not take rows with images yet: train a vision-language "
+                "student without method.rollout, or a text student with them."
+            )
         self.tools = [dict(tool) for tool in tools] if tools else None
         self.first_turn_prompts = True
         self.carry_prompt_messages()
@@ -350,8 +384,12 @@ class ChatDataModule(RowsDataModule):
         self, source: DataSource, split: str, name: str, *, check_lengths: bool = True
     ) -> Sequence[Mapping[str, Any]]:
         rows = chat_rows(load_rows(source, split=split, name=name), self.formatting_func, name=name)
-        validate_chat_rows(rows, name=name)
-        if check_lengths:
+        validate_chat_rows(rows, name=name, images_allowed=self.processor is not None)
+        if check_lengths and isinstance(self.collator, VisionChatCollator):
+            check_vision_prompt_lengths(
+                rows, self.collator.lengths, name=name, max_length=self.max_length, max_rows=self.length_check_rows
+            )
+        elif check_lengths:
             check_prompt_truncation(
                 rows,
                 self._untruncated_lengths,
@@ -366,8 +404,16 @@ class ChatDataModule(RowsDataModule):
         chat = tokenize_chat(self.tokenizer, row["messages"], sys.maxsize)
         return chat.num_prompt_tokens, len(chat.ids) - chat.num_prompt_tokens
 
-    def _val_collator(self, name: str) -> ChatMLCollator:
+    def _val_collator(self, name: str) -> ChatMLCollator | VisionChatCollator:
         # the last assistant turn whatever assistant_turns: the generation metrics take it as the reference
+        if self.processor is not None:
+            return VisionChatCollator(
+                self.processor,
+                max_length=self.max_length,
+                name=name,
+                columns=self.columns,
+                carry_prompt_messages=self.carries_prompt_messages,
+            )
         return ChatMLCollator(
             self.tokenizer,
             max_length=self.max_length,
@@ -379,5 +425,5 @@ class ChatDataModule(RowsDataModule):
             first_turn_prompts=self.first_turn_prompts,
         )
 
-    def val_collator_for(self, name: str | None) -> ChatMLCollator:
+    def val_collator_for(self, name: str | None) -> ChatMLCollator | VisionChatCollator:
         return self.val_collator if name is None else self._val_collator(f"val_data[{name!r}]")

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeAlias, cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.data.images import text_only_messages
 from lightning_gkd.data.validation import prompt_cut, prompt_start, whole_prompt_truncated
 from lightning_gkd.ops.constants import IGNORE_INDEX
 
@@ -62,9 +63,10 @@ def render_chat(
     add_generation_prompt: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The chat template's text for ``messages`` (with the tool schemas ``tools`` where given)."""
+    """The chat template's text for ``messages`` (with the tool schemas ``tools`` where given). Contents given as
+    lists of text parts are joined into strings first: a tokenizer's template renders string contents."""
     text = tokenizer.apply_chat_template(
-        [dict(message) for message in messages],
+        text_only_messages(messages),
         tools=[dict(tool) for tool in tools] if tools else None,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,

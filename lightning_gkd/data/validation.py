@@ -7,16 +7,36 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_gkd.data.images import IMAGE_PART_TYPES, check_image_source, image_sources, row_has_images
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def validate_chat_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "train_data") -> None:
+def validate_chat_rows(
+    rows: Sequence[Mapping[str, Any]], *, name: str = "train_data", images_allowed: bool = False
+) -> None:
     """Raise ``ValueError`` naming the first bad row: not a mapping, no ``messages`` list, a message without a
-    known ``role`` or with non-string ``content``; or an empty dataset."""
+    known ``role`` or with content that is neither a string nor a list of text/image parts; or an empty dataset.
+    A row with an image is an error unless ``images_allowed`` (a processor collates the rows); with it, every
+    image must resolve (an existing file, or a PIL image / bytes; ``data.images.check_image_source``)."""
     if len(rows) == 0:
         raise ValueError(f"{name} is empty: it has no rows. Point it at a dataset with at least one row.")
     for index in range(len(rows)):
         validate_chat_row(rows[index], index=index, name=name)
+        row = rows[index]
+        if not row_has_images(row):
+            continue
+        if not images_allowed:
+            raise ValueError(
+                f"{name} row {index} holds an image, but the data is collated by a text-only tokenizer. Train a "
+                "vision-language student with its processor (ChatDataModule(processor=...); Hydra: a student folder "
+                "with a processor, or data.processor=<folder>), or drop the image parts."
+            )
+        try:
+            for source in image_sources(row):
+                check_image_source(source)
+        except ValueError as error:
+            raise ValueError(f"{name} row {index}: {error}") from None
 
 
 def validate_chat_row(row: Any, *, index: int, name: str = "train_data") -> None:
@@ -74,13 +94,29 @@ def check_messages(messages: Any, name: str, *, turns: str | None = None) -> Non
             detail = "is missing 'role'" if role is None else f"has unknown role {role!r}"
             raise ValueError(f"{field} {detail}; use one of {', '.join(CHAT_ROLES)}.")
         content = message.get("content")
-        if not isinstance(content, str):
-            detail = (
-                "is missing 'content'"
-                if content is None
-                else f"has non-string content of type {type(content).__name__}"
-            )
-            raise ValueError(f"{field} {detail}; content must be a string.")
+        if isinstance(content, str):
+            continue
+        if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+            check_content_parts(content, field)
+            continue
+        kind = type(content).__name__
+        detail = "is missing 'content'" if content is None else f"has non-string content of type {kind}"
+        raise ValueError(f"{field} {detail}; content must be a string or a list of text and image parts.")
+
+
+def check_content_parts(parts: Sequence[Any], field: str) -> None:
+    """A message's list content: ``{"type": "text", "text": str}`` and ``{"type": "image", ...}`` parts (the
+    transformers multimodal chat format), else ValueError naming the part."""
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind in IMAGE_PART_TYPES:
+            continue
+        raise ValueError(
+            f"{field}['content'][{index}] is {part!r:.80}; a content part is {{'type': 'text', 'text': str}} or "
+            "{'type': 'image', ...} (the image under 'image', 'path' or 'url', or in the row's 'images' column)."
+        )
 
 
 def rows_without_completion(rows: Sequence[Mapping[str, Any]]) -> list[int]:

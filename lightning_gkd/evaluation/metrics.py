@@ -8,13 +8,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.data.chat import ChatMLCollator
+from lightning_gkd.data.vision_chat import VisionChatCollator
 from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.ops.decoding.sampling import complete_prompts, completion_lengths
 from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id
+from lightning_gkd.ops.hf.model_inputs import has_images
 
 # A metric scores a whole evaluation set: predictions and references are decoded completion texts.
 GenerationMetric = Callable[[Sequence[str], Sequence[str]], float]
@@ -86,12 +89,13 @@ def greedy_completions(
 ) -> torch.Tensor:
     """The greedy completion tokens ``(B, N)`` of the batch prompts, ``N <= max_new_tokens`` (after a row's first
     EOS: padding); through ``sampler.greedy`` (a ``lightning_gkd.samplers.Sampler``) when it decodes (a serving
-    engine), else our KV-cache decoder."""
-    prompts, mask = batch["prompts"], batch["prompt_attention_mask"]
-    out = None if sampler is None else sampler.greedy(model, prompts, mask, max_new_tokens=max_new_tokens)
+    engine) and the prompts hold no images, else our KV-cache decoder (with the batch's images, ``vision``)."""
+    prompts, mask, vision = batch["prompts"], batch["prompt_attention_mask"], batch.get("vision")
+    engine = sampler is not None and not has_images(vision)  # prompts with images decode in process
+    out = sampler.greedy(model, prompts, mask, max_new_tokens=max_new_tokens) if engine else None
     if out is None:
         out = complete_prompts(
-            model, tokenizer, prompts, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id
+            model, tokenizer, prompts, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, vision=vision
         )
     return out["input_ids"][:, prompts.shape[1] :]
 
@@ -106,21 +110,27 @@ def evaluate_generations(
     max_new_tokens: int = 32,
     max_length: int = 1024,
     sampler: Any = None,
+    processor: Any = None,
 ) -> dict[str, float]:
     """Greedy-decode the prompts of ``rows`` (chat rows whose last turn is the reference answer) and score them;
     through ``sampler.greedy`` when the sampler decodes (see ``greedy_completions``).
 
+    Rows with images need their model's ``processor`` (``data.vision_chat``).
     Returns ``{name: metric(predictions, references)}``; the default metric is ``{"accuracy": exact_match}``.
     """
     metrics = metrics or {"accuracy": exact_match}
-    collator = ChatMLCollator(tokenizer, max_length=max_length)
+    collator = (
+        ChatMLCollator(tokenizer, max_length=max_length)
+        if processor is None
+        else VisionChatCollator(processor, max_length=max_length, name="test_data")
+    )
     eos = resolve_eos_token_id(model, tokenizer)
     device = next(model.parameters()).device
     predictions: list[str] = []
     references: list[str] = []
     for start in range(0, len(rows), batch_size):
         chunk = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
-        batch = {k: v.to(device) for k, v in collator(chunk).items()}
+        batch = move_data_to_device(collator(chunk), device)
         completions = greedy_completions(
             model, tokenizer, batch, max_new_tokens=max_new_tokens, eos_token_id=eos, sampler=sampler
         )

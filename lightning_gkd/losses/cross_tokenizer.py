@@ -39,8 +39,9 @@ from lightning_gkd.ops.cross_tokenizer.aligned_row_loss import (
     cross_tokenizer_row_terms,
     matched_vocabulary,
 )
-from lightning_gkd.ops.hf.forward import causal_lm_logits, resolve_eos_token_id
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.ops.hf.heads import hidden_states_and_head
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
 from lightning_gkd.teachers.base import supervised_positions
 from lightning_gkd.teachers.local import LocalTeacher
 
@@ -149,7 +150,9 @@ class CrossTokenizerDistillation(DistillationLoss):
         s_positions = supervised_positions(batch["labels"])
         t_positions = supervised_positions(t_batch["labels"])
         if lean:
-            hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], s_positions)
+            hidden, head = hidden_states_and_head(
+                student, batch["input_ids"], batch["attention_mask"], s_positions, batch.get("vision")
+            )
             t_hidden, t_head = self.teacher.hidden_states(t_batch, t_positions)
             with torch.no_grad():
                 t_logits = t_head.logits(t_hidden)

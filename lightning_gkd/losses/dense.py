@@ -20,8 +20,8 @@ from lightning_gkd.losses.settings import DivergenceSettings
 from lightning_gkd.ops.divergence.chunked_jsd import projected_jsd_loss
 from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
 from lightning_gkd.ops.divergence.sample_figures import SampleFigures
-from lightning_gkd.ops.hf.forward import causal_lm_logits
 from lightning_gkd.ops.hf.heads import LogitHead, hidden_states_and_head
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
 from lightning_gkd.teachers.base import Teacher, next_tokens, supervised_positions
 
 
@@ -73,7 +73,9 @@ class DenseDistillation(DistillationLoss):
         figures = sample_figures(batch, next_tokens(batch["input_ids"], positions))
 
         def lean() -> LossOutput:
-            hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], positions)
+            hidden, head = hidden_states_and_head(
+                student, batch["input_ids"], batch["attention_mask"], positions, batch.get("vision")
+            )
             teacher_hidden, teacher_head = self.teacher.hidden_states(batch, positions)
             loss = dense_divergence(hidden, head, teacher_hidden, teacher_head, self.divergence, figures)
             # no logits for the non-finite guard's watch on this path: report the hidden states instead

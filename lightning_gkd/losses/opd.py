@@ -112,7 +112,7 @@ class PolicyGradientDistillation(DistillationLoss):
         settings = self.policy_gradient
 
         def lean() -> LossOutput:
-            hidden, head = hidden_states_and_head(student, ids, batch["attention_mask"], positions)
+            hidden, head = hidden_states_and_head(student, ids, batch["attention_mask"], positions, batch.get("vision"))
             tokens = next_tokens(ids, positions)
             figures = sample_figures(batch, tokens)
             samples = Samples(batch, positions, tokens, hidden, head, figures)

@@ -72,7 +72,9 @@ class TopKDistillation(DistillationLoss):
         positions = supervised_positions(batch["labels"])
 
         def lean() -> LossOutput:
-            hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], positions)
+            hidden, head = hidden_states_and_head(
+                student, batch["input_ids"], batch["attention_mask"], positions, batch.get("vision")
+            )
             signal = self.teacher.topk(batch, positions).to(hidden.device)
             figures = sample_figures(batch, next_tokens(batch["input_ids"], positions), signal.ids[:, 0])
             loss = topk_divergence(hidden, head, signal, self.divergence, figures)
@@ -106,7 +108,7 @@ class SampledDistillation(DistillationLoss):
         positions = supervised_positions(batch["labels"])
 
         def lean() -> LossOutput:
-            hidden, head = hidden_states_and_head(student, ids, batch["attention_mask"], positions)
+            hidden, head = hidden_states_and_head(student, ids, batch["attention_mask"], positions, batch.get("vision"))
             signal = self.teacher.topk(batch, positions).to(hidden.device)
             if signal.next_logprobs is None:
                 raise ValueError(

@@ -40,7 +40,8 @@ from lightning_gkd.models.loading import disable_dropout as disable_dropout_in
 from lightning_gkd.models.precision import frozen_model_dtype, is_quantized
 from lightning_gkd.models.tied_embedding import sparse_tied_embedding_gradient
 from lightning_gkd.ops.decoding.sampling import derive_seed
-from lightning_gkd.ops.hf.forward import causal_lm_logits, resolve_eos_token_id
+from lightning_gkd.ops.hf.forward import resolve_eos_token_id
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
 from lightning_gkd.samplers.base import Sampler
 from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
 from lightning_gkd.training.export import export_module

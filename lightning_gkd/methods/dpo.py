@@ -22,7 +22,7 @@ from lightning_gkd.ops.divergence.preference import (
     sequence_logps,
     unused_label_smoothing,
 )
-from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, eval_mode, is_peft_model, position_ids_from_mask
+from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, eval_mode, is_peft_model
 from lightning_gkd.training.settings import TrainingSettings
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels")
@@ -182,11 +182,7 @@ class DPOModule(CausalLMModule):
         else:
             keep = width
         logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=mask,
-            position_ids=position_ids_from_mask(mask),
-            use_cache=False,
-            **kwargs,
+            **lm_inputs(model, batch["input_ids"], mask, batch.get("vision")), use_cache=False, **kwargs
         ).logits
         return sequence_logps(logits[:, :-1], labels[:, width - keep + 1 :]), completion.sum(dim=1)
 

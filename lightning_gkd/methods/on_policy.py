@@ -289,7 +289,11 @@ class OnPolicyModule(CausalLMModule):
         # a server's sampler ignores the model (its weights are the served teacher's)
         if self.rollout is None:
             sampled = sampler.sample(
-                cast(torch.nn.Module, model), batch["prompts"], batch["prompt_attention_mask"], seed=seed
+                cast(torch.nn.Module, model),
+                batch["prompts"],
+                batch["prompt_attention_mask"],
+                seed=seed,
+                vision=batch.get("vision"),
             )
             self.log_sampler_stats(sampler, len(batch["prompts"]))
             return {**batch, **sampled}

@@ -5,10 +5,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from lightning_gkd.ops.hf.model_inputs import VisionRows, has_images
 
 
 class Sampler(ABC):
@@ -30,18 +32,33 @@ class Sampler(ABC):
     ``TeacherPlan``); each accepts anything here.
     """
 
+    #: whether ``sample`` takes prompts with images (``vision``); a method refuses image rows with one that does not
+    takes_images: ClassVar[bool] = False
+
     @abstractmethod
     def sample(
-        self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
-    ) -> dict[str, torch.Tensor]:
-        """Completions for left-padded ``prompts`` ``(B, P)``, reproducible for a given ``seed``.
+        self,
+        model: nn.Module,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        *,
+        seed: int,
+        vision: VisionRows | None = None,
+    ) -> dict[str, Any]:
+        """Completions for left-padded ``prompts`` ``(B, P)``, reproducible for a given ``seed``; ``vision``: the
+        prompts' image inputs, one dict per row (``ops.hf.model_inputs``), taken where ``takes_images``.
 
         Returns the training batch of ``lightning_gkd.ops.decoding.sampling.completion_batch``: ``input_ids``,
         ``attention_mask`` and ``labels``, each ``(B, P + N)``: the prompt columns as given (labels -100), then the
         completion up to and including its first EOS (attention 0 and labels -100 after it); and
         ``sampled_logprobs`` ``(B, P + N)``: each completion token's log-probability under the distribution it was
-        sampled from (temperature, top-k, top-p applied), 0 where labels are -100.
+        sampled from (temperature, top-k, top-p applied), 0 where labels are -100; and ``vision`` as given.
         """
+
+    def refuse_images(self, vision: VisionRows | None) -> None:
+        """ValueError when prompts hold images and this sampler does not take them."""
+        if has_images(vision) and not self.takes_images:
+            raise ValueError(refuse_images_message(type(self)))
 
     # -- checks before any model loads ----------------------------------------------------------------------------
     @staticmethod
@@ -129,3 +146,17 @@ def build_sampler(
             "optional."
         )
     return built
+
+
+def refuse_images_message(cls: type[Sampler]) -> str:
+    return (
+        f"{cls.__name__} does not sample from prompts with images; use the KV-cache sampler (Hydra: sampler=hf), "
+        "which prefills with the images, for a vision-language student."
+    )
+
+
+def check_sampler_images(sampler: Sampler | SamplerFactory) -> None:
+    """ValueError, before any model loads, when the data holds images and ``sampler``'s class does not take them."""
+    cls = sampler_class(sampler)
+    if cls is not None and not cls.takes_images:
+        raise ValueError(refuse_images_message(cls))

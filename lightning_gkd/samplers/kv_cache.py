@@ -7,7 +7,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from lightning_gkd.ops.hf.forward import (
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
+from lightning_gkd.ops.hf.model_inputs import VisionRows
 from lightning_gkd.samplers.base import Sampler
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,12 @@ class KVCacheSampler(Sampler):
     static-cache support, else "dynamic"). ``finished_lag`` reads "all rows finished" that many tokens late (None:
     4 on CUDA, 0 on the CPU; ``ops.decoding.sampling.LaggedFlag``). Samples are the same whichever is chosen, up
     to floating-point summation order in the static cache's longer, masked attention.
+
+    Prompts with images (``vision``, a vision-language model's) prefill with them; those decodes use the dynamic
+    decoder whatever ``decode`` says (the static ones take text only).
     """
+
+    takes_images: ClassVar[bool] = True
 
     tokenizer: Any
     max_new_tokens: int = 128
@@ -134,8 +140,14 @@ class KVCacheSampler(Sampler):
         self._version += 1
 
     def sample(
-        self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
-    ) -> dict[str, torch.Tensor]:
+        self,
+        model: nn.Module,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        *,
+        seed: int,
+        vision: VisionRows | None = None,
+    ) -> dict[str, Any]:
         sampling_model = self.sampling_model(model, prompts.device)
         # a cast copy decodes in its own dtype: autocast would only add casts
         autocast_off = (
@@ -158,6 +170,7 @@ class KVCacheSampler(Sampler):
                 seed=seed,
                 decoder=self.decoder(sampling_model, prompts.device),
                 finished_lag=self.finished_lag,
+                vision=vision,
             )
 
     def decoder(self, model: nn.Module, device: torch.device) -> KVDecoder:

@@ -18,6 +18,7 @@ from lightning_gkd.ops.hf.forward import (
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
+from lightning_gkd.ops.hf.model_inputs import VisionRows
 from lightning_gkd.samplers.base import Sampler
 
 _TEACHER_NEEDED = (
@@ -80,8 +81,15 @@ class SpeculativeKDSampler(Sampler):
         self.teacher = model
 
     def sample(
-        self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
+        self,
+        model: nn.Module,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        *,
+        seed: int,
+        vision: VisionRows | None = None,
     ) -> dict[str, torch.Tensor]:
+        self.refuse_images(vision)
         if self.teacher is None:
             raise RuntimeError(
                 "SpeculativeKDSampler has no teacher: a method binds it (bind_teachers); outside one, set "

@@ -31,6 +31,7 @@ from lightning_gkd.models.loading import vocab_size
 from lightning_gkd.models.weights import check_weights_exportable, hf_weights
 from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
 from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id, resolve_pad_token_id, unwrap
+from lightning_gkd.ops.hf.model_inputs import VisionRows
 from lightning_gkd.samplers.base import Sampler
 from lightning_gkd.samplers.vllm_engine import dtype_bytes, kv_cache_bytes, reload_on_worker, shutdown_engine
 
@@ -160,8 +161,15 @@ class VLLMSampler(Sampler):
 
     # -- the Sampler ------------------------------------------------------------------------------------------------
     def sample(
-        self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
+        self,
+        model: nn.Module,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        *,
+        seed: int,
+        vision: VisionRows | None = None,
     ) -> dict[str, torch.Tensor]:
+        self.refuse_images(vision)
         return self._generate(model, prompts, prompt_attention_mask, seed=seed, greedy=False)
 
     def greedy(

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lightning_gkd.ops.divergence.topk import topk_log_probs
-from lightning_gkd.ops.hf.forward import causal_lm_logits
 from lightning_gkd.ops.hf.heads import LogitHead, hidden_states_and_head
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
 from lightning_gkd.teachers.base import TeacherBase, TopKSignal, next_tokens
 
 
@@ -30,7 +30,9 @@ class LocalTeacher(TeacherBase):
     def hidden_states(
         self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor
     ) -> tuple[torch.Tensor, LogitHead]:
-        return hidden_states_and_head(self.model, batch["input_ids"], batch["attention_mask"], positions)
+        return hidden_states_and_head(
+            self.model, batch["input_ids"], batch["attention_mask"], positions, batch.get("vision")
+        )
 
     @torch.no_grad()
     def topk(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> TopKSignal:

@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
 from lightning_gkd.ops.hf.forward import EosTokenId
+from lightning_gkd.ops.hf.model_inputs import VisionRows
 from lightning_gkd.samplers.base import Sampler
 from lightning_gkd.teachers.base import TeacherBase, TeacherUnavailable, TopKSignal
 from lightning_gkd.teachers.http import TeacherRequestError, check_number, normalize_url, start_command
@@ -260,8 +261,15 @@ class ServerSampler(Sampler):
         return abs(float(logprobs[0])) < 1e-4
 
     def sample(
-        self, model: nn.Module | None, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int
+        self,
+        model: nn.Module | None,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        *,
+        seed: int,
+        vision: VisionRows | None = None,
     ) -> dict[str, torch.Tensor]:
+        self.refuse_images(vision)
         """Completions for left-padded ``prompts`` ``(B, P)``: the dict of ``completion_batch``, ``(B, P + N)``."""
         options = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
         seeds = [derive_seed(seed, row) for row in range(prompts.shape[0])]

@@ -130,7 +130,7 @@ class Recording(Sampler):
     def __init__(self, inner):
         self.inner, self.prompts = inner, []
 
-    def sample(self, model, prompts, prompt_attention_mask, *, seed):
+    def sample(self, model, prompts, prompt_attention_mask, *, seed, vision=None):
         self.prompts.append(prompts[prompt_attention_mask.bool()].tolist())
         return self.inner.sample(model, prompts, prompt_attention_mask, seed=seed)
 

@@ -24,7 +24,9 @@ class ScriptedSampler(Sampler):
         ids = self.tokenizer(written, add_special_tokens=False)["input_ids"]
         return ids + ([self.tokenizer.eos_token_id] if not written.endswith("...") else [])
 
-    def sample(self, model, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int) -> dict:
+    def sample(
+        self, model, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int, vision=None
+    ) -> dict:
         self.calls.append(prompts.shape[0])
         turns = [
             self._turn_ids(row[mask.bool()].tolist()) for row, mask in zip(prompts, prompt_attention_mask, strict=True)

@@ -14,8 +14,8 @@ from lightning_gkd.losses.dense import DenseDistillation
 from lightning_gkd.losses.opd import DensePolicyGradient, TopKPolicyGradient
 from lightning_gkd.losses.settings import DivergenceSettings, PolicyGradientSettings
 from lightning_gkd.losses.sparse import SampledDistillation, TopKDistillation
-from lightning_gkd.ops.hf.forward import causal_lm_logits
 from lightning_gkd.ops.hf.heads import LeanForwardUnsupported
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
 from lightning_gkd.teachers import LocalTeacher, next_tokens, supervised_positions
 from lightning_gkd.toy import addition_rows
 

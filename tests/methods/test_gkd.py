@@ -184,7 +184,7 @@ def test_on_policy_steps_log_the_figures_of_the_students_samples(tokenizer, toy_
     from helpers.sample_figures import reference_figures
 
     from lightning_gkd.losses import STUDENT_SAMPLES
-    from lightning_gkd.ops.hf.forward import causal_lm_logits
+    from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
     from lightning_gkd.teachers import next_tokens, supervised_positions
     from lightning_gkd.toy.tiny import asset_path
 

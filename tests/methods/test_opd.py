@@ -55,7 +55,7 @@ class Recording(Sampler):
     def __init__(self, inner):
         self.inner, self.last, self.widths = inner, None, []
 
-    def sample(self, model, prompts, prompt_attention_mask, *, seed):
+    def sample(self, model, prompts, prompt_attention_mask, *, seed, vision=None):
         self.last = self.inner.sample(model, prompts, prompt_attention_mask, seed=seed)
         self.widths.append(self.last["input_ids"].shape[1])
         return self.last

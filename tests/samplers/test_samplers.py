@@ -105,7 +105,7 @@ class EchoPromptSampler(Sampler):
     def __init__(self, eos_token_id: int) -> None:
         self.eos, self.calls = eos_token_id, []
 
-    def sample(self, model, prompts, prompt_attention_mask, *, seed):
+    def sample(self, model, prompts, prompt_attention_mask, *, seed, vision=None):
         self.calls.append((model, prompts.shape[0], seed))
         completion = torch.cat([prompts[:, -2:], torch.full((prompts.shape[0], 1), self.eos)], dim=1)
         ids = torch.cat([prompts, completion], dim=1)

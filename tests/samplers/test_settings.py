@@ -82,7 +82,7 @@ def test_the_sampler_class_of_a_sampler_a_class_or_a_partial(tokenizer):
 class Echo(Sampler):
     """Only sample: every other hook is the base's."""
 
-    def sample(self, model, prompts, prompt_attention_mask, *, seed):
+    def sample(self, model, prompts, prompt_attention_mask, *, seed, vision=None):
         return {"input_ids": prompts, "attention_mask": prompt_attention_mask, "labels": prompts}
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, cache_keyword, is_sharded, position_ids_from_mask
+from lightning_gkd.ops.hf.model_inputs import VisionRows, has_images, lm_inputs, text_position_offsets
 
 #: decoder names (``KVCacheSampler(decode=...)``), ``auto`` resolved by ``resolve_decode``.
 DECODE_MODES = ("auto", "dynamic", "static", "compiled")
@@ -74,11 +75,21 @@ class KVDecoder(ABC):
     """Runs one decode's forwards (see the module docstring). ``prefill`` starts a decode; ``step`` continues it;
     ``release`` drops the references the decode holds (its cache, the model)."""
 
+    #: whether ``prefill`` takes the prompts' images (``vision``); a decoder that does not is replaced for such a decode
+    takes_images: bool = False
+
     @abstractmethod
     def prefill(
-        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, max_new_tokens: int
+        self,
+        model: nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        vision: VisionRows | None = None,
     ) -> torch.Tensor:
-        """``(B, V)`` logits after the prompts ``(B, P)``; starts a decode of at most ``max_new_tokens`` tokens."""
+        """``(B, V)`` logits after the prompts ``(B, P)`` (and their images, ``vision``: one dict per row, see
+        ``ops.hf.model_inputs``); starts a decode of at most ``max_new_tokens`` tokens."""
 
     @abstractmethod
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
@@ -90,29 +101,35 @@ class KVDecoder(ABC):
 
 
 class DynamicKVDecoder(KVDecoder):
-    """transformers' growing cache; the attention mask grown by slicing one full-length mask."""
+    """transformers' growing cache; the attention mask grown by slicing one full-length mask. Takes images: they
+    enter at the prefill; a model with multimodal positions (M-RoPE) continues from the positions its images left."""
+
+    takes_images = True
 
     def __init__(self) -> None:
         self._model: nn.Module | None = None
         self._outputs: Any = None
 
     def prefill(
-        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, max_new_tokens: int
+        self,
+        model: nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        vision: VisionRows | None = None,
     ) -> torch.Tensor:
         batch, prompt_len = prompt_ids.shape
         self._model, self._cache_kw, self._prompt_len = model, cache_keyword(model), prompt_len
         self._mask = torch.ones(batch, prompt_len + max_new_tokens, dtype=torch.long, device=prompt_ids.device)
         self._mask[:, :prompt_len] = prompt_attention_mask
-        # next position of each row = its number of real prompt tokens
-        self._next_position = prompt_attention_mask.long().sum(dim=-1, keepdim=True)
-        keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
-        self._outputs = model(
-            input_ids=prompt_ids,
-            attention_mask=self._mask[:, :prompt_len],
-            position_ids=position_ids_from_mask(prompt_attention_mask),
-            use_cache=True,
-            **keep,
+        inputs = lm_inputs(model, prompt_ids, prompt_attention_mask, vision)
+        # next position of each row = its number of real prompt tokens (+ what its images added, under M-RoPE)
+        self._next_position = prompt_attention_mask.long().sum(dim=-1, keepdim=True) + text_position_offsets(
+            model, inputs
         )
+        keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+        self._outputs = model(**inputs, use_cache=True, **keep)
         return self._outputs.logits[:, -1, :]
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
@@ -202,8 +219,16 @@ class StaticKVDecoder(KVDecoder):
         return cache
 
     def prefill(
-        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, max_new_tokens: int
+        self,
+        model: nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        vision: VisionRows | None = None,
     ) -> torch.Tensor:
+        if has_images(vision):
+            raise ValueError("StaticKVDecoder does not take images (takes_images is False): decode them dynamically.")
         batch, prompt_len = prompt_ids.shape
         self._device = device = prompt_ids.device
         padded_len = _round_up(prompt_len, self.prompt_bucket)

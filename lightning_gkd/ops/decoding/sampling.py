@@ -28,6 +28,7 @@ from lightning_gkd.ops.hf.forward import (
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
+from lightning_gkd.ops.hf.model_inputs import VisionRows, has_images
 
 __all__ = [
     "complete_prompts",
@@ -223,6 +224,7 @@ def sample_tokens(
     logprobs_out: list[torch.Tensor] | None = None,
     decoder: KVDecoder | None = None,
     finished_lag: int | None = None,
+    vision: VisionRows | None = None,
 ) -> torch.Tensor:
     """Decode up to ``max_new_tokens`` tokens per prompt with a KV cache.
 
@@ -253,6 +255,9 @@ def sample_tokens(
         finished_lag: read "every row has finished" this many tokens late, so the host never waits for the device
             (``LaggedFlag``); the decode then runs at most that many tokens past the last EOS, trimmed from the
             result, which equals a decode that stops at once. None: ``DEFAULT_FINISHED_LAG`` (4 on CUDA, 0 else).
+        vision: the prompts' image inputs, one dict per row (``ops.hf.model_inputs``), fed to the prefill; a decoder
+            that cannot take them (``KVDecoder.takes_images`` False: the static ones) is replaced by a
+            ``DynamicKVDecoder`` for this decode.
 
     Returns:
         ``(B, N)`` long tensor of generated tokens, ``N <= max_new_tokens``; ``N`` is
@@ -269,7 +274,8 @@ def sample_tokens(
     pick = partial(
         _pick_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
     )
-    decoder = decoder if decoder is not None else DynamicKVDecoder()
+    if decoder is None or (has_images(vision) and not decoder.takes_images):
+        decoder = DynamicKVDecoder()
     lag = DEFAULT_FINISHED_LAG.get(device.type, 0) if finished_lag is None else finished_lag
     # sharded: every forward is a collective, so the ranks agree on the stop at once (as before)
     all_done = None if eos is None or synced else LaggedFlag(lag, device)
@@ -279,7 +285,7 @@ def sample_tokens(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
     try:
-        logits = decoder.prefill(model, prompt_ids, prompt_attention_mask, max_new_tokens)
+        logits = decoder.prefill(model, prompt_ids, prompt_attention_mask, max_new_tokens, vision=vision)
         num_tokens = max_new_tokens
         for step in range(max_new_tokens):
             tokens, token_logprobs = pick(logits)
@@ -398,7 +404,8 @@ def generate_completions(
     seed: int | None = None,
     decoder: KVDecoder | None = None,
     finished_lag: int | None = None,
-) -> dict[str, torch.Tensor]:
+    vision: VisionRows | None = None,
+) -> dict[str, Any]:
     """Sample completions for a batch of prompts and return a training batch.
 
     The model is switched to eval mode while sampling (so dropout is off and HF models
@@ -418,11 +425,12 @@ def generate_completions(
         seed: when given, sampling uses a fresh ``torch.Generator`` on the prompts'
             device seeded with it: results are reproducible and the global RNG is
             untouched. ``None`` uses the global RNG.
-        decoder, finished_lag: see :func:`sample_tokens`.
+        decoder, finished_lag, vision: see :func:`sample_tokens`.
 
     Returns:
         The dict of :func:`completion_batch`: ``input_ids``, ``attention_mask``,
-        ``labels`` and ``sampled_logprobs``, each ``(B, P + N)`` with ``N <= max_new_tokens``.
+        ``labels`` and ``sampled_logprobs``, each ``(B, P + N)`` with ``N <= max_new_tokens``; and ``vision``
+        (the prompts' image inputs, the same rows) when given.
 
     Raises:
         ValueError: if ``max_new_tokens < 1``, ``temperature <= 0``, ``top_p`` is not in
@@ -450,8 +458,14 @@ def generate_completions(
             logprobs_out=logprobs,
             decoder=decoder,
             finished_lag=finished_lag,
+            vision=vision,
         )
-    return completion_batch(prompt_ids, prompt_attention_mask, completion_ids, eos_token_id, logprobs[0])
+    batch: dict[str, Any] = completion_batch(
+        prompt_ids, prompt_attention_mask, completion_ids, eos_token_id, logprobs[0]
+    )
+    if vision is not None:
+        batch["vision"] = vision
+    return batch
 
 
 def complete_prompts(
@@ -466,10 +480,12 @@ def complete_prompts(
     top_p: float = 1.0,
     seed: int | None = None,
     eos_token_id: EosTokenId | None = None,
-) -> dict[str, torch.Tensor]:
+    vision: VisionRows | None = None,
+) -> dict[str, Any]:
     """``generate_completions`` as the commands and evaluations ask for it: greedy at ``temperature`` 0 (``top_k``,
     ``top_p`` and ``seed`` then change nothing), else sampled at ``temperature``; padded with ``tokenizer``'s pad id
-    and stopped at ``eos_token_id`` (None: ``resolve_eos_token_id(model, tokenizer)``)."""
+    and stopped at ``eos_token_id`` (None: ``resolve_eos_token_id(model, tokenizer)``); ``vision``: the prompts'
+    image inputs."""
     return generate_completions(
         model,
         prompt_ids,
@@ -482,4 +498,5 @@ def complete_prompts(
         top_k=top_k,
         top_p=top_p,
         seed=seed,
+        vision=vision,
     )

@@ -1,5 +1,5 @@
 """Calling Hugging Face causal LMs (pure torch, no Lightning): unwrapping DDP/PEFT wrappers, the keywords a
-``forward`` takes, logits of left-padded batches, an eval-mode context, the float32 matmul precision, and EOS/pad ids.
+``forward`` takes, position ids of left-padded batches, an eval-mode context, the float32 matmul precision, and EOS/pad ids.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ __all__ = [
     "EosTokenId",
     "accepts_logits_to_keep",
     "cache_keyword",
-    "causal_lm_logits",
     "check_matmul_precision",
     "eval_mode",
     "float32_matmul_precision",
@@ -93,18 +92,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
         ``0, 1, ...`` and leading padding gets position 0.
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
-
-
-def causal_lm_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Logits ``(B, L, V)`` of ``model`` on a left-padded batch (``input_ids``, ``attention_mask``), with positions
-    counted from each row's first real token (the same positions the sampler uses)."""
-    mask = batch["attention_mask"]
-    return model(
-        input_ids=batch["input_ids"],
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        use_cache=False,
-    ).logits
 
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")

@@ -17,7 +17,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from lightning_gkd.ops.hf.forward import eval_mode, position_ids_from_mask, unwrap
+from lightning_gkd.ops.hf.forward import eval_mode, unwrap
+from lightning_gkd.ops.hf.model_inputs import VisionRows, lm_inputs
 
 __all__ = [
     "LeanForwardUnsupported",
@@ -197,15 +198,21 @@ def check_head_parameters(model: nn.Module) -> None:
     raises ``LeanForwardUnsupported`` naming the model class when its output projection is not a plain ``nn.Linear``
     (:func:`output_head`) or when it has parameters outside its decoder and that projection (a head MLP, a learned
     scale: the head does more than the description says). Modules that only feed the decoder's input (a vision tower
-    and its projector, ``_INPUT_SIDE_PATHS``) are not counted."""
+    and its projector: under the base model that holds the decoder, or ``_INPUT_SIDE_PATHS``) are not counted."""
     output_head(model)
     core = _causal_lm(model)
     projection = core.get_output_embeddings()
     assert projection is not None  # output_head checked it is an nn.Linear
     # anything trainable between the decoder and the projection (a head MLP, a learned scale) is not described
-    covered = {id(p) for p in _decoder(core).parameters()} | {id(p) for p in projection.parameters()}
+    decoder = _decoder(core)
+    covered = {id(p) for p in decoder.parameters()} | {id(p) for p in projection.parameters()}
     for path in _INPUT_SIDE_PATHS.get(type(core).__name__, ()):
         covered |= {id(p) for p in _submodule(core, path).parameters()}
+    base = getattr(core, "model", None)
+    if isinstance(base, nn.Module) and base is not decoder and any(m is decoder for m in base.modules()):
+        # a vision-language model's base (transformers 5: ``model.vision_tower``, ``model.multi_modal_projector``,
+        # ``model.language_model``): what it holds besides the decoder only makes the decoder's input
+        covered |= {id(p) for p in base.parameters()}
     outside = [name for name, p in core.named_parameters() if id(p) not in covered]
     if outside:
         raise LeanForwardUnsupported(
@@ -217,7 +224,9 @@ def check_head_parameters(model: nn.Module) -> None:
 _CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+def check_output_head(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionRows | None = None
+) -> None:
     """Prove, once per model, that :func:`output_head` reproduces the model's own logits: the first row of the batch
     runs through ``model`` (eval mode, no grad) and the head's description must give its last positions' logits.
     Raises ``LeanForwardUnsupported`` naming the model class when it does not (a head transform the description does
@@ -227,23 +236,15 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         return
     check_head_parameters(model)
     head = output_head(model)
-    ids, mask = input_ids[:1], attention_mask[:1]
+    ids, mask, images = input_ids[:1], attention_mask[:1], (None if vision is None else vision[:1])
     keep = min(4, ids.shape[1])
     positions = torch.zeros_like(ids, dtype=torch.bool)
     positions[:, -keep:] = True
     with torch.no_grad(), eval_mode(model):
         expected = (
-            model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=position_ids_from_mask(mask),
-                use_cache=False,
-                logits_to_keep=keep,
-            )
-            .logits[0, -keep:]
-            .float()
+            model(**lm_inputs(model, ids, mask, images), use_cache=False, logits_to_keep=keep).logits[0, -keep:].float()
         )
-        hidden = final_hidden_states(model, ids, mask, positions)
+        hidden = final_hidden_states(model, ids, mask, positions, images)
         if hidden.shape[-1] != head.weight.shape[1]:
             raise LeanForwardUnsupported(
                 f"{type(unwrap(model)).__name__}'s final hidden states have {hidden.shape[-1]} features but its "
@@ -262,7 +263,11 @@ def check_output_head(model: nn.Module, input_ids: torch.Tensor, attention_mask:
 
 
 def final_hidden_states(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    vision: VisionRows | None = None,
 ) -> torch.Tensor:
     """The decoder's final (normed) hidden states at ``positions``.
 
@@ -271,6 +276,7 @@ def final_hidden_states(
         input_ids: ``(B, L)`` left-padded tokens.
         attention_mask: ``(B, L)``, 1 on real tokens; position ids are counted from each row's first real token.
         positions: ``(B, L)`` bool, the positions to return.
+        vision: the rows' image inputs (``ops.hf.model_inputs``), None for text.
 
     Returns:
         ``(N, H)`` hidden states of the ``N = positions.sum()`` selected positions, in row-major order (the order
@@ -286,9 +292,7 @@ def final_hidden_states(
     handle = decoder.register_forward_hook(capture)
     try:
         model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
+            **lm_inputs(model, input_ids, attention_mask, vision),
             use_cache=False,
             logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
         )
@@ -306,12 +310,17 @@ def final_hidden_states(
 
 
 def hidden_states_and_head(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    vision: VisionRows | None = None,
 ) -> tuple[torch.Tensor, LogitHead]:
     """``(N, H)`` final hidden states at ``positions`` (:func:`final_hidden_states`) and the head that turns them into
-    exactly the model's logits (:func:`output_head`, proven once per model by :func:`check_output_head`). The head is
+    exactly the model's logits (:func:`output_head`, proven once per model by :func:`check_output_head`).
+    ``vision``: the rows' image inputs (``ops.hf.model_inputs``). The head is
     read after the forward, where FSDP2 has gathered the root unit's weights. Raises ``LeanForwardUnsupported`` for a
     model whose head the description does not reproduce."""
-    check_output_head(model, input_ids, attention_mask)
-    hidden = final_hidden_states(model, input_ids, attention_mask, positions)
+    check_output_head(model, input_ids, attention_mask, vision)
+    hidden = final_hidden_states(model, input_ids, attention_mask, positions, vision)
     return hidden, output_head(model)
