@@ -50,6 +50,12 @@ class VisionChat:
     images: dict[str, torch.Tensor]
 
 
+def prompt_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages before the last assistant turn (all of them when the row has none)."""
+    kept = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+    return [dict(message) for message in kept]
+
+
 def render(processor: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
     text = processor.apply_chat_template(
         [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt
@@ -66,7 +72,7 @@ def tokenize_vision_chat(processor: Any, row: Mapping[str, Any], max_length: int
     its conversation; a completion that does not fit is cut at its end."""
     messages = row["messages"]
     has_completion = messages[-1]["role"] == "assistant"
-    prompt_text = render(processor, messages[:-1] if has_completion else messages, add_generation_prompt=True)
+    prompt_text = render(processor, prompt_messages(messages), add_generation_prompt=True)
     full_text = render(processor, messages, add_generation_prompt=False) if has_completion else prompt_text
     if not full_text.startswith(prompt_text):
         raise ValueError(

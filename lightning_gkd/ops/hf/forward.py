@@ -1,5 +1,6 @@
 """Calling Hugging Face causal LMs (pure torch, no Lightning): unwrapping DDP/PEFT wrappers, the keywords a
-``forward`` takes, position ids of left-padded batches, an eval-mode context, the float32 matmul precision, and EOS/pad ids.
+``forward`` takes, position ids of left-padded batches, an eval-mode context, the float32 matmul precision, and
+EOS/pad ids.
 """
 
 from __future__ import annotations
