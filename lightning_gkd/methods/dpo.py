@@ -181,9 +181,8 @@ class DPOModule(CausalLMModule):
             kwargs["logits_to_keep"] = keep
         else:
             keep = width
-        logits = model(
-            **lm_inputs(model, batch["input_ids"], mask, batch.get("vision")), use_cache=False, **kwargs
-        ).logits
+        inputs = lm_inputs(model, batch["input_ids"], mask, batch.get("vision"))
+        logits = model(**inputs, use_cache=False, **kwargs).logits
         return sequence_logps(logits[:, :-1], labels[:, width - keep + 1 :]), completion.sum(dim=1)
 
     @torch.no_grad()
