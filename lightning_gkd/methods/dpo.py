@@ -23,6 +23,7 @@ from lightning_gkd.ops.divergence.preference import (
     unused_label_smoothing,
 )
 from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, eval_mode, is_peft_model
+from lightning_gkd.ops.hf.model_inputs import lm_inputs
 from lightning_gkd.training.settings import TrainingSettings
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "labels")
