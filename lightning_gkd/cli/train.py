@@ -26,10 +26,12 @@ from lightning_gkd.cli.sweep import in_multirun, record_job
 from lightning_gkd.cli.toy_defaults import warn_toy_defaults
 from lightning_gkd.cli.trainer_setup import check_logger_packages, close_loggers, logger_entries, prepare_trainer
 from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.data.vision_chat import load_processor
 from lightning_gkd.evaluation.model_card import describe_data
 from lightning_gkd.losses.cross_tokenizer_plan import check_cross_tokenizer_config
 from lightning_gkd.methods.base import check_data_format
-from lightning_gkd.models.loading import check_tokenizer_fits, source_vocab_size
+from lightning_gkd.models.loading import check_tokenizer_fits, source_config, source_vocab_size
+from lightning_gkd.models.vision import check_processor_fits, is_vision_language_config
 from lightning_gkd.ops.hf.forward import float32_matmul_precision, is_peft_model
 from lightning_gkd.teachers.base import TeacherUnavailable
 from lightning_gkd.training.checkpoint_io import use_safe_checkpoint_io
@@ -83,7 +85,8 @@ def build_data(cfg: DictConfig) -> Any:
     """The tokenizer (``model.tokenizer``, else the student's own) and the datamodule, loaded and checked before any
     model loads, and before the loggers set up their folders (the CSV logger deletes an old metrics.csv there): the
     rows against the method's kind (chat or preference), the tokenizer against the student's vocabulary (its
-    config.json only). Warns first about toy-tuned values meeting a real student."""
+    config.json only), and a vision-language student's processor (``data.processor``, null: the student's own)
+    against its config. Warns first about toy-tuned values meeting a real student."""
     if cfg.model.get("build"):
         instantiate(cfg.model.build)
     trained = cfg.method.get("student") or cfg.method.get("model")
@@ -91,9 +94,16 @@ def build_data(cfg: DictConfig) -> Any:
         trained = OmegaConf.to_container(trained, resolve=True)
     # First: a mistyped student path fails here naming the missing folder (the tokenizer may come from it too).
     vocab = source_vocab_size(trained, role="student") if isinstance(trained, (str, dict)) else None
+    config = source_config(trained, role="student") if isinstance(trained, (str, dict)) else None
     warn_toy_defaults(cfg)
-    datamodule = instantiate(cfg.data, tokenizer=load_tokenizer(tokenizer_source(cfg.model)), _convert_="all")
+    options: dict[str, Any] = {}
+    if "processor" in cfg.data and cfg.data.processor is None and is_vision_language_config(config):
+        options["processor"] = load_processor(tokenizer_source(cfg.model))  # the student's own
+    datamodule = instantiate(
+        cfg.data, tokenizer=load_tokenizer(tokenizer_source(cfg.model)), _convert_="all", **options
+    )
     check_data_format(get_object(cfg.method._target_), datamodule)
+    check_processor_fits(getattr(datamodule, "processor", None), config)
     datamodule.setup("fit")
     check_tokenizer_fits(datamodule.tokenizer, vocab)
     return datamodule

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_gkd.data.images import image_parts
 from lightning_gkd.data.validation import check_messages
 
 PairFormat = Literal["conversational", "text", "tokenized"]
@@ -106,6 +107,11 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
                 )
         return kind
     check_messages(row["prompt"], f"{where}: 'prompt'")
+    if image_parts(row["prompt"]) or row.get("images"):
+        raise ValueError(
+            f"{where}: its prompt holds an image, and preference pairs are text only for now: DPO does not take "
+            "images yet (GKD, OPD and SFT do, through a vision-language student's processor). Drop the image parts."
+        )
     for field in ("chosen", "rejected"):
         value = row[field]
         if isinstance(value, str):

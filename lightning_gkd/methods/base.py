@@ -39,6 +39,7 @@ from lightning_gkd.models.loading import (
 from lightning_gkd.models.loading import disable_dropout as disable_dropout_in
 from lightning_gkd.models.precision import frozen_model_dtype, is_quantized
 from lightning_gkd.models.tied_embedding import sparse_tied_embedding_gradient
+from lightning_gkd.models.vision import freeze_vision
 from lightning_gkd.ops.decoding.sampling import derive_seed
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
@@ -211,6 +212,8 @@ class CausalLMModule(L.LightningModule):
             disable_dropout_in(self.model)
         if training.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        if training.freeze_vision:
+            freeze_vision(self.model)
         # a tied embedding's gradient: the rows looked up, added into the head's (no dense V x H zero-fill)
         sparse_tied_embedding_gradient(self.model)
         self.generation_scores = GenerationScores()  # greedy validation texts, scored at the epoch's end

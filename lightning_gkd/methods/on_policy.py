@@ -28,6 +28,7 @@ from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token
 from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, greedy_turn
 from lightning_gkd.samplers import Sampler, SamplingSettings
+from lightning_gkd.samplers.base import check_sampler_images
 from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable
 from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
 from lightning_gkd.training.sampler_shutdown import SamplerShutdown
@@ -266,6 +267,10 @@ class OnPolicyModule(CausalLMModule):
                 cast(Any, datamodule).carry_columns(self.rollout.state_columns)
         for part in (*self.loss_objects(), *self.teacher_sources.values()):
             part.check_datamodule(datamodule)  # a routing column, prompt messages; a cache made from these rows
+        if getattr(datamodule, "processor", None) is not None:  # rows with images
+            check_sampler_images(self.sampler)
+            for source in self.teacher_sources.values():
+                source.check_images(self.student)
 
     def teardown(self, stage: str) -> None:
         super().teardown(stage)

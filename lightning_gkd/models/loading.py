@@ -9,8 +9,9 @@ from typing import Any, TypeAlias, cast
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
+from lightning_gkd.models.vision import is_vision_language_config
 from lightning_gkd.ops.hf.heads import SharedRangeHead, output_rows
 
 ModelSource: TypeAlias = nn.Module | str | os.PathLike | PretrainedConfig | Mapping[str, Any]
@@ -40,8 +41,9 @@ def load_causal_lm(
     """Build or load a causal LM.
 
     ``source`` may be: an ``nn.Module`` (returned as is); a local folder written by ``save_pretrained`` or a hub
-    id (``AutoModelForCausalLM.from_pretrained`` with ``init_kwargs`` such as ``dtype``, ``attn_implementation``,
-    ``revision``, ``quantization_config``); a ``PretrainedConfig`` (a freshly initialised model); or a mapping
+    id (``AutoModelForCausalLM.from_pretrained``, or ``AutoModelForImageTextToText``'s for a vision-language model,
+    with ``init_kwargs`` such as ``dtype``, ``attn_implementation``, ``revision``, ``quantization_config``); a
+    ``PretrainedConfig`` (a freshly initialised model); or a mapping
     ``{"name_or_path": ..., "init_kwargs": {...}, "trust_remote_code": bool}`` or ``{"config": {"model_type":
     "qwen2", ...}}`` as written in Hydra configs. Remote code runs only when ``trust_remote_code`` is True.
     A mapping's ``lora`` entry (``{"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear", ...}``,
@@ -93,7 +95,11 @@ def load_causal_lm(
         kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
     if isinstance(kwargs.get("quantization_config"), Mapping):
         kwargs["quantization_config"] = quantization_config_from_dict(kwargs["quantization_config"])
-    return AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    auto = AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(name, revision=kwargs.get("revision"), trust_remote_code=trust_remote_code)
+    if is_vision_language_config(config):
+        auto = AutoModelForImageTextToText  # the whole model: its causal-LM class (where one exists) drops the tower
+    return auto.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -147,7 +153,8 @@ def quantization_config_from_dict(spec: Mapping[str, Any]) -> Any:
 
 def _from_config(config: PretrainedConfig, kwargs: dict[str, Any], trust_remote_code: bool) -> nn.Module:
     dtype = resolve_dtype(kwargs.pop("dtype", None))
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    auto = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
+    model = auto.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
     if isinstance(dtype, torch.dtype):
         model = model.to(dtype)
     return model
@@ -245,6 +252,23 @@ def source_vocab_size(source: ModelSource, *, role: str = "model") -> int | None
     an unreachable hub id fails as ``load_causal_lm`` would). None when it cannot be told."""
     if isinstance(source, nn.Module):
         return vocab_size(source)
+    if isinstance(source, Mapping) and isinstance(source.get("config"), Mapping) and "vocab_size" in source["config"]:
+        return int(source["config"]["vocab_size"])
+    config = source_config(source, role=role)
+    if config is None:
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text_config, "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+def source_config(source: ModelSource, *, role: str = "model") -> PretrainedConfig | None:
+    """The config ``source`` will load with, read without loading any weights: a module's ``config``, a config (or
+    a spec's), or the ``config.json`` of a folder or hub id (an unreachable hub id fails as ``load_causal_lm``
+    would). None when it cannot be told."""
+    if isinstance(source, nn.Module):
+        config = getattr(source, "config", None)
+        return config if isinstance(config, PretrainedConfig) else None
     config: Any = source
     trust_remote_code, revision = False, None
     if isinstance(source, Mapping):
@@ -255,8 +279,6 @@ def source_vocab_size(source: ModelSource, *, role: str = "model") -> int | None
             config = source.get("name_or_path")
         elif isinstance(config, Mapping):
             config = dict(config)
-            if "vocab_size" in config:
-                return int(config["vocab_size"])
             if "model_type" not in config:
                 return None
             config = AutoConfig.for_model(config.pop("model_type"), **config)
@@ -272,11 +294,7 @@ def source_vocab_size(source: ModelSource, *, role: str = "model") -> int | None
         else:
             check_hub_id_reachable(role, name, revision)
         config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-    if not isinstance(config, PretrainedConfig):
-        return None
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    size = getattr(text_config, "vocab_size", None)
-    return int(size) if size is not None else None
+    return config if isinstance(config, PretrainedConfig) else None
 
 
 def check_tokenizer_fits(tokenizer: Any, model_vocab_size: int | None, *, role: str = "student") -> None:

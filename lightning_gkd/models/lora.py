@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_gkd.models.vision import language_model_only
+
 #: Short names accepted in the spec -> the ``peft.LoraConfig`` argument they set.
 _ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 DEFAULT_TARGET_MODULES = "all-linear"  # every linear layer except the output head
@@ -84,9 +86,13 @@ def lora_config(spec: Any) -> Any:
 
 def apply_lora(model: nn.Module, spec: Any, *, role: str = "model") -> nn.Module:
     """Wrap ``model`` in LoRA adapters (``peft.get_peft_model``): the base weights are frozen, only the adapter
-    weights (and any ``modules_to_save``) have ``requires_grad``. Returns the ``peft.PeftModel``."""
+    weights (and any ``modules_to_save``) have ``requires_grad``. Returns the ``peft.PeftModel``. A vision-language
+    model's vision tower and projector get no adapters (they stay frozen; ``models.vision``) unless the spec names
+    ``exclude_modules`` itself."""
     config = lora_config(spec)
     peft = _import_peft()
+    if config.exclude_modules is None:
+        config.exclude_modules = language_model_only(model)
     if isinstance(model, peft.PeftModel):
         raise ValueError(f"{role}: the model already has PEFT adapters; drop the 'lora' entry from its spec.")
     try:

@@ -68,7 +68,8 @@ class TeacherBase:
     """What a method calls on every teacher source besides its signal, each doing nothing here: ``check(tokenizer,
     vocab_size)`` once the teachers are built, before training (raise an error naming what does not match the
     student: a server serving another tokenizer, a cache built with one); ``check_datamodule(datamodule)`` before
-    fitting (what the source needs from the rows: a cache made from these rows); ``close()`` at teardown. Every
+    fitting (what the source needs from the rows: a cache made from these rows); ``close()`` at teardown. One refuses
+    by default: ``check_images(student)``, for rows with images. Every
     teacher source subclasses it (``LocalTeacher``, ``HiddenStateTeacher``, the caches, the servers), a user's own
     too."""
 
@@ -77,6 +78,15 @@ class TeacherBase:
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Raise for training data this teacher cannot serve."""
+
+    def check_images(self, student: Any) -> None:
+        """Raise when the rows hold images (a vision-language ``student``'s) and this teacher cannot read them: here
+        always; an in-process vision-language teacher (``LocalTeacher``) reads them."""
+        raise ValueError(
+            f"The rows hold images, and {type(self).__name__} cannot read them yet: distil a vision-language student "
+            "from an in-process vision-language teacher (Hydra: teacher=local with a teacher folder that has a "
+            "processor)."
+        )
 
     def close(self) -> None:
         """Release connections and files."""

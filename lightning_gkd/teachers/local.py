@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_gkd.ops.divergence.topk import topk_log_probs
+from lightning_gkd.ops.hf.forward import unwrap
 from lightning_gkd.ops.hf.heads import LogitHead, hidden_states_and_head
-from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits, image_token_id
 from lightning_gkd.teachers.base import TeacherBase, TopKSignal, next_tokens
 
 
@@ -21,6 +23,22 @@ class LocalTeacher(TeacherBase):
         self.model = model
         self.top_k = top_k
         self.chunk_size = chunk_size
+
+    def check_images(self, student: Any) -> None:
+        """A teacher reads the rows' images when it is a vision-language model with the student's image token; a text
+        teacher would read the image tokens as text."""
+        token, expected = image_token_id(self.model), image_token_id(student)
+        if token is None:
+            raise ValueError(
+                f"The rows hold images but the teacher ({type(unwrap(self.model)).__name__}) is a text model: it would "
+                "read the image tokens as text. Use a vision-language teacher with the student's tokenizer; a text "
+                "teacher that reads only a caption or the text part is not supported yet."
+            )
+        if token != expected:
+            raise ValueError(
+                f"The teacher's image token id is {token} but the student's is {expected}: the two vision-language "
+                "models do not share a tokenizer and its image token. Use a teacher of the student's family."
+            )
 
     @torch.no_grad()
     def logits(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

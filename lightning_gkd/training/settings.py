@@ -43,6 +43,9 @@ class TrainingSettings:
     disable_dropout: bool = True
     #: Recompute activations in the backward pass (sampling keeps its KV cache).
     gradient_checkpointing: bool = False
+    #: A vision-language model's vision tower and projector take no gradient (only its language model trains;
+    #: ``lightning_gkd.models.vision``). Nothing to freeze in a text model.
+    freeze_vision: bool = True
     #: Allow the models' own code from the hub when they load.
     trust_remote_code: bool = False
 
@@ -70,7 +73,7 @@ class TrainingSettings:
             "step: the mean over the whole optimizer step's tokens; micro_batch: each micro-batch's own mean",
         )
         check_frozen_dtype(self.frozen_dtype, where="training.")
-        for name in ("disable_dropout", "gradient_checkpointing", "trust_remote_code"):
+        for name in ("disable_dropout", "gradient_checkpointing", "freeze_vision", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"training.{name} must be true or false, got {getattr(self, name)!r}.")
 

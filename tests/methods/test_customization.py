@@ -15,7 +15,7 @@ import torch
 from helpers.fitting import small_trainer
 from helpers.hydra_compose import compose_train
 from hydra.utils import instantiate
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
 
 from lightning_gkd import DPOModule, PreferenceDataModule
 from lightning_gkd.cli.train import run
@@ -122,6 +122,7 @@ def test_quantization_group_puts_a_bitsandbytes_config_on_the_frozen_model_only(
 
 def test_a_plain_quantization_mapping_reaches_from_pretrained_as_a_config(monkeypatch, hub_reachable):
     calls = []
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda name, **kw: Qwen2Config())  # a text model's config
     monkeypatch.setattr(
         AutoModelForCausalLM, "from_pretrained", lambda name, **kw: calls.append(kw) or torch.nn.Linear(1, 1)
     )

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 from lightning_gkd.models.loading import freeze, load_causal_lm, resolve_dtype, shared_vocab_rows
 from lightning_gkd.toy.tiny import TINY_STUDENT, tiny_causal_lm
@@ -43,6 +43,7 @@ def test_local_folder_loads_through_from_pretrained_with_init_kwargs(student, tm
 
 def test_hub_id_passes_init_kwargs_and_never_trusts_remote_code_by_default(monkeypatch, hub_reachable):
     calls = []
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda name, **kw: Qwen2Config())  # a text model's config
     monkeypatch.setattr(
         AutoModelForCausalLM, "from_pretrained", lambda name, **kw: calls.append((name, kw)) or torch.nn.Linear(1, 1)
     )

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
 
 from lightning_gkd import GKDModule
 
@@ -52,6 +52,7 @@ def test_quantization_config_mapping_reaches_from_pretrained(student, teacher, t
         calls.append((name, kwargs))
         return teacher
 
+    monkeypatch.setattr(AutoConfig, "from_pretrained", lambda name, **kw: Qwen2Config())  # a text model's config
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
     spec = {
         "name_or_path": "org/teacher",

@@ -25,6 +25,7 @@ __all__ = [
     "VisionRows",
     "causal_lm_logits",
     "computes_own_positions",
+    "config_image_token_id",
     "has_images",
     "image_token_id",
     "lm_inputs",
@@ -90,7 +91,11 @@ def merge_row_inputs(vision: VisionRows) -> dict[str, torch.Tensor]:
 def image_token_id(model: nn.Module) -> int | None:
     """The id of the token the model replaces by image features (its config's ``image_token_id`` or
     ``image_token_index``), None for a text-only model."""
-    config = getattr(unwrap(model), "config", None)
+    return config_image_token_id(getattr(unwrap(model), "config", None))
+
+
+def config_image_token_id(config: Any) -> int | None:
+    """The image token id a model config names (``image_token_id`` or ``image_token_index``), None without one."""
     for name in ("image_token_id", "image_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):
