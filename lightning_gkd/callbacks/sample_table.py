@@ -18,7 +18,8 @@ from lightning_gkd.evaluation.metrics import decode_until_eos
 from lightning_gkd.methods.base import require_lm_module
 from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.ops.decoding.sampling import generate_completions
-from lightning_gkd.ops.hf.forward import eval_mode, position_ids_from_mask, resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.hf.forward import eval_mode, resolve_eos_token_id, resolve_pad_token_id
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
 
 _COMPARED = ("teacher", "reference")  # the frozen model the table compares against, first one the module has
 
@@ -78,10 +79,12 @@ class SampleTable(L.Callback):
                 return None
             k = self.num_samples
             self._batch = {"prompts": batch["prompts"][:k], "prompt_attention_mask": batch["prompt_attention_mask"][:k]}
+            if batch.get("vision") is not None:  # the prompts' images
+                self._batch["vision"] = batch["vision"][:k]
         return self._batch
 
     @torch.no_grad()
-    def sample(self, pl_module: L.LightningModule, prompts: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    def sample(self, pl_module: L.LightningModule, prompts: Mapping[str, Any]) -> list[dict[str, Any]]:
         """``[{"prompt", "completion", "agreement"}]`` for the prompts (agreement None without a teacher)."""
         module = require_lm_module(pl_module, type(self).__name__)
         model, tokenizer = module.model, module.tokenizer
@@ -89,7 +92,14 @@ class SampleTable(L.Callback):
         ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]
         pad = resolve_pad_token_id(tokenizer)
         full = generate_completions(
-            model, ids, mask, max_new_tokens=self.max_new_tokens, pad_token_id=pad, eos_token_id=eos, do_sample=False
+            model,
+            ids,
+            mask,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            do_sample=False,
+            vision=prompts.get("vision"),
         )
         completions = decode_until_eos(tokenizer, full["input_ids"][:, ids.shape[1] :].tolist(), eos)
         compared = next((getattr(pl_module, name) for name in _COMPARED if hasattr(pl_module, name)), None)
@@ -136,16 +146,9 @@ class SampleTable(L.Callback):
 def top1_agreement(model: nn.Module, compared: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Per row ``(B,)``: the fraction of completion positions (labels != -100) where the argmax of ``compared``'s
     next-token logits equals ``model``'s (0 for a row without completion tokens)."""
-    mask = batch["attention_mask"]
-    kwargs = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": mask,
-        "position_ids": position_ids_from_mask(mask),
-        "use_cache": False,
-    }
     with eval_mode(model):
-        ours = model(**kwargs).logits[:, :-1].argmax(dim=-1)
-    theirs = compared(**kwargs).logits[:, :-1].argmax(dim=-1)
+        ours = causal_lm_logits(model, batch)[:, :-1].argmax(dim=-1)
+    theirs = causal_lm_logits(compared, batch)[:, :-1].argmax(dim=-1)
     positions = batch["labels"][:, 1:] != IGNORE_INDEX
     agree = ((ours == theirs) & positions).sum(dim=1)
     return (agree.float() / positions.sum(dim=1).clamp(min=1)).cpu()

@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, cache_keyword, is_sharded, position_ids_from_mask
-from lightning_gkd.ops.hf.model_inputs import VisionRows, has_images, lm_inputs, text_position_offsets
+from lightning_gkd.ops.hf.model_inputs import (
+    VisionRows,
+    decode_step_inputs,
+    has_images,
+    lm_inputs,
+    text_position_offsets,
+)
 
 #: decoder names (``KVCacheSampler(decode=...)``), ``auto`` resolved by ``resolve_decode``.
 DECODE_MODES = ("auto", "dynamic", "static", "compiled")
@@ -109,6 +115,7 @@ class DynamicKVDecoder(KVDecoder):
     def __init__(self) -> None:
         self._model: nn.Module | None = None
         self._outputs: Any = None
+        self._step_inputs: dict[str, torch.Tensor] = {}
 
     def prefill(
         self,
@@ -128,6 +135,7 @@ class DynamicKVDecoder(KVDecoder):
         self._next_position = prompt_attention_mask.long().sum(dim=-1, keepdim=True) + text_position_offsets(
             model, inputs
         )
+        self._step_inputs = decode_step_inputs(inputs)
         keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         self._outputs = model(**inputs, use_cache=True, **keep)
         return self._outputs.logits[:, -1, :]
@@ -139,12 +147,14 @@ class DynamicKVDecoder(KVDecoder):
             attention_mask=self._mask[:, : self._prompt_len + step + 1],
             position_ids=self._next_position + step,
             use_cache=True,
+            **self._step_inputs,
             **{self._cache_kw: returned_cache(self._outputs)},
         )
         return self._outputs.logits[:, -1, :]
 
     def release(self) -> None:
         self._model = self._outputs = None
+        self._step_inputs = {}
 
 
 def _decode_forward(

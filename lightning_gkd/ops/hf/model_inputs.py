@@ -31,6 +31,7 @@ __all__ = [
     "lm_inputs",
     "merge_row_inputs",
     "select_rows",
+    "decode_step_inputs",
     "text_position_offsets",
 ]
 
@@ -133,7 +134,7 @@ def cross_attention_mask(input_ids: torch.Tensor, image_token: int, tile_mask: t
     spans = torch.zeros(batch, length, tile_mask.shape[1], dtype=torch.long, device=input_ids.device)
     for row in range(batch):
         starts = (input_ids[row] == image_token).nonzero().flatten().tolist()
-        ends = [*starts[1:], length]
+        ends = [*starts[1:], length] if starts else []
         for index in range(len(starts) - 2, -1, -1):  # a run of image tokens all end where the run's last one does
             if ends[index] == starts[index] + 1:
                 ends[index] = ends[index + 1]
@@ -155,6 +156,12 @@ def token_type_inputs(
     parameters = _forward_parameters(model)
     marks = (input_ids == token).long()
     if "cross_attention_mask" in parameters and "aspect_ratio_mask" in images:
+        if images["aspect_ratio_mask"].shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"{type(unwrap(model)).__name__} reads images through cross-attention, one entry per row: every row of "
+                "a batch needs an image (this batch has rows without). Give each row an image, or batch the text "
+                "rows apart."
+            )
         return {"cross_attention_mask": cross_attention_mask(input_ids, token, images["aspect_ratio_mask"])}
     if "mm_token_type_ids" in parameters:
         return {"mm_token_type_ids": marks}
@@ -174,6 +181,14 @@ def text_position_offsets(model: nn.Module, inputs: Mapping[str, Any]) -> torch.
     arguments = {key: inputs[key] for key in ("image_grid_thw", "video_grid_thw", "mm_token_type_ids") if key in inputs}
     _, deltas = rope_index(inputs["input_ids"], attention_mask=inputs["attention_mask"], **arguments)
     return deltas.to(inputs["input_ids"].device)
+
+
+def decode_step_inputs(inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """What every decode step after the prompt ``inputs`` (``lm_inputs``' result) passes besides its token: a
+    cross-attention model's (Mllama) mask row of the prompt's last token, which each new token repeats (it sees the
+    images that token saw); nothing for other models."""
+    mask = inputs.get("cross_attention_mask")
+    return {} if mask is None else {"cross_attention_mask": mask[:, -1:]}
 
 
 def lm_inputs(
