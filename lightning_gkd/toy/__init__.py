@@ -5,6 +5,7 @@ whose answers need the ``lookup`` and ``add`` tools (``tools``)."""
 from lightning_gkd.toy.addition import SPLIT_SIZES, addition_row, addition_rows, reversed_digits
 from lightning_gkd.toy.chain import chain_rows, final_answer_match
 from lightning_gkd.toy.preference import addition_preference_rows, wrong_answer
+from lightning_gkd.toy.shapes import shape_rows
 from lightning_gkd.toy.tools import tool_rows
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "chain_rows",
     "final_answer_match",
     "reversed_digits",
+    "shape_rows",
     "tool_rows",
     "wrong_answer",
 ]

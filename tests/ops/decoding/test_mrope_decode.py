@@ -68,6 +68,7 @@ class Ids:
     pad_token_id, eos_token_id = 0, 2
 
 
+@torch.no_grad()
 def decode_logprob_error(model, ids, mask, vision) -> float:
     """The largest difference between each decoded token's log-prob and the full forward's over the result."""
     out = complete_prompts(model, Ids(), ids, mask, max_new_tokens=6, vision=vision)
