@@ -226,6 +226,8 @@ class CausalLMModule(L.LightningModule):
         #: Token-mean losses: over the whole optimizer step ("step") or per micro-batch ("micro_batch").
         self.token_normalizer = StepTokenNormalizer(training.loss_normalization)
         self._checked_datamodule: L.LightningDataModule | None = None
+        #: The data's vision-language processor (``ChatDataModule(processor=...)``), saved with an export; None: text.
+        self.processor: Any = None
         self._frozen_dtype_open: set[str] = set()  # frozen models whose source did not choose a dtype
         self._full_state_dict: dict[str, torch.Tensor] | None = None  # a sharded model's weights at fit end
 
@@ -390,6 +392,8 @@ class CausalLMModule(L.LightningModule):
         if datamodule is self._checked_datamodule:
             return
         check_data_format(self, datamodule)
+        # a vision-language model's processor (rows with images): exported with the model
+        self.processor = getattr(datamodule, "processor", None)
         check = getattr(datamodule, "check_completions", None)
         if not callable(check):
             return

@@ -328,3 +328,17 @@ def write_tiny_vlm(family: str, folder: str | Path, *, seed: int = 0, **override
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+#: The toy vision task's models (``scripts/train_toy_vlm.py``, ``tiny_vlm("llava", **TOY_VLM_TEACHER)``): 32 px images
+#: in 8 px patches (16 image tokens), one CLIP tower shape, a 2 x 128 teacher language model and a 2 x 64 student.
+TOY_VLM_TEACHER: dict[str, Any] = {
+    "image_size": 32,
+    "vision": {"patch_size": 8},
+    "text": {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4},
+}
+TOY_VLM_STUDENT: dict[str, Any] = {
+    "image_size": 32,
+    "vision": {"patch_size": 8},
+    "text": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2},
+}

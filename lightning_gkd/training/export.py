@@ -24,8 +24,9 @@ def export_module(
     merged_path: str | Path | None = None,
     full_state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``module.model`` and ``module.tokenizer`` to ``path`` (loadable with
-    ``AutoModelForCausalLM.from_pretrained``) with a ``README.md`` model card; see ``CausalLMModule.export``.
+    """Write ``module.model`` and ``module.tokenizer`` (``module.processor`` instead for a vision-language model) to
+    ``path`` (loadable with ``AutoModelForCausalLM.from_pretrained``, or ``AutoModelForImageTextToText`` and
+    ``AutoProcessor``) with a ``README.md`` model card; see ``CausalLMModule.export``.
 
     ``full_state_dict``: for a sharded model, its full weights (gathered when ``trainer.fit`` ended)."""
     model: nn.Module = module.model
@@ -63,7 +64,8 @@ def _write_model_folder(
     def write(staging: Path) -> None:
         extra = {} if state_dict is None else {"state_dict": state_dict}
         model.save_pretrained(staging, **extra)  # type: ignore[operator]  # an HF or PEFT model's
-        module.tokenizer.save_pretrained(staging)
+        # a vision-language model's processor holds its tokenizer, image processor and chat template
+        (module.tokenizer if module.processor is None else module.processor).save_pretrained(staging)
         write_model_card(staging / "README.md", module, card_info)
 
     return write_folder_atomically(path, write)
