@@ -33,7 +33,7 @@ from lightning_gkd.toy import shape_rows
 from lightning_gkd.toy.tiny_vlm import TOY_VLM_STUDENT, TOY_VLM_TEACHER, tiny_vlm
 
 ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets" / "toy_vlm"
-MAX_LENGTH, MAX_NEW_TOKENS = 64, 8
+MAX_LENGTH, MAX_NEW_TOKENS = 80, 20
 
 
 class PrintValidation(L.Callback):

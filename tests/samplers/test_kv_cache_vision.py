@@ -11,7 +11,7 @@ from helpers.vlm import image_row, picture
 
 from lightning_gkd.data.vision_chat import VisionChatCollator
 from lightning_gkd.ops.decoding.kv_decoders import supports_static_cache
-from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits, image_token_id
 from lightning_gkd.samplers.base import check_sampler_images, refuse_images_message
 from lightning_gkd.samplers.kv_cache import KVCacheSampler
 from lightning_gkd.samplers.skd import SpeculativeKDSampler
@@ -103,3 +103,25 @@ def test_samplers_that_take_no_images_refuse_them():
         check_sampler_images(sampler)
     check_sampler_images(lambda **_: None)  # a factory of unknown class: checked once built
     KVCacheSampler(processor.tokenizer).refuse_images(batch["vision"])
+
+
+@pytest.mark.parametrize("family", ["llava", "mllama"])
+def test_image_placeholders_are_never_sampled(family):
+    """A student that puts its mass on the image token (a random start can) never writes it: a sampled placeholder
+    would ask the training forward for an image the row does not have."""
+    model, processor = tiny_vlm(family, seed=0)
+    image = image_token_id(model)
+    boost = model.lm_head.register_forward_hook(
+        lambda module, args, out: out.index_add(-1, torch.tensor([image]), torch.full_like(out[..., :1], 100.0))
+    )
+    try:
+        batch = prompts(processor)
+        sampler = KVCacheSampler(processor.tokenizer, max_new_tokens=4, temperature=1.0)
+        out = sampler.sample(model, batch["prompts"], batch["prompt_attention_mask"], seed=0, vision=batch["vision"])
+        new = out["input_ids"][:, batch["prompts"].shape[1] :]
+        assert not (new == image).any()
+        with torch.no_grad():  # without the suppression the boosted token is everyone's argmax
+            assert (causal_lm_logits(model, batch)[:, -1].argmax(-1) == image).all()
+        assert torch.isfinite(out["sampled_logprobs"]).all()
+    finally:
+        boost.remove()

@@ -28,7 +28,7 @@ from lightning_gkd.ops.hf.forward import (
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
-from lightning_gkd.ops.hf.model_inputs import VisionRows, has_images
+from lightning_gkd.ops.hf.model_inputs import VisionRows, has_images, placeholder_token_ids
 
 __all__ = [
     "complete_prompts",
@@ -257,7 +257,9 @@ def sample_tokens(
             result, which equals a decode that stops at once. None: ``DEFAULT_FINISHED_LAG`` (4 on CUDA, 0 else).
         vision: the prompts' image inputs, one dict per row (``ops.hf.model_inputs``), fed to the prefill; a decoder
             that cannot take them (``KVDecoder.takes_images`` False: the static ones) is replaced by a
-            ``DynamicKVDecoder`` for this decode.
+            ``DynamicKVDecoder`` for this decode. A vision-language model never samples its image (or video)
+            placeholder tokens (``ops.hf.model_inputs.placeholder_token_ids``: their logits are ``-inf``, also in the
+            returned log-probs' distribution).
 
     Returns:
         ``(B, N)`` long tensor of generated tokens, ``N <= max_new_tokens``; ``N`` is
@@ -276,6 +278,9 @@ def sample_tokens(
     )
     if decoder is None or (has_images(vision) and not decoder.takes_images):
         decoder = DynamicKVDecoder()
+    # a vision-language model's image placeholders are never text it writes: one sampled into a completion would
+    # ask the next forward for an image the row does not have
+    placeholders = torch.tensor(placeholder_token_ids(model), dtype=torch.long, device=device)
     lag = DEFAULT_FINISHED_LAG.get(device.type, 0) if finished_lag is None else finished_lag
     # sharded: every forward is a collective, so the ranks agree on the stop at once (as before)
     all_done = None if eos is None or synced else LaggedFlag(lag, device)
@@ -288,6 +293,8 @@ def sample_tokens(
         logits = decoder.prefill(model, prompt_ids, prompt_attention_mask, max_new_tokens, vision=vision)
         num_tokens = max_new_tokens
         for step in range(max_new_tokens):
+            if len(placeholders):
+                logits = logits.index_fill(-1, placeholders, float("-inf"))
             tokens, token_logprobs = pick(logits)
             if eos is not None:
                 tokens = tokens.masked_fill(finished, pad_token_id)

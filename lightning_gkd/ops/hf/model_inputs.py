@@ -30,6 +30,7 @@ __all__ = [
     "image_token_id",
     "lm_inputs",
     "merge_row_inputs",
+    "placeholder_token_ids",
     "select_rows",
     "decode_step_inputs",
     "text_position_offsets",
@@ -93,6 +94,14 @@ def image_token_id(model: nn.Module) -> int | None:
     """The id of the token the model replaces by image features (its config's ``image_token_id`` or
     ``image_token_index``), None for a text-only model."""
     return config_image_token_id(getattr(unwrap(model), "config", None))
+
+
+def placeholder_token_ids(model: nn.Module) -> list[int]:
+    """The ids a vision-language model replaces by image or video features (its config's ``image_token_id`` /
+    ``image_token_index`` and ``video_token_id``): tokens it reads, never writes. Empty for a text model."""
+    config = getattr(unwrap(model), "config", None)
+    video = getattr(config, "video_token_id", None)
+    return [t for t in (config_image_token_id(config), video if isinstance(video, int) else None) if t is not None]
 
 
 def config_image_token_id(config: Any) -> int | None:
