@@ -11,7 +11,7 @@ from helpers.vlm import image_row, picture
 
 from lightning_gkd.data.vision_chat import VisionChatCollator
 from lightning_gkd.ops.decoding.kv_decoders import supports_static_cache
-from lightning_gkd.ops.hf.model_inputs import causal_lm_logits, image_token_id
+from lightning_gkd.ops.hf.model_inputs import causal_lm_logits, image_token_id, placeholder_token_ids
 from lightning_gkd.samplers.base import check_sampler_images, refuse_images_message
 from lightning_gkd.samplers.kv_cache import KVCacheSampler
 from lightning_gkd.samplers.skd import SpeculativeKDSampler
@@ -71,9 +71,10 @@ def test_the_sampled_batch_carries_the_images_and_its_logprobs_match_a_forward(f
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in got)
     width = batch["prompts"].shape[1]
     assert torch.equal(out["input_ids"][:, :width], batch["prompts"])
-    # the training forward over the sampled batch (its images included) gives the sampled tokens' log-probabilities
+    # the training forward over the sampled batch (its images included) gives the sampled tokens' log-probabilities,
+    # in the distribution sampled from: the image placeholders' logits removed
     with torch.no_grad():
-        logits = causal_lm_logits(model, out)
+        logits = causal_lm_logits(model, out).index_fill(-1, torch.tensor(placeholder_token_ids(model)), float("-inf"))
     logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, out["input_ids"][:, 1:, None])[..., 0]
     supervised = out["labels"][:, 1:] != -100
     assert supervised.any()

@@ -72,7 +72,8 @@ class Ids:
 def decode_logprob_error(model, ids, mask, vision) -> float:
     """The largest difference between each decoded token's log-prob and the full forward's over the result."""
     out = complete_prompts(model, Ids(), ids, mask, max_new_tokens=6, vision=vision)
-    full = torch.log_softmax(causal_lm_logits(model, out).float(), dim=-1)
+    logits = causal_lm_logits(model, out).float().index_fill(-1, torch.tensor([IMAGE, VIDEO]), float("-inf"))
+    full = torch.log_softmax(logits, dim=-1)  # the distribution sampled from: placeholders are never written
     labelled = out["labels"][:, 1:] != IGNORE_INDEX
     forward = full[:, :-1].gather(-1, out["input_ids"][:, 1:, None])[..., 0][labelled]
     return float((forward - out["sampled_logprobs"][:, 1:][labelled]).abs().max())
