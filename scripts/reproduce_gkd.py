@@ -1,4 +1,4 @@
-"""docs/results.md's toy studies (addition, chain): SFT vs supervised KD vs SeqKD vs on-policy GKD and OPD, run as
+"""docs/results.md's toy studies (addition, chain, the toy vision task): SFT vs supervised KD vs SeqKD vs on-policy GKD and OPD, run as
 ``lightning-gkd -m`` sweeps of recipes (conf/recipe) x seeds x learning rates, and their page sections.
 
 Every run starts from the task's shipped student and distils its shipped teacher with the same budget
@@ -9,6 +9,7 @@ against a teacher served with one log-prob per token (the stand-in server, light
 
     python scripts/reproduce_gkd.py --task addition     # its sweeps, then docs/results.json and the addition section
     python scripts/reproduce_gkd.py --task chain        # docs/results_chain.json and the chain section
+    python scripts/reproduce_gkd.py --task vlm          # docs/results_vlm.json and the toy vision section
     python scripts/reproduce_gkd.py --task chain --sweep outputs/multirun/<folder> ...  # sweeps you ran yourself
     python scripts/reproduce_gkd.py --rerender          # both sections (and plots) from docs/results*.json
     python scripts/reproduce_gkd.py --task chain --fast --out /tmp/repro   # 1 seed, 1 rate, 6 steps: a smoke test
@@ -33,7 +34,7 @@ from lightning_gkd.toy.tiny import asset_path
 
 REPO = Path(__file__).resolve().parents[1]
 #: task -> its JSON under --out
-RESULTS = {"addition": "results.json", "chain": "results_chain.json"}
+RESULTS = {"addition": "results.json", "chain": "results_chain.json", "vlm": "results_vlm.json"}
 #: task -> the sweeps of its study: (recipes, learning rates); a served-teacher recipe gets its own sweep
 GRIDS = {
     "addition": [
@@ -51,8 +52,10 @@ GRIDS = {
         ("opd_top1_server", "1e-4,3e-4,1e-3"),
         ("gkd_top1_server", "3e-4,1e-3,3e-3"),
     ],
+    # the toy vision task (experiment=study_vlm): the issue's three arms
+    "vlm": [("sft,supervised_kd,gkd_beta0", "1e-3,3e-3")],
 }
-SEEDS = {"addition": "0,1,2,3,4", "chain": "0,1,2"}
+SEEDS = {"addition": "0,1,2,3,4", "chain": "0,1,2", "vlm": "0,1,2"}
 LOW_DATA = {"chain": ("SFT", "Supervised KD", "GKD β=1", "OPD")}  # recipe names at their chosen rates
 LOW_DATA_ROWS = 2500  # 5% of the chain task's 50,000 training rows
 RECIPE_FILES = {"SFT": "sft", "Supervised KD": "supervised_kd", "GKD β=1": "gkd_beta1", "OPD": "opd"}

@@ -1,16 +1,24 @@
-"""Preference collation: (prompt, chosen, rejected) rows -> one left-padded batch [chosen rows; rejected rows]."""
+"""Preference collation: (prompt, chosen, rejected) rows -> one left-padded batch [chosen rows; rejected rows].
+
+With a vision-language model's processor (``PreferenceDataModule(processor=...)``) a conversational prompt may hold
+images (image parts of its messages, or TRL's ``images`` column): ``VisionPreferenceCollator`` renders the prompt
+through the processor with the row's images and each completion through its tokenizer (as
+``data.vision_chat.tokenize_vision_chat`` does), and the batch also carries ``vision``, one dict of image tensors per
+sequence (a pair's prompt images twice: for its chosen and for its rejected row). Prompts are then never truncated.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat import prepare_tokenizer
+from lightning_gkd.data.chat import prepare_tokenizer, read_chat_template
 from lightning_gkd.data.chat_tokens import left_pad, tokenize_chat
 from lightning_gkd.data.preference_validation import REF_FIELDS, pair_format, validate_preference_rows
 from lightning_gkd.data.rows import ROW_INDEX, RowsDataModule
@@ -21,6 +29,13 @@ from lightning_gkd.data.validation import (
     prompt_cut,
     prompt_start,
     whole_prompt_truncated,
+)
+from lightning_gkd.data.vision_chat import (
+    check_vision_prompt_lengths,
+    load_processor,
+    processor_tokenizer,
+    render,
+    tokenize_vision_chat,
 )
 from lightning_gkd.ops.constants import IGNORE_INDEX
 
@@ -187,30 +202,137 @@ class PreferenceCollator:
                 raise
             chosen.append(pair[0])
             rejected.append(pair[1])
-        sequences = chosen + rejected
-        full = [prompt + completion for prompt, completion in sequences]
-        labels = [[IGNORE_INDEX] * len(prompt) + completion for prompt, completion in sequences]
-        prompts = [prompt for prompt, _ in chosen]
-        pad_id = self.tokenizer.pad_token_id
-        batch = {
-            "input_ids": left_pad(full, pad_id),
-            "attention_mask": left_pad([[1] * len(ids) for ids in full], 0),
-            "labels": left_pad(labels, IGNORE_INDEX),
-            "prompts": left_pad(prompts, pad_id),
-            "prompt_attention_mask": left_pad([[1] * len(ids) for ids in prompts], 0),
-        }
-        if all(ROW_INDEX in row for row in rows):
-            batch["index"] = torch.tensor([int(row[ROW_INDEX]) for row in rows], dtype=torch.long)
-        has_ref = [all(row.get(field) is not None for field in REF_FIELDS) for row in rows]
-        if any(has_ref):
-            if not all(has_ref):
-                raise ValueError(
-                    "Some rows of this batch carry precomputed reference log-probs "
-                    f"({', '.join(REF_FIELDS)}) and some do not; give them for every row or none."
-                )
-            for field in REF_FIELDS:
-                batch[field] = torch.tensor([float(row[field]) for row in rows], dtype=torch.float32)
+        return pair_batch(rows, chosen, rejected, self.tokenizer.pad_token_id)
+
+
+def pair_batch(
+    rows: Sequence[Mapping[str, Any]],
+    chosen: Sequence[tuple[list[int], list[int]]],
+    rejected: Sequence[tuple[list[int], list[int]]],
+    pad_id: int,
+) -> dict[str, Any]:
+    """The batch of ``PreferenceCollator`` from each row's ``(prompt, chosen)`` and ``(prompt, rejected)`` ids."""
+    sequences = [*chosen, *rejected]
+    full = [prompt + completion for prompt, completion in sequences]
+    labels = [[IGNORE_INDEX] * len(prompt) + completion for prompt, completion in sequences]
+    prompts = [prompt for prompt, _ in chosen]
+    batch: dict[str, Any] = {
+        "input_ids": left_pad(full, pad_id),
+        "attention_mask": left_pad([[1] * len(ids) for ids in full], 0),
+        "labels": left_pad(labels, IGNORE_INDEX),
+        "prompts": left_pad(prompts, pad_id),
+        "prompt_attention_mask": left_pad([[1] * len(ids) for ids in prompts], 0),
+    }
+    if all(ROW_INDEX in row for row in rows):
+        batch["index"] = torch.tensor([int(row[ROW_INDEX]) for row in rows], dtype=torch.long)
+    has_ref = [all(row.get(field) is not None for field in REF_FIELDS) for row in rows]
+    if any(has_ref):
+        if not all(has_ref):
+            raise ValueError(
+                "Some rows of this batch carry precomputed reference log-probs "
+                f"({', '.join(REF_FIELDS)}) and some do not; give them for every row or none."
+            )
+        for field in REF_FIELDS:
+            batch[field] = torch.tensor([float(row[field]) for row in rows], dtype=torch.float32)
+    return batch
+
+
+@dataclass(frozen=True)
+class VisionPair:
+    """One preference pair for a vision-language model: prompt ids (image tokens expanded), the two completions
+    (cut to fit ``max_length`` after the prompt), and the prompt's image inputs (empty without images)."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    images: dict[str, torch.Tensor]
+
+
+def tokenize_vision_pair(processor: Any, row: Mapping[str, Any], max_length: int) -> VisionPair:
+    """A validated row through ``processor``: a conversational prompt with the row's images through the processor
+    and each completion (the rest of the rendered conversation) through its tokenizer, as ``tokenize_vision_chat``
+    does; plain-text and pre-tokenized rows as ``tokenize_pair`` reads them (no images). The prompt is never cut:
+    ValueError when it leaves no completion token within ``max_length``; a completion that does not fit is cut at
+    its end."""
+    tokenizer = processor_tokenizer(processor)
+    if pair_format(row) != "conversational":
+        pair = tokenize_pair(tokenizer, row)
+        prompt, chosen, rejected, images = pair.prompt, pair.chosen, pair.rejected, {}
+    else:
+        messages = [dict(message) for message in row["prompt"]]
+        chat = tokenize_vision_chat(
+            processor, {"messages": [*messages, *row["chosen"]], "images": row.get("images")}, sys.maxsize
+        )
+        prompt_text = render(processor, messages, add_generation_prompt=True)
+        rejected_text = render(processor, [*messages, *row["rejected"]], add_generation_prompt=False)
+        if not rejected_text.startswith(prompt_text):
+            raise ValueError(
+                "the chat template renders the prompt otherwise than the start of the rejected conversation; with "
+                "images the prompt and completion are split on the text, so use a template whose prompt prefixes "
+                "the conversation."
+            )
+        prompt, chosen, images = chat.prompt_ids, chat.completion_ids, chat.images
+        rejected = tokenizer(rejected_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
+    if len(prompt) >= max_length:
+        raise ValueError(
+            f"its prompt is {len(prompt)} tokens (image tokens included) and max_length={max_length} leaves no "
+            f"completion token; an image's tokens are never cut: raise max_length to at least {len(prompt) + 1} "
+            "(Hydra: data.max_length), use smaller images, or drop the row."
+        )
+    room = max_length - len(prompt)
+    return VisionPair(list(prompt), list(chosen[:room]), list(rejected[:room]), images)
+
+
+class VisionPreferenceCollator:
+    """Collate preference rows whose prompts may hold images into ``PreferenceCollator``'s batch plus ``vision``:
+    one dict of image tensors per sequence, in the order of ``input_ids`` (each pair's prompt images for its chosen
+    row, then again for its rejected row). Prompts are never truncated (``tokenize_vision_pair``); a row that cannot
+    be used raises ``ValueError`` naming it (``name`` and its index)."""
+
+    def __init__(self, processor: Any, max_length: int = 1024, *, name: str = "train_data") -> None:
+        self.processor = processor
+        self.tokenizer = processor_tokenizer(processor)
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError("The processor's tokenizer has no pad token; set processor.tokenizer.pad_token.")
+        self.max_length = max_length
+        self.name = name
+
+    def tokenize(self, row: Mapping[str, Any]) -> VisionPair:
+        try:
+            return tokenize_vision_pair(self.processor, row, self.max_length)
+        except ValueError as error:
+            where = f"{self.name} row {row[ROW_INDEX]}" if ROW_INDEX in row else self.name
+            raise ValueError(f"{where}: {error}") from None
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        pairs = [self.tokenize(row) for row in rows]
+        batch = pair_batch(
+            rows,
+            [(pair.prompt, pair.chosen) for pair in pairs],
+            [(pair.prompt, pair.rejected) for pair in pairs],
+            self.tokenizer.pad_token_id,
+        )
+        batch["vision"] = [dict(pair.images) for pair in [*pairs, *pairs]]
         return batch
+
+    def lengths(self, row: Mapping[str, Any]) -> tuple[int, int]:
+        """The row's ``(prompt tokens, longer completion's tokens)``, uncut. ValueError (``tokenize_vision_pair``'s)
+        when the prompt is exactly ``max_length`` tokens; a longer one is counted by ``check_vision_prompt_lengths``."""
+        pair = tokenize_vision_pair(self.processor, row, sys.maxsize)
+        if len(pair.prompt) == self.max_length:
+            tokenize_vision_pair(self.processor, row, self.max_length)  # raises, naming the max_length that fits
+        return len(pair.prompt), max(len(pair.chosen), len(pair.rejected))
+
+
+def check_vision_preference_options(*, truncation_mode: str, truncate_prompts: bool) -> None:
+    """The truncation options pairs collated by a processor do not take: their prompts are never cut."""
+    if truncation_mode != "keep_start" or truncate_prompts:
+        raise ValueError(
+            f"truncation_mode={truncation_mode!r}, truncate_prompts={truncate_prompts} would cut prompts, and with a "
+            "processor (prompts with images) prompts are never truncated: a completion that does not fit is cut at "
+            "its end. Use truncation_mode='keep_start' and truncate_prompts=False (Hydra: data.truncation_mode="
+            "keep_start data.truncate_prompts=false) with a max_length that fits."
+        )
 
 
 Collator = Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
@@ -247,6 +369,14 @@ class PreferenceDataModule(RowsDataModule):
         length_check_rows: at setup, this many rows of each split (spread evenly; ``None``: all) are tokenized
             to fail early, naming the row, when ``max_length`` would cut a pair as described above. Rows not
             checked raise the same error, with their index, when their batch is collated.
+        processor: a vision-language model's processor (``AutoProcessor``), or the folder / hub id to load it from:
+            conversational prompts may then hold images (``{"type": "image", ...}`` parts of their messages, or
+            TRL's ``images`` column with one entry per image part without one; ``data.images``), and batches carry
+            each sequence's image inputs (``vision``; see ``VisionPreferenceCollator``). The processor renders the
+            prompt with its chat template (``chat_template`` replaces the processor's) and its tokenizer replaces
+            ``tokenizer``. Prompts are never truncated: one that leaves no completion token within ``max_length``
+            is refused at setup with the ``max_length`` that fits, so ``truncation_mode="keep_end"`` and
+            ``truncate_prompts`` are refused; a completion that does not fit is cut at its end.
     """
 
     #: The rows it holds (matched against a method's ``data_format``: ``methods.base.check_data_format``).
@@ -271,9 +401,19 @@ class PreferenceDataModule(RowsDataModule):
         shuffle: bool = True,
         seed: int = 0,
         length_check_rows: int | None = 1000,
+        processor: Any = None,
     ) -> None:
+        #: the vision-language processor that collates pairs whose prompts hold images (None: ``tokenizer`` alone)
+        self.processor = load_processor(processor) if isinstance(processor, (str, Path)) else processor
+        if self.processor is not None:
+            check_vision_preference_options(truncation_mode=truncation_mode, truncate_prompts=truncate_prompts)
+            if chat_template is not None:
+                self.processor.chat_template = read_chat_template(chat_template)
+            tokenizer = processor_tokenizer(self.processor)
         super().__init__(
-            prepare_tokenizer(tokenizer, chat_template, require_chat_template=False),
+            prepare_tokenizer(
+                tokenizer, chat_template if self.processor is None else None, require_chat_template=False
+            ),
             train_data,
             val_data,
             batch_size=batch_size,
@@ -289,24 +429,47 @@ class PreferenceDataModule(RowsDataModule):
         check_truncation_mode(truncation_mode)
         self.truncation_mode, self.truncate_prompts = truncation_mode, truncate_prompts
         self.custom_collator = collator is not None
-        self.collator: Collator = collator or PreferenceCollator(
-            self.tokenizer, max_length=max_length, truncation_mode=truncation_mode, truncate_prompts=truncate_prompts
-        )
+        self.collator: Collator
+        if collator is not None:
+            self.collator = collator
+        elif self.processor is not None:
+            self.collator = VisionPreferenceCollator(self.processor, max_length=max_length, name="train_data")
+        else:
+            self.collator = PreferenceCollator(
+                self.tokenizer,
+                max_length=max_length,
+                truncation_mode=truncation_mode,
+                truncate_prompts=truncate_prompts,
+            )
 
     def _load(self, source: DataSource, split: str, name: str) -> Sequence[Mapping[str, Any]]:
         rows = load_rows(source, split=split, name=name)
         if not self.custom_collator:
-            formats = validate_preference_rows(rows, name=name)
-            if "conversational" in formats and not getattr(self.tokenizer, "chat_template", None):
+            formats = validate_preference_rows(rows, name=name, images_allowed=self.processor is not None)
+            renderer = self.tokenizer if self.processor is None else self.processor
+            if "conversational" in formats and not getattr(renderer, "chat_template", None):
+                owner = "tokenizer" if self.processor is None else "processor"
                 raise ValueError(
-                    f"{name} has conversational rows, but the tokenizer has no chat template. Pass one "
+                    f"{name} has conversational rows, but the {owner} has no chat template. Pass one "
                     "with PreferenceDataModule(chat_template=...) (Hydra: data.chat_template=...), "
                     "e.g. lightning_gkd.data.tokenizer.CHATML_TEMPLATE."
                 )
             self._check_lengths(rows, name)
         return rows
 
+    def val_collator_for(self, name: str | None) -> Collator:
+        """The training collator, or with a processor one that names the validation set in its errors."""
+        if self.custom_collator or self.processor is None:
+            return self.collator
+        where = "val_data" if name is None else f"val_data[{name!r}]"
+        return VisionPreferenceCollator(self.processor, max_length=self.max_length, name=where)
+
     def _check_lengths(self, rows: Sequence[Mapping[str, Any]], name: str) -> None:
+        if isinstance(self.collator, VisionPreferenceCollator):  # prompts are never cut; long completions are
+            check_vision_prompt_lengths(
+                rows, self.collator.lengths, name=name, max_length=self.max_length, max_rows=self.length_check_rows
+            )
+            return
         if self.truncation_mode == "keep_start":  # the prompt stays whole; only a prompt filling max_length fails
             check_rows_tokenize(
                 rows,

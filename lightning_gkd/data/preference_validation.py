@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_gkd.data.images import image_parts
+from lightning_gkd.data.images import check_image_source, image_parts, image_sources
 from lightning_gkd.data.validation import check_messages
 
 PairFormat = Literal["conversational", "text", "tokenized"]
@@ -33,12 +33,17 @@ def pair_format(row: Mapping[str, Any]) -> PairFormat:
     )
 
 
-def validate_preference_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "train_data") -> set[PairFormat]:
+def validate_preference_rows(
+    rows: Sequence[Mapping[str, Any]], *, name: str = "train_data", images_allowed: bool = False
+) -> set[PairFormat]:
     """Raise ``ValueError`` naming the first bad row; return the formats found.
 
     Bad: not a mapping; a missing field; text fields that mix strings and message lists; an empty completion
-    (``""``, no message, empty content, no token ids); messages with an unknown role or non-string content;
-    chosen/rejected that are not a single assistant message; only one of the two reference log-probs.
+    (``""``, no message, empty content, no token ids); messages with an unknown role or content that is neither a
+    string nor text/image parts; chosen/rejected that are not a single assistant message; only one of the two
+    reference log-probs. Images (image parts of the prompt's messages, or TRL's ``images`` column) are bad unless
+    ``images_allowed`` (a vision-language processor collates the pairs); with it, every image must resolve (an
+    existing file, or a PIL image / bytes: ``data.images.check_image_source``), and completions hold none.
     Warns (once) about rows whose chosen and rejected completions are identical: they teach nothing.
     """
     if len(rows) == 0:
@@ -47,7 +52,7 @@ def validate_preference_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "
     identical: list[int] = []
     for index in range(len(rows)):
         row = rows[index]
-        kind = validate_preference_row(row, index=index, name=name)
+        kind = validate_preference_row(row, index=index, name=name, images_allowed=images_allowed)
         formats.add(kind)
         if _identical_sides(row, kind):
             identical.append(index)
@@ -61,7 +66,9 @@ def validate_preference_rows(rows: Sequence[Mapping[str, Any]], *, name: str = "
     return formats
 
 
-def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -> PairFormat:
+def validate_preference_row(
+    row: Any, *, index: int, name: str = "train_data", images_allowed: bool = False
+) -> PairFormat:
     where = f"{name} row {index}"
     if not isinstance(row, Mapping):
         raise ValueError(f"{where}: expected a dict, got {type(row).__name__}. {_ROW_HELP}")
@@ -93,6 +100,11 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
             )
         raise ValueError(f"{where}: missing field {missing[0]!r} (fields present: {sorted(row)}). {_ROW_HELP}")
     if kind == "text":
+        if row.get("images"):
+            raise ValueError(
+                f"{where}: has an 'images' column but a plain-string prompt: images go in a conversational prompt "
+                "(a list of messages whose content holds a {'type': 'image'} part where each image goes)."
+            )
         for field in TEXT_FIELDS:
             value = row[field]
             if not isinstance(value, str):
@@ -108,10 +120,7 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
         return kind
     check_messages(row["prompt"], f"{where}: 'prompt'")
     if image_parts(row["prompt"]) or row.get("images"):
-        raise ValueError(
-            f"{where}: its prompt holds an image, and preference pairs are text only for now: DPO does not take "
-            "images yet (GKD, OPD and SFT do, through a vision-language student's processor). Drop the image parts."
-        )
+        _check_prompt_images(row, where, images_allowed)
     for field in ("chosen", "rejected"):
         value = row[field]
         if isinstance(value, str):
@@ -124,12 +133,32 @@ def validate_preference_row(row: Any, *, index: int, name: str = "train_data") -
             raise ValueError(
                 f"{where}: {field!r} must be exactly one assistant message, got roles {[m['role'] for m in value]}."
             )
+        if image_parts(value):
+            raise ValueError(
+                f"{where}: {field!r} holds an image; a completion is text the policy writes, and images go in the "
+                "prompt's messages."
+            )
         if value[0]["content"] == "":
             raise ValueError(
                 f"{where}: {field!r} is an empty completion (the assistant content is ''); every pair "
                 "needs a non-empty chosen and rejected completion. Drop or fix this row."
             )
     return kind
+
+
+def _check_prompt_images(row: Mapping[str, Any], where: str, images_allowed: bool) -> None:
+    """ValueError unless the prompt's images may be collated (``images_allowed``) and each one resolves."""
+    if not images_allowed:
+        raise ValueError(
+            f"{where}: its prompt holds an image, but the pairs are collated by a text-only tokenizer. Train a "
+            "vision-language policy with its processor (PreferenceDataModule(processor=...); Hydra: a policy folder "
+            "with a processor, or data.processor=<folder>), or drop the image parts."
+        )
+    try:
+        for source in image_sources({"messages": row["prompt"], "images": row.get("images")}):
+            check_image_source(source)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def _identical_sides(row: Mapping[str, Any], kind: PairFormat) -> bool:

@@ -360,8 +360,12 @@ class DPOModule(CausalLMModule):
                 batch_size=pairs,
                 add_dataloader_idx=self.val_names() is None,
             )
-        # greedy completions of the prompts, scored against the chosen completions (the first half's labels)
-        self.collect_generations({**batch, "labels": batch["labels"][:pairs]}, dataloader_idx)
+        # greedy completions of the prompts, scored against the chosen completions (the first half's labels); the
+        # prompts' images are the first half's too (``vision`` holds one entry per sequence)
+        prompts = {**batch, "labels": batch["labels"][:pairs]}
+        if batch.get("vision") is not None:
+            prompts["vision"] = batch["vision"][:pairs]
+        self.collect_generations(prompts, dataloader_idx)
         return stats["loss"]
 
 

@@ -35,9 +35,16 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from lightning_gkd.models.loading import resolve_dtype
+from lightning_gkd.models.vision import is_vision_language_config
 from lightning_gkd.ops.hf.heads import (
     LeanForwardUnsupported,
     LogitHead,
@@ -261,11 +268,17 @@ def _unsupported(class_name: str, error: LeanForwardUnsupported) -> str:
     return f"{class_name}'s head cannot be read as a LogitHead ({error}): {_UNSUPPORTED_ADVICE}"
 
 
+def _auto_class(config: PretrainedConfig) -> Any:
+    """The auto class that loads the whole model: ``AutoModelForImageTextToText`` for a vision-language config (its
+    causal-LM class, where one exists, is the text model alone)."""
+    return AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
+
+
 def _layout(config: PretrainedConfig, *, trust_remote_code: bool) -> _Layout:
     """The head's names, shape and transforms from the class built on the meta device; ValueError naming the class
     when its head is not a plain linear projection right after the decoder."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = _auto_class(config).from_config(config, trust_remote_code=trust_remote_code)
     class_name = type(model).__name__
     try:
         check_head_parameters(model)
@@ -385,19 +398,25 @@ def _shrunk_config(config: PretrainedConfig) -> PretrainedConfig:
     small = copy.deepcopy(config)
     get_text_config = getattr(small, "get_text_config", None)
     text = get_text_config() if callable(get_text_config) else small
-    layers = getattr(text, "num_hidden_layers", None)
+    vision = getattr(small, "vision_config", None)  # a vision-language model's tower: only feeds the decoder's input
+    for part in (text, vision) if isinstance(vision, PretrainedConfig) else (text,):
+        _shrink(part)
+    return small
+
+
+def _shrink(config: PretrainedConfig) -> None:
+    layers = getattr(config, "num_hidden_layers", None)
     for name, value in SHRUNK_FIELDS.items():
-        if hasattr(text, name):
+        if hasattr(config, name):
             try:
-                setattr(text, name, value)
+                setattr(config, name, value)
             except Exception:  # a derived or validated field: keep its value
                 pass
-    new_layers = getattr(text, "num_hidden_layers", None)
+    new_layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and isinstance(new_layers, int) and new_layers < layers:
-        for name, value in list(vars(text).items()):
+        for name, value in list(vars(config).items()):
             if isinstance(value, list) and len(value) == layers:  # one entry per layer (layer_types, ...)
-                setattr(text, name, value[:new_layers])
-    return small
+                setattr(config, name, value[:new_layers])
 
 
 def _check_class(config: PretrainedConfig, layout: _Layout, *, trust_remote_code: bool) -> None:
@@ -409,14 +428,14 @@ def _check_class(config: PretrainedConfig, layout: _Layout, *, trust_remote_code
     try:
         small = _shrunk_config(config)
         with torch.device("meta"):
-            sized = AutoModelForCausalLM.from_config(small, trust_remote_code=trust_remote_code)
+            sized = _auto_class(small).from_config(small, trust_remote_code=trust_remote_code)
         count = sum(p.numel() for p in sized.parameters())
         if type(sized) is not layout.model_class or count > _SMALL_MAX_PARAMETERS:
             raise ValueError(f"the shrunk config gives {type(sized).__name__} with {count:,} parameters")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             with torch.device("cpu"):  # only around the build: a device context slows every op of the forwards
-                model: nn.Module = AutoModelForCausalLM.from_config(small, trust_remote_code=trust_remote_code)
+                model: nn.Module = _auto_class(small).from_config(small, trust_remote_code=trust_remote_code)
             model = model.float().eval()
             vocab = int(output_head(model).weight.shape[0])
             generator = torch.Generator().manual_seed(0)
