@@ -1,5 +1,6 @@
-"""docs/results.md's toy studies (addition, chain, the toy vision task): SFT vs supervised KD vs SeqKD vs on-policy GKD and OPD, run as
-``lightning-gkd -m`` sweeps of recipes (conf/recipe) x seeds x learning rates, and their page sections.
+"""docs/results.md's toy studies (addition, chain, the toy vision task): SFT vs supervised KD vs SeqKD vs on-policy
+GKD and OPD, run as ``lightning-gkd -m`` sweeps of recipes (conf/recipe) x seeds x learning rates, and their page
+sections.
 
 Every run starts from the task's shipped student and distils its shipped teacher with the same budget
 (conf/experiment/study_addition.yaml, study_chain.yaml); each recipe's learning rate is the best validation accuracy

@@ -587,7 +587,7 @@ def shapes_section(study: Study, table: Sequence[Mapping[str, Any]]) -> list[str
         "",
         f"- Command: `{study['command']}`",
         f"- Machine: {study['machine']}; total {study['seconds'] / 60:.1f} min",
-        "- Task: `lightning_gkd.toy.shape_rows` — name the one coloured shape in a 32 px image (\"red square\"; "
+        '- Task: `lightning_gkd.toy.shape_rows` — name the one coloured shape in a 32 px image ("red square"; '
         "the prompt text is the same for every row, so the answer is only in the image); exact match of the greedy "
         "answer on the 300-row test split ([Vision-language models](vision.md)).",
         f"- Teacher: a LLaVA-style 2x128 language model with a 2-layer CLIP tower (`assets/toy_vlm/teacher`), test "
