@@ -69,7 +69,7 @@ class HeldOutEvaluation(L.Callback):
             batch_size=self.batch_size,
             max_new_tokens=self.max_new_tokens,
             sampler=sampler,
-            processor=getattr(trainer.datamodule, "processor", None),  # rows with images
+            processor=getattr(getattr(trainer, "datamodule", None), "processor", None),  # rows with images
         )
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

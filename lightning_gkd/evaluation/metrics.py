@@ -81,7 +81,7 @@ def reference_texts(
 def greedy_completions(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
-    batch: Mapping[str, torch.Tensor],
+    batch: Mapping[str, Any],
     *,
     max_new_tokens: int,
     eos_token_id: EosTokenId | None = None,

@@ -166,9 +166,7 @@ class DPOModule(CausalLMModule):
         )
 
     # -- log-probs ----------------------------------------------------------------------------------------------
-    def completion_logps(
-        self, model: nn.Module, batch: Mapping[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def completion_logps(self, model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence log-probs ``(2B,)`` of the completions (labels != -100) under ``model``, and their lengths."""
         labels, mask = batch["labels"], batch["attention_mask"]
         completion = labels != IGNORE_INDEX

@@ -95,10 +95,9 @@ def load_causal_lm(
         kwargs["dtype"] = resolve_dtype(kwargs["dtype"])
     if isinstance(kwargs.get("quantization_config"), Mapping):
         kwargs["quantization_config"] = quantization_config_from_dict(kwargs["quantization_config"])
-    auto = AutoModelForCausalLM
     config = AutoConfig.from_pretrained(name, revision=kwargs.get("revision"), trust_remote_code=trust_remote_code)
-    if is_vision_language_config(config):
-        auto = AutoModelForImageTextToText  # the whole model: its causal-LM class (where one exists) drops the tower
+    # a vision-language model whole: its causal-LM class (where one exists) drops the tower
+    auto: Any = AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
     return auto.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
 
 
@@ -267,8 +266,8 @@ def source_config(source: ModelSource, *, role: str = "model") -> PretrainedConf
     a spec's), or the ``config.json`` of a folder or hub id (an unreachable hub id fails as ``load_causal_lm``
     would). None when it cannot be told."""
     if isinstance(source, nn.Module):
-        config = getattr(source, "config", None)
-        return config if isinstance(config, PretrainedConfig) else None
+        own = getattr(source, "config", None)
+        return own if isinstance(own, PretrainedConfig) else None
     config: Any = source
     trust_remote_code, revision = False, None
     if isinstance(source, Mapping):

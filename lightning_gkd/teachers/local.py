@@ -45,9 +45,7 @@ class LocalTeacher(TeacherBase):
         return causal_lm_logits(self.model, batch)
 
     @torch.no_grad()
-    def hidden_states(
-        self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor
-    ) -> tuple[torch.Tensor, LogitHead]:
+    def hidden_states(self, batch: Mapping[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, LogitHead]:
         return hidden_states_and_head(
             self.model, batch["input_ids"], batch["attention_mask"], positions, batch.get("vision")
         )

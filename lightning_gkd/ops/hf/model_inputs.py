@@ -185,8 +185,8 @@ def text_position_offsets(model: nn.Module, inputs: Mapping[str, Any]) -> torch.
     positions, not ``h * w``; 0 for every other model (and for inputs without images)."""
     if "position_ids" in inputs or not computes_own_positions(model):
         return 0
-    core = unwrap(model)
-    rope_index = getattr(core, "get_rope_index", None) or core.model.get_rope_index  # type: ignore[union-attr]
+    core: Any = unwrap(model)
+    rope_index = getattr(core, "get_rope_index", None) or core.model.get_rope_index
     arguments = {key: inputs[key] for key in ("image_grid_thw", "video_grid_thw", "mm_token_type_ids") if key in inputs}
     _, deltas = rope_index(inputs["input_ids"], attention_mask=inputs["attention_mask"], **arguments)
     return deltas.to(inputs["input_ids"].device)
