@@ -34,6 +34,21 @@ def test_addition_fast_mode_runs_the_study_sweep_and_writes_its_section(tmp_path
     assert (tmp_path / "results.md").read_text() == report
 
 
+def test_vlm_fast_mode_runs_the_toy_vision_study_and_writes_its_section(tmp_path):
+    run_script("reproduce_gkd.py", "--task", "vlm", "--fast", "--out", str(tmp_path), cwd=tmp_path)
+    saved = json.loads((tmp_path / "results_vlm.json").read_text())
+    assert saved["task"] == "shapes"
+    assert [m["name"] for m in saved["methods"]] == ["SFT", "Supervised KD", "GKD β=0"]
+    assert (
+        saved["reference"]["teacher"]["greedy"]["accuracy"] > saved["reference"]["student_init"]["greedy"]["accuracy"]
+    )
+    assert saved["command"].startswith("lightning-gkd -m experiment=study_vlm")
+    report = (tmp_path / "results.md").read_text()
+    assert "## Toy vision task" in report and "| GKD β=0 |" in report and "<!-- task:shapes -->" in report
+    run_script("reproduce_gkd.py", "--rerender", "--out", str(tmp_path), cwd=tmp_path)
+    assert (tmp_path / "results.md").read_text() == report
+
+
 def test_chain_fast_mode_scores_every_run_per_position_against_compute_and_a_served_teacher(tmp_path):
     recipes = ["supervised_kd", "gkd_beta1", "opd", "skd_k5", "opd_top1_server"]
     run_script(
