@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from lightning_gkd.data.chat_tokens import (  # tokenize_chat, left_pad: also im
     TokenizedChat,
     check_assistant_turns,
     left_pad,
+    read_chat_template,
     render_chat,
     tokenize_chat,
 )
@@ -35,7 +35,7 @@ from lightning_gkd.data.vision_chat import (
     VisionChatCollator,
     check_vision_options,
     check_vision_prompt_lengths,
-    load_processor,
+    prepare_processor,
     processor_tokenizer,
 )
 from lightning_gkd.ops.constants import IGNORE_INDEX
@@ -137,16 +137,6 @@ class ChatMLCollator:
 
 
 log = logging.getLogger(__name__)
-
-
-def read_chat_template(value: str) -> str:
-    """A chat template given as its Jinja text, or as the path of a ``.jinja`` file holding it."""
-    if value.endswith(".jinja"):
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"chat_template file {value!r} does not exist.")
-        return path.read_text()
-    return value
 
 
 def prepare_tokenizer(
@@ -262,11 +252,9 @@ class ChatDataModule(RowsDataModule):
     ) -> None:
         assistant_turns = check_assistant_turns(assistant_turns)
         #: the vision-language processor that collates rows with images (None: text rows, ``tokenizer``)
-        self.processor = load_processor(processor) if isinstance(processor, (str, Path)) else processor
+        self.processor = prepare_processor(processor, chat_template)
         if self.processor is not None:
             check_vision_options(assistant_turns=assistant_turns, truncate_prompts=truncate_prompts)
-            if chat_template is not None:
-                self.processor.chat_template = read_chat_template(chat_template)
             tokenizer = processor_tokenizer(self.processor)
         super().__init__(
             prepare_tokenizer(

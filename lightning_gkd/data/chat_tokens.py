@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeAlias, cast
 
 import torch
@@ -55,6 +56,16 @@ class TokenizedChat:
         turns = tuple((max(start - cut, 0), end - cut) for start, end in self.earlier_turns if end > cut)
         prompt = None if self.prompt_ids is None else self.prompt_ids[min(cut, len(self.prompt_ids) - 1) :]
         return TokenizedChat(self.ids[cut:], self.num_prompt_tokens - cut, turns, prompt)
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as its Jinja text, or as the path of a ``.jinja`` file holding it."""
+    if value.endswith(".jinja"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"chat_template file {value!r} does not exist.")
+        return path.read_text()
+    return value
 
 
 def render_chat(

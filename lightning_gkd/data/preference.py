@@ -12,13 +12,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.chat import prepare_tokenizer, read_chat_template
+from lightning_gkd.data.chat import prepare_tokenizer
 from lightning_gkd.data.chat_tokens import left_pad, tokenize_chat
 from lightning_gkd.data.preference_validation import REF_FIELDS, pair_format, validate_preference_rows
 from lightning_gkd.data.rows import ROW_INDEX, RowsDataModule
@@ -31,8 +30,9 @@ from lightning_gkd.data.validation import (
     whole_prompt_truncated,
 )
 from lightning_gkd.data.vision_chat import (
+    ProcessorCollator,
     check_vision_prompt_lengths,
-    load_processor,
+    prepare_processor,
     processor_tokenizer,
     render,
     tokenize_vision_chat,
@@ -283,26 +283,17 @@ def tokenize_vision_pair(processor: Any, row: Mapping[str, Any], max_length: int
     return VisionPair(list(prompt), list(chosen[:room]), list(rejected[:room]), images)
 
 
-class VisionPreferenceCollator:
+class VisionPreferenceCollator(ProcessorCollator):
     """Collate preference rows whose prompts may hold images into ``PreferenceCollator``'s batch plus ``vision``:
     one dict of image tensors per sequence, in the order of ``input_ids`` (each pair's prompt images for its chosen
     row, then again for its rejected row). Prompts are never truncated (``tokenize_vision_pair``); a row that cannot
     be used raises ``ValueError`` naming it (``name`` and its index)."""
 
     def __init__(self, processor: Any, max_length: int = 1024, *, name: str = "train_data") -> None:
-        self.processor = processor
-        self.tokenizer = processor_tokenizer(processor)
-        if self.tokenizer.pad_token_id is None:
-            raise ValueError("The processor's tokenizer has no pad token; set processor.tokenizer.pad_token.")
-        self.max_length = max_length
-        self.name = name
+        super().__init__(processor, max_length, name=name)
 
     def tokenize(self, row: Mapping[str, Any]) -> VisionPair:
-        try:
-            return tokenize_vision_pair(self.processor, row, self.max_length)
-        except ValueError as error:
-            where = f"{self.name} row {row[ROW_INDEX]}" if ROW_INDEX in row else self.name
-            raise ValueError(f"{where}: {error}") from None
+        return self.named(row, tokenize_vision_pair)
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         pairs = [self.tokenize(row) for row in rows]
@@ -404,11 +395,9 @@ class PreferenceDataModule(RowsDataModule):
         processor: Any = None,
     ) -> None:
         #: the vision-language processor that collates pairs whose prompts hold images (None: ``tokenizer`` alone)
-        self.processor = load_processor(processor) if isinstance(processor, (str, Path)) else processor
+        self.processor = prepare_processor(processor, chat_template)
         if self.processor is not None:
             check_vision_preference_options(truncation_mode=truncation_mode, truncate_prompts=truncate_prompts)
-            if chat_template is not None:
-                self.processor.chat_template = read_chat_template(chat_template)
             tokenizer = processor_tokenizer(self.processor)
         super().__init__(
             prepare_tokenizer(

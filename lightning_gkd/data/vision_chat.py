@@ -13,18 +13,20 @@ Images live in the prompt, so the prompt is never truncated: a row whose prompt 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from lightning_gkd.data.chat_tokens import left_pad
+from lightning_gkd.data.chat_tokens import left_pad, read_chat_template
 from lightning_gkd.data.images import row_images
 from lightning_gkd.data.rows import ROW_INDEX
 from lightning_gkd.data.validation import evenly_spaced
 from lightning_gkd.ops.constants import IGNORE_INDEX
+
+_T = TypeVar("_T")
 
 #: processor outputs that are the text batch itself (rebuilt by the collator) rather than image inputs
 _TEXT_KEYS = ("input_ids", "attention_mask")
@@ -100,7 +102,28 @@ def tokenize_vision_chat(processor: Any, row: Mapping[str, Any], max_length: int
     return VisionChat(prompt_ids, list(completion[: max_length - len(prompt_ids)]), inputs)
 
 
-class VisionChatCollator:
+class ProcessorCollator:
+    """What the collators of rows with images share: the processor and its tokenizer (which must pad), the longest
+    sequence, and the name a row's error starts with (``f"{name} row {index}"``)."""
+
+    def __init__(self, processor: Any, max_length: int = 1024, *, name: str = "data") -> None:
+        self.processor = processor
+        self.tokenizer = processor_tokenizer(processor)
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError("The processor's tokenizer has no pad token; set processor.tokenizer.pad_token.")
+        self.max_length = max_length
+        self.name = name
+
+    def named(self, row: Mapping[str, Any], tokenize: Callable[[Any, Mapping[str, Any], int], _T]) -> _T:
+        """``tokenize(processor, row, max_length)``, a ``ValueError`` it raises naming the row."""
+        try:
+            return tokenize(self.processor, row, self.max_length)
+        except ValueError as error:
+            where = f"{self.name} row {row[ROW_INDEX]}" if ROW_INDEX in row else self.name
+            raise ValueError(f"{where}: {error}") from None
+
+
+class VisionChatCollator(ProcessorCollator):
     """Collate chat rows that may hold images into the batch of ``ChatMLCollator`` plus ``vision`` (see the module
     docstring). Labels are the last assistant turn (its content and end-of-turn tokens). ``columns`` and
     ``carry_prompt_messages`` as in ``ChatMLCollator``. A row that cannot be used raises ``ValueError`` naming it."""
@@ -114,21 +137,12 @@ class VisionChatCollator:
         columns: Sequence[str] = (),
         carry_prompt_messages: bool = False,
     ) -> None:
-        self.processor = processor
-        self.tokenizer = processor_tokenizer(processor)
-        if self.tokenizer.pad_token_id is None:
-            raise ValueError("The processor's tokenizer has no pad token; set processor.tokenizer.pad_token.")
-        self.max_length = max_length
-        self.name = name
+        super().__init__(processor, max_length, name=name)
         self.columns = list(columns)
         self.carry_prompt_messages = carry_prompt_messages
 
     def tokenize(self, row: Mapping[str, Any]) -> VisionChat:
-        try:
-            return tokenize_vision_chat(self.processor, row, self.max_length)
-        except ValueError as error:
-            where = f"{self.name} row {row[ROW_INDEX]}" if ROW_INDEX in row else self.name
-            raise ValueError(f"{where}: {error}") from None
+        return self.named(row, tokenize_vision_chat)
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         chats = [self.tokenize(row) for row in rows]
@@ -213,6 +227,16 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 def has_processor(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` (a local model folder) holds a processor's config."""
     return any((Path(folder) / name).is_file() for name in PROCESSOR_FILES)
+
+
+def prepare_processor(processor: Any, chat_template: str | None) -> Any:
+    """A DataModule's processor: loaded when given as a folder or hub id, its chat template replaced by
+    ``chat_template`` (the Jinja text or a ``.jinja`` file) when given; None stays None (text rows)."""
+    if isinstance(processor, (str, os.PathLike)):
+        processor = load_processor(processor)
+    if processor is not None and chat_template is not None:
+        processor.chat_template = read_chat_template(chat_template)
+    return processor
 
 
 def load_processor(source: str | os.PathLike) -> Any:
