@@ -16,6 +16,7 @@ from lightning_gkd.callbacks.length_guard import LengthGuard
 from lightning_gkd.evaluation.completions import CompletionScores, score_completions
 from lightning_gkd.evaluation.metrics import GenerationMetric, exact_match
 from lightning_gkd.methods.base import require_lm_module
+from lightning_gkd.models.loading import load_causal_lm, source_config
 from lightning_gkd.ops.constants import IGNORE_INDEX
 
 
@@ -24,11 +25,13 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 
 def folder_parameter_count(name_or_path: str) -> int:
-    """The parameters of the causal LM saved in ``name_or_path``, counted on the meta device (nothing loaded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """The parameters of the model saved in ``name_or_path`` (a causal LM, or a vision-language model whole), counted
+    on the meta device (nothing loaded)."""
+    config = source_config(name_or_path, role="teacher")
+    if config is None:
+        raise ValueError(f"{name_or_path!r} has no config.json to count the served teacher's parameters from.")
     with torch.device("meta"):
-        return parameter_count(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name_or_path)))
+        return parameter_count(load_causal_lm(config))
 
 
 class ComputeMeter:
