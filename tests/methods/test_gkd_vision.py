@@ -138,6 +138,28 @@ def test_lean_loss_equals_the_full_logits_loss_on_a_batch_with_images(rows, fami
 
 
 # -- the other methods ---------------------------------------------------------------------------------------------
+def test_seq_kd_with_images_trains_on_the_teachers_samples_of_those_images(rows, tmp_path):
+    student, teacher, processor = vlm_pair()
+    seen: list = []
+    sampled = GKDModule.sample_batch
+
+    def record(self, model, batch, seed):
+        out = sampled(self, model, batch, seed)
+        seen.append((model is self.teacher, out))
+        return out
+
+    module = gkd(student, teacher, processor, lmbda=0.0, seq_kd=True)
+    module.sample_batch = record.__get__(module)
+    trainer = small_trainer(tmp_path, max_steps=2)
+    trainer.fit(module, datamodule=datamodule(processor, rows))
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert [by_teacher for by_teacher, _ in seen] == [True, True]
+    for _, batch in seen:  # each sample was written from its row's own images, and carries them to the losses
+        assert len(batch["vision"]) == batch["input_ids"].shape[0] and all(row for row in batch["vision"])
+        image = teacher.config.image_token_id  # the samples hold no image token the prompts did not
+        torch.testing.assert_close((batch["input_ids"] == image).sum(1), (batch["prompts"] == image).sum(1))
+
+
 def test_sft_fit_with_images(rows, tmp_path):
     model, processor = tiny_vlm("llava", seed=0)
     vision, language = split_by_side(model)
