@@ -26,7 +26,9 @@ def expected_gaps(accuracies, teacher, start):
     return seeds, statistics.fmean(seeds), statistics.stdev(seeds)
 
 
-@pytest.mark.parametrize("task, name", [("addition", "results.json"), ("chain", "results_chain.json")])
+@pytest.mark.parametrize(
+    "task, name", [("addition", "results.json"), ("chain", "results_chain.json"), ("shapes", "results_vlm.json")]
+)
 def test_each_section_of_the_page_is_what_its_shipped_study_renders(tmp_path, task, name):
     study = json.loads((DOCS / name).read_text())
     assert study["task"] == task
