@@ -24,7 +24,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "losses": {"data", "models", "ops", "teachers"},
     "rollouts": {"data", "ops"},
     "methods": {"data", "evaluation", "losses", "models", "ops", "rollouts", "samplers", "teachers", "training"},
-    "callbacks": {"evaluation", "methods", "ops", "rollouts", "training"},
+    "callbacks": {"evaluation", "methods", "models", "ops", "rollouts", "training"},
     # the shipped toy tasks and tiny-model builders: above the library, imported only by cli/ and conf/
     "toy": {"data", "evaluation", "models", "ops", "rollouts", "training"},
     # test doubles (a stand-in vLLM server) the tests and the studies share
