@@ -63,7 +63,7 @@ def without_images(row: dict) -> dict:
 def run_arm(arm: str, steps: int, batch_size: int, lmbda: float) -> dict[str, float]:
     student, processor = tiny_vlm("llava", seed=0, **TOY_VLM_STUDENT)
     teacher, _ = tiny_vlm("llava", seed=1, **TOY_VLM_TEACHER)
-    rows = shape_rows("train", n=batch_size * steps)
+    rows = shape_rows("train", num_rows=batch_size * steps)
     options: dict[str, Any] = {"processor": processor}
     if arm == "text":
         student, teacher, rows, options = (

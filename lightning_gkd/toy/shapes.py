@@ -83,10 +83,10 @@ def _answer(shape: str, colour: str, question: int) -> str:
 
 
 @lru_cache(maxsize=32)
-def _split_specs(split: str, n: int | None, seed: int, image_size: int, mixed: bool) -> tuple[ShapeSpec, ...]:
+def _split_specs(split: str, num_rows: int | None, seed: int, image_size: int, mixed: bool) -> tuple[ShapeSpec, ...]:
     sizes = dict(SPLIT_SIZES)
-    if n is not None:
-        sizes[split] = n
+    if num_rows is not None:
+        sizes[split] = num_rows
     low, high = size_range(image_size)
     rng = random.Random(seed)
     question_rng = random.Random(seed + 1_000_003)  # its own stream: ``mixed`` changes the questions, not the images
@@ -108,32 +108,32 @@ def _split_specs(split: str, n: int | None, seed: int, image_size: int, mixed: b
 
 
 @lru_cache(maxsize=8)
-def _split_pixels(split: str, n: int | None, seed: int, image_size: int, mixed: bool) -> tuple[bytes, ...]:
+def _split_pixels(split: str, num_rows: int | None, seed: int, image_size: int, mixed: bool) -> tuple[bytes, ...]:
     return tuple(
-        render_shape(*spec[:6], image_size).tobytes() for spec in _split_specs(split, n, seed, image_size, mixed)
+        render_shape(*spec[:6], image_size).tobytes() for spec in _split_specs(split, num_rows, seed, image_size, mixed)
     )
 
 
 def shape_specs(
-    split: str, *, n: int | None = None, seed: int = 0, image_size: int = IMAGE_SIZE, mixed: bool = False
+    split: str, *, num_rows: int | None = None, seed: int = 0, image_size: int = IMAGE_SIZE, mixed: bool = False
 ) -> list[ShapeSpec]:
     """What ``shape_rows`` draws, row by row: ``(shape, colour, x, y, size, background, question_index)``."""
     if split not in SPLIT_SIZES:
         raise ValueError(f"Unknown toy split {split!r}; use one of {sorted(SPLIT_SIZES)}.")
-    return list(_split_specs(split, n, seed, image_size, mixed))
+    return list(_split_specs(split, num_rows, seed, image_size, mixed))
 
 
 def shape_rows(
-    split: str, *, n: int | None = None, seed: int = 0, image_size: int = IMAGE_SIZE, mixed: bool = False
+    split: str, *, num_rows: int | None = None, seed: int = 0, image_size: int = IMAGE_SIZE, mixed: bool = False
 ) -> list[dict]:
     """Rows of ``split`` ("train", "val" or "test") in the transformers multimodal chat format (see the module
     docstring), each with a fresh ``PIL.Image`` (callers may modify rows and images freely).
 
-    ``n`` shortens (or lengthens) the requested split; the splits drawn before it keep their default sizes, so a
+    ``num_rows`` shortens (or lengthens) the requested split; the splits drawn before it keep their default sizes, so a
     short train split never overlaps the default val/test splits. ``mixed`` asks one of three questions per row
     instead of always ``QUESTION``."""
-    specs = shape_specs(split, n=n, seed=seed, image_size=image_size, mixed=mixed)
-    pixels = _split_pixels(split, n, seed, image_size, mixed)
+    specs = shape_specs(split, num_rows=num_rows, seed=seed, image_size=image_size, mixed=mixed)
+    pixels = _split_pixels(split, num_rows, seed, image_size, mixed)
     rows = []
     for (shape, colour, *_, question), data in zip(specs, pixels, strict=True):
         answer = _answer(shape, colour, question)
@@ -157,7 +157,7 @@ def write_shape_files(
     folder: str | Path,
     split: str,
     *,
-    n: int | None = None,
+    num_rows: int | None = None,
     seed: int = 0,
     image_size: int = IMAGE_SIZE,
     mixed: bool = False,
@@ -170,7 +170,9 @@ def write_shape_files(
     (folder / split).mkdir(parents=True, exist_ok=True)
     jsonl = folder / f"{split}.jsonl"
     with jsonl.open("w", encoding="utf-8") as handle:
-        for index, row in enumerate(shape_rows(split, n=n, seed=seed, image_size=image_size, mixed=mixed)):
+        for index, row in enumerate(
+            shape_rows(split, num_rows=num_rows, seed=seed, image_size=image_size, mixed=mixed)
+        ):
             relative = Path(split) / f"{index:05d}.png"
             messages = []
             for message in row["messages"]:

@@ -50,7 +50,7 @@ def pair_row(image, chosen: str = "red square", rejected: str = "a blue circle")
 
 def shape_pairs(n: int) -> list[dict]:
     """Pairs from the toy shape rows: the right answer chosen, another row's answer rejected."""
-    rows = shape_rows("train", n=n + 1)
+    rows = shape_rows("train", num_rows=n + 1)
     pairs = []
     for row, other in zip(rows[:n], rows[1:], strict=True):
         wrong = other["answer"] if other["answer"] != row["answer"] else "nothing"

@@ -166,7 +166,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     L.seed_everything(0)
-    rows = shape_rows("train", n=16)
+    rows = shape_rows("train", num_rows=16)
     result: dict = {
         "frozen": run(out / "frozen", rows, {}),
         "vision_trained": run(

@@ -90,7 +90,7 @@ def token_mean(losses: list[torch.Tensor], rows: list[dict]) -> torch.Tensor:
 
 def run(out: Path, lmbda: float) -> dict | None:
     _, processor = tiny_vlm("llava", seed=0)
-    rows = shape_rows("train", n=16)
+    rows = shape_rows("train", num_rows=16)
     data = ChatDataModule(processor.tokenizer, rows, processor=processor, batch_size=BATCH, max_length=64, seed=SEED)
     module = make_module(lmbda)
     initial = {k: v.clone() for k, v in module.student.state_dict().items()}

@@ -33,7 +33,7 @@ ADAMW = partial(torch.optim.AdamW, lr=1e-2)
 
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
-    return shape_rows("train", n=8)
+    return shape_rows("train", num_rows=8)
 
 
 def vlm_pair(family: str = "llava"):

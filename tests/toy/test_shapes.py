@@ -67,18 +67,18 @@ def test_rows_are_multimodal_chat_rows_whose_prompt_is_always_the_same():
 def test_split_sizes_and_short_splits():
     for split, size in SPLIT_SIZES.items():
         assert len(shape_rows(split)) == size
-    assert len(shape_rows("train", n=50)) == 50
-    assert shape_specs("train", n=50) == shape_specs("train")[:50]
+    assert len(shape_rows("train", num_rows=50)) == 50
+    assert shape_specs("train", num_rows=50) == shape_specs("train")[:50]
     with pytest.raises(ValueError, match="Unknown toy split"):
         shape_rows("dev")
 
 
 def test_same_seed_gives_identical_pixels_and_another_seed_does_not():
-    first, again = shape_rows("test", n=40), shape_rows("test", n=40)
+    first, again = shape_rows("test", num_rows=40), shape_rows("test", num_rows=40)
     assert [r["answer"] for r in first] == [r["answer"] for r in again]
     assert all(np.array_equal(pixels(a), pixels(b)) for a, b in zip(first, again, strict=True))
     assert image_of(first[0]) is not image_of(again[0])  # each call hands out fresh images
-    other = shape_rows("test", n=40, seed=1)
+    other = shape_rows("test", num_rows=40, seed=1)
     assert not all(np.array_equal(pixels(a), pixels(b)) for a, b in zip(first, other, strict=True))
 
 
@@ -93,7 +93,7 @@ def test_splits_are_disjoint():
 
 @pytest.mark.parametrize("image_size", [IMAGE_SIZE, 16, 48])
 def test_the_image_shows_the_colour_and_shape_the_answer_names(image_size):
-    for row in shape_rows("test", n=120, image_size=image_size):
+    for row in shape_rows("test", num_rows=120, image_size=image_size):
         image = pixels(row)
         assert image.shape == (image_size, image_size, 3)
         mask = foreground(image)
@@ -127,9 +127,9 @@ def test_mixed_questions_ask_for_the_colour_or_the_shape_on_some_rows():
 
 @pytest.mark.parametrize("absolute_paths", [False, True])
 def test_jsonl_round_trip(tmp_path, absolute_paths):
-    jsonl = write_shape_files(tmp_path, "val", n=25, absolute_paths=absolute_paths)
+    jsonl = write_shape_files(tmp_path, "val", num_rows=25, absolute_paths=absolute_paths)
     assert jsonl == tmp_path / "val.jsonl"
-    rows = shape_rows("val", n=25)
+    rows = shape_rows("val", num_rows=25)
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(lines) == 25
     for line, row in zip(lines, rows, strict=True):
