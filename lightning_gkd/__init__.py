@@ -9,6 +9,7 @@ as written, and at run time each name is imported from its module on first use (
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # `import X as X`: an explicit re-export, for type checkers and linters
+    from lightning_gkd.asynchronous.settings import AsyncSettings as AsyncSettings
     from lightning_gkd.data.chat import ChatDataModule as ChatDataModule
     from lightning_gkd.data.preference import PreferenceDataModule as PreferenceDataModule
     from lightning_gkd.evaluation.settings import ValidationSettings as ValidationSettings

@@ -11,6 +11,8 @@ next micro-batch of the same shuffled order."""
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,9 @@ GENERATION_GROUP = "generation_group"
 GROUP_STEP = "group_step"
 MICRO_BATCH_SIZE = "micro_batch_size"
 GROUP_ID = "group_id"
+#: Key of a batch from a loader that looks ahead (``GroupedBatches(ahead=k)``): the batches that became visible with
+#: it, as ``[(offset, batch), ...]``, ``offset`` batches after this one (asynchronous rollouts sample them early).
+UPCOMING = "upcoming"
 
 # Batch keys padded on the left (or trimmed on both sides) with their attention mask, by the mask that governs them.
 _MASK_OF = {
@@ -207,6 +212,9 @@ class GroupedBatches:
         shuffle, seed: the row order of epoch ``e`` is a permutation seeded by ``(seed, e)``.
         rank, world_size: this process's share (see :func:`rank_groups`).
         num_workers: DataLoader workers that collate whole groups.
+        ahead: how many batches ahead each batch announces (``UPCOMING``): the first batch of a pass carries the next
+            ``ahead`` batches, each later one the batch ``ahead`` after it (none past the pass's end); 0: none.
+            Only with ``steps_per_generation == 1``.
         epoch_fn: returns the current epoch (the trainer's); without it the loader counts its own passes.
         consumed_fn: returns how many micro-batches of the current epoch training has consumed, for
             ``state_dict`` (the trainer's progress; a loader's own count runs ahead by what is prefetched).
@@ -224,9 +232,16 @@ class GroupedBatches:
         rank: int = 0,
         world_size: int = 1,
         num_workers: int = 0,
+        ahead: int = 0,
         epoch_fn: Callable[[], int] | None = None,
         consumed_fn: Callable[[], int] | None = None,
     ) -> None:
+        if ahead < 0 or (ahead and steps_per_generation > 1):
+            raise ValueError(
+                f"A loader looks ahead by ahead >= 0 batches, and only without grouped generation; got ahead={ahead} "
+                f"with steps_per_generation={steps_per_generation}."
+            )
+        self.ahead = ahead
         self.dataset, self.collate_fn = dataset, collate_fn
         self.batch_size, self.steps_per_generation = batch_size, steps_per_generation
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
@@ -259,6 +274,20 @@ class GroupedBatches:
         return sum(len(micro_batch_rows(len(group), self.batch_size)) for group in self.groups(0))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.ahead:
+            yield from self._batches()
+            return
+        batches = self._batches()
+        window = deque(itertools.islice(batches, self.ahead + 1))  # this batch and the next `ahead`
+        upcoming = list(enumerate(list(window)[1:], start=1))
+        while window:
+            yield {**window.popleft(), UPCOMING: upcoming}
+            later = next(batches, None)
+            upcoming = [] if later is None else [(self.ahead, later)]  # `ahead` after the next batch
+            if later is not None:
+                window.append(later)
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
         epoch = self.epoch_fn() if self.epoch_fn is not None else self._passes
         self._passes += 1
         skip = 0
@@ -325,6 +354,7 @@ def trainer_loader(
     shuffle: bool = True,
     seed: int = 0,
     num_workers: int = 0,
+    ahead: int = 0,
 ) -> GroupedBatches:
     """A ``GroupedBatches`` training loader tied to ``trainer`` (``None`` outside one): this process's rank and
     the world size, the trainer's epoch, and the batches its fit loop has consumed (for resumable state)."""
@@ -346,5 +376,6 @@ def trainer_loader(
         shuffle=shuffle,
         seed=seed,
         num_workers=num_workers,
+        ahead=ahead,
         **tied,
     )

@@ -77,6 +77,8 @@ class RowsDataModule(L.LightningDataModule):
         self.train_split, self.val_split = train_split, val_split
         self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
         self.length_check_rows = length_check_rows
+        #: Batches each training batch announces ahead of itself (``data.loader.UPCOMING``; ``look_ahead``).
+        self.batches_ahead = 0
         self.train_rows: Sequence[Mapping[str, Any]] | None = None
         #: Names of the validation sets when ``val_data`` is a dict; None for a single (unnamed) set.
         self.val_names: list[str] | None = named_val_sets(val_data)
@@ -111,7 +113,20 @@ class RowsDataModule(L.LightningDataModule):
             shuffle=self.shuffle,
             seed=self.seed,
             num_workers=self.num_workers,
+            ahead=self.batches_ahead,
         )
+
+    def look_ahead(self, batches: int) -> None:
+        """Make each training batch carry the batches up to ``batches`` after it (``data.loader.UPCOMING``): a method
+        with asynchronous rollouts calls it, to sample them before their step. ValueError with grouped generation."""
+        steps = self.steps_per_generation
+        if batches and steps > 1:
+            raise ValueError(
+                f"Asynchronous rollouts (method.asynchronous.max_staleness > 0) sample batch by batch and do not take "
+                f"grouped generation (data.steps_per_generation={steps}): set data.steps_per_generation=1, or "
+                "method.asynchronous.max_staleness=0."
+            )
+        self.batches_ahead = batches
 
     def val_dataloader(self) -> DataLoader | list:
         """One loader for a single validation set; a list of loaders, in ``val_names`` order, for named sets (the

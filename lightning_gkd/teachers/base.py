@@ -27,6 +27,10 @@ class TeacherUnavailable(RuntimeError):
     """A teacher outside the process (a server) stayed unreachable after its retries. Raised from the training
     step before anything is trained on the batch; ``TeacherOutage`` then saves a checkpoint to resume from."""
 
+    #: What was unavailable, and what to do before resuming (``TeacherOutage``'s message).
+    service = "The teacher server"
+    remedy = "Start the server again"
+
 
 def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
     """``(B, L)`` bool: True at position ``i`` where the token ``i + 1`` is supervised (``labels`` ``(B, L)``)."""

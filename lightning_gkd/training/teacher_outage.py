@@ -64,10 +64,10 @@ class TeacherOutage(L.Callback):
         if inside_accumulation_window(trainer):
             processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
             rank_zero_warn(
-                f"The teacher server is unavailable ({exception}). It failed inside a gradient-accumulation window "
+                f"{exception.service} is unavailable ({exception}). It failed inside a gradient-accumulation window "
                 f"(batch {processed} of the epoch, accumulate_grad_batches={trainer.accumulate_grad_batches}): no "
                 f"checkpoint saved now. Resume from the last regular checkpoint in {path.parent} (ckpt_path=last) once "
-                "the server is up."
+                "it is up."
             )
             return
         self._saving = True
@@ -77,8 +77,8 @@ class TeacherOutage(L.Callback):
             self._saving = False
         self.saved_path = path
         rank_zero_warn(
-            f"The teacher server is unavailable ({exception}). Stopped before step {trainer.global_step + 1}, "
-            f"nothing trained on this batch; saved {path}. Start the server again, then resume with "
+            f"{exception.service} is unavailable ({exception}). Stopped before step {trainer.global_step + 1}, "
+            f"nothing trained on this batch; saved {path}. {exception.remedy}, then resume with "
             f"ckpt_path={path} (or ckpt_path=last)."
         )
 

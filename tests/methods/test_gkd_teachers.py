@@ -60,7 +60,7 @@ def test_local_top_k_at_full_vocabulary_trains_like_the_dense_loss(
     assert len(sparse_losses) == 3 and logged(tmp_path / "sparse", "train/on_policy") == logged(
         tmp_path / "dense", "train/on_policy"
     )
-    assert sparse_losses == pytest.approx(dense_losses, rel=1e-5, abs=1e-6)
+    assert sparse_losses == pytest.approx(dense_losses, rel=1e-5, abs=3e-6)  # a bfloat16 teacher
 
 
 def test_sampled_token_estimators_are_the_mean_log_ratio(student, teacher, tokenizer, toy_rows):
