@@ -10,12 +10,12 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from helpers.fitting import logged, make_module, small_trainer
 
 from lightning_gkd import AsyncSettings, ChatDataModule
 from lightning_gkd.asynchronous import InProcessEngine, Produced, StalenessLedger, WeightSnapshot
 from lightning_gkd.ops.decoding.sampling import derive_seed
 from lightning_gkd.samplers import KVCacheSampler
-from tests.helpers.fitting import logged, make_module, small_trainer
 
 
 class Recorded(L.Callback):
