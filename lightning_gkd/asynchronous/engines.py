@@ -12,7 +12,7 @@ import copy
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -111,13 +111,13 @@ class InProcessEngine(RolloutEngine):
         check_weights_exportable(student, owner="the in-process rollout engine")
         if is_sharded(student):
             raise ValueError(
-                "producer=hf keeps a whole copy of the student in each process, which an FSDP-sharded student does "
-                "not fit the point of: use producer=vllm (an engine in its own process, synced from the gathered "
-                "weights), or trainer=ddp."
+                "producer=hf keeps a whole copy of the student in each process, which defeats sharding it with "
+                "FSDP: use producer=vllm (an engine in its own process, loaded from the gathered weights), or "
+                "trainer=ddp."
             )
-        model = copy.deepcopy(student)
+        model: nn.Module = copy.deepcopy(student)
         if is_peft_model(model):
-            model = model.merge_and_unload()  # the snapshot's names are the merged model's
+            model = cast(Any, model).merge_and_unload()  # the snapshot's names are the merged model's
         model.requires_grad_(False).eval()
         self.model = model
         self._parameters = dict(model.state_dict(keep_vars=True))

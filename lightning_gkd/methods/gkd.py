@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.asynchronous import AsyncSettings
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.settings import ValidationSettings
 from lightning_gkd.losses.base import DistillationLoss, LossOutput
@@ -22,7 +23,6 @@ from lightning_gkd.losses.settings import DivergenceSettings
 from lightning_gkd.methods.base import Group, settings_group
 from lightning_gkd.methods.on_policy import OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
-from lightning_gkd.asynchronous import AsyncSettings
 from lightning_gkd.rollouts import RolloutSettings
 from lightning_gkd.samplers import SamplingSettings
 from lightning_gkd.teachers.spec import TeacherSource, teacher_plan

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
+from lightning_gkd.asynchronous import AsyncSettings
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.settings import ValidationSettings
 from lightning_gkd.losses.base import DistillationLoss, LossOutput
@@ -17,7 +18,6 @@ from lightning_gkd.methods.base import Group, settings_group
 from lightning_gkd.methods.on_policy import OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
-from lightning_gkd.asynchronous import AsyncSettings
 from lightning_gkd.rollouts import RolloutSettings
 from lightning_gkd.samplers import SamplingSettings
 from lightning_gkd.teachers import CacheTeacher

@@ -1,0 +1,67 @@
+"""Asynchronous rollouts' steps per second, side by side in one run (lightning_gkd.studies.async_bench): GKD at λ=1
+on the chain task's student with the producer's vLLM engine process on one core and the trainer on the other, at
+max_staleness {0, 1, 2, 4}, and today's synchronous run (vLLM in the trainer's process, both cores), for two shapes:
+one where sampling and training take similar times and one where training dominates. Needs vLLM (run it in the vLLM
+environment, README "vLLM") and two CPU cores. Writes docs/benchmarks_async.md and .json.
+
+    .venv-vllm/bin/python scripts/bench_async.py                 # about 12 minutes on 2 cores
+    .venv-vllm/bin/python scripts/bench_async.py --fast --out /tmp/ba   # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from lightning_gkd.studies.async_bench import SHAPES, STALENESS, BenchConfig, page, run_in_process, summarise
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=6, help="first steps not timed")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fast", action="store_true", help="one shape, staleness 0 and 1, 5 steps, 1 repeat")
+    parser.add_argument("--out", type=Path, default=REPO / "docs")
+    args = parser.parse_args(argv)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"bench_async needs two CPU cores (one for the trainer, one for the engine); found {cores}.")
+    steps, warmup, repeats = (5, 2, 1) if args.fast else (args.steps, args.warmup, args.repeats)
+    shapes = SHAPES[:1] if args.fast else SHAPES
+    staleness: list[int | None] = [None, 0, 1] if args.fast else [None, *STALENESS]
+    started = time.perf_counter()
+    results = []
+    for repeat in range(repeats):
+        for shape in shapes:
+            for value in staleness:
+                config = BenchConfig(shape, value, steps, warmup, trainer_cpus=(cores[0],), engine_cpus=(cores[1],))
+                result = run_in_process(config)
+                print(
+                    f"repeat {repeat} {shape.name} staleness {value}: {result['steps_per_second']:.2f} steps/s",
+                    flush=True,
+                )
+                results.append(result)
+    minutes = (time.perf_counter() - started) / 60
+    summary = summarise(results)
+    command = "python scripts/bench_async.py" + (" --fast" if args.fast else "")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "benchmarks_async.json").write_text(
+        json.dumps({"summary": summary, "runs": results, "command": command, "minutes": minutes}, indent=2) + "\n"
+    )
+    text = page(summary, command=command, machine=machine, minutes=minutes, steps=steps, warmup=warmup)
+    (args.out / "benchmarks_async.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
