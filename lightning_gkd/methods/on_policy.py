@@ -247,13 +247,14 @@ class OnPolicyModule(CausalLMModule):
         if self.rollout_engine is not None and self.producer is None:
             self.rollout_engine.start(self.student, max_model_len=self._engine_max_model_len)
             self.producer = RolloutProducer(self.rollout_engine, self._produce)
-            self._publish_weights()
 
     def on_train_start(self) -> None:
         super().on_train_start()
         self._batches = self._on_policy_batches = self.sampling_calls = 0
         self._planned.clear()
         self.staleness = StalenessLedger(self.asynchronous.max_staleness)
+        if self.producer is not None:  # the weights training starts from (a checkpoint's: its step is known now)
+            self._publish_weights()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(outputs, batch, batch_idx)

@@ -8,6 +8,7 @@ import copy
 from functools import partial
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
 from helpers.fitting import logged, make_module, small_trainer
@@ -135,3 +136,35 @@ def test_grouped_generation_is_refused_with_a_staleness(student, teacher, tokeni
     datamodule = ChatDataModule(tokenizer, toy_rows["train"], batch_size=2, steps_per_generation=2, max_length=64)
     with pytest.raises(ValueError, match="data.steps_per_generation=1"):
         small_trainer(tmp_path, max_steps=1).fit(module, datamodule=datamodule)
+
+
+def test_a_resume_samples_the_batches_in_flight_again_from_the_restored_weights(
+    student, teacher, tokenizer, toy_rows, tmp_path
+):
+    """Nothing in flight is checkpointed: the resumed run hands the producer its first batch and the next again, with
+    the restored weights, so batch 2 trains on fresh samples (staleness 0) drawn with its own seed."""
+    datamodule = ChatDataModule(tokenizer, toy_rows["train"], batch_size=4, max_length=64)
+    settings = {"max_staleness": 1, "engine": InProcessEngine}
+    first = make_module(student, teacher, tokenizer, lmbda=1.0, asynchronous=settings)
+    every_two = ModelCheckpoint(tmp_path / "ckpt", filename="two", every_n_train_steps=2, save_top_k=-1)
+    small_trainer(tmp_path / "a", csv=True, max_steps=2, enable_checkpointing=True, callbacks=[every_two]).fit(
+        first, datamodule=datamodule
+    )
+    resumed = make_module(copy.deepcopy(student), teacher, tokenizer, lmbda=1.0, asynchronous=settings)
+    recorded = Recorded()
+    record_batches(resumed, recorded)
+    datamodule = ChatDataModule(tokenizer, toy_rows["train"], batch_size=4, max_length=64)
+    small_trainer(tmp_path / "b", csv=True, max_steps=4, callbacks=[recorded]).fit(
+        resumed, datamodule=datamodule, ckpt_path=tmp_path / "ckpt" / "two.ckpt", weights_only=False
+    )
+    assert logged(tmp_path / "a", "train/async/staleness") == [0.0, 1.0]
+    assert logged(tmp_path / "b", "train/async/staleness") == [0.0, 1.0]
+    replica = copy.deepcopy(student)
+    replica.load_state_dict(recorded.weights[0])  # the restored weights, after step 2
+    fresh = ChatDataModule(tokenizer, toy_rows["train"], batch_size=4, max_length=64)
+    fresh.setup("fit")
+    batches = list(fresh.train_dataloader())
+    seed = derive_seed(resumed.training_settings.seed, 0, 2, 1, 0)
+    sampler = KVCacheSampler(tokenizer, max_new_tokens=6, temperature=0.9)
+    expected = sampler.sample(replica, batches[2]["prompts"], batches[2]["prompt_attention_mask"], seed=seed)
+    assert torch.equal(recorded.batches[0]["input_ids"], expected["input_ids"])

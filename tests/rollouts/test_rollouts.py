@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -508,3 +509,36 @@ def test_the_teachers_score_of_a_transcript_equals_scoring_it_as_a_dataset_row(t
     as_dataset = module.distillation_loss({**dataset, "labels": labels})
     assert as_rollout.count == as_dataset.count
     assert torch.allclose(as_rollout.loss, as_dataset.loss, atol=1e-6)
+
+
+def test_the_asynchronous_producer_runs_whole_rollouts_with_tools_one_step_ahead(tool_tokenizer, tmp_path):
+    """Multi-turn rollouts through the producer (max_staleness 1): every turn of a batch's transcripts is sampled by
+    the producer's engine, the tools run from its thread, and the step logs the rollout's figures with the batch's
+    staleness."""
+    from lightning_gkd.asynchronous import InProcessEngine
+
+    rows = tool_rows("train", 6)
+    scripted = ScriptedSampler(tool_tokenizer, scripted_rows(rows))
+    module = GKDModule(
+        tiny_causal_lm({**TINY_STUDENT}, tool_tokenizer, seed=0),
+        tiny_causal_lm({**TINY_TEACHER}, tool_tokenizer, seed=1),
+        tool_tokenizer,
+        lmbda=1.0,
+        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
+        sampling={"sampler": scripted, "max_new_tokens": 64},
+        asynchronous={"max_staleness": 1, "engine": partial(InProcessEngine, sampler=scripted)},
+        validation={"metrics": {}},
+    )
+    seen = []
+    loss = module.training_loss
+
+    def record(batch):
+        seen.append(batch)
+        return loss(batch)
+
+    module.training_loss = record
+    trainer = fit_with_tools(module, tool_tokenizer, rows, tmp_path, steps=3)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["train/tools/calls"] == 3.0 and metrics["train/tools/turns"] == 4.0
+    assert metrics["train/async/staleness"] == 1.0 and metrics["train/async/staleness/1"] == 2.0
+    assert all(((batch["labels"] == tool_tokenizer.eos_token_id).sum(dim=1) == 4).all() for batch in seen)
