@@ -26,6 +26,8 @@ trained on:
 8. ``hidden_server``: ``parity_uneven`` with the teacher served as final hidden states (one fake vLLM pooling server
    that tests/training/test_ddp.py starts, both ranks its clients; the head read from the teacher's folder), against
    one process with the teacher in process on the doubled batch.
+9. ``asynchronous``: lmbda = 1 with asynchronous rollouts (max_staleness 1, the in-process engine), 4 steps: each
+   rank's producer samples that rank's rows, in the loader's order, one step behind.
 """
 
 from __future__ import annotations
@@ -399,6 +401,30 @@ def hidden_server(out: Path, tokenizer, rows: list[dict], steps: int = 3, per_ra
     }
 
 
+# -- 9: asynchronous rollouts, one producer per rank -----------------------------------------------------------------
+def asynchronous(out: Path, tokenizer, steps: int = 4, per_rank: int = 2) -> dict | None:
+    from lightning_gkd.asynchronous import InProcessEngine
+
+    rows = addition_rows("train", 32)
+    data = ChatDataModule(tokenizer, rows, batch_size=per_rank, max_length=MAX_LENGTH, seed=SEED)
+    module = make_module(
+        tokenizer,
+        lmbda=1.0,
+        sampling={"max_new_tokens": 4},
+        asynchronous={"max_staleness": 1, "engine": InProcessEngine},
+    )
+    fit(out, module, data, steps)
+    rank = dist.get_rank()
+    report = {
+        "trained": [trained_prompts(row) for row in module.trained],  # [step][row]
+        "sources": [row["source"] for row in module.trained],
+        "staleness": {str(k): v for k, v in module.staleness.figures().items()},
+        "expected": expected_prompts(rows, data, group_size=per_rank, groups=steps, rank=rank),
+    }
+    parts = gather(report)
+    return {"ranks": parts, "steps": steps} if rank == 0 else None
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -413,6 +439,7 @@ def main() -> None:
     result["cross_tokenizer"] = cross_tokenizer(out / "cross_tokenizer", tokenizer, addition_rows("train", 24))
     result["tools"] = tools(out / "tools")
     result["hidden_server"] = hidden_server(out / "hidden_server", tokenizer, addition_rows("train", 24))
+    result["asynchronous"] = asynchronous(out / "asynchronous", tokenizer)
     result["world_size"] = dist.get_world_size()
     result["backend"] = dist.get_backend()
     if dist.get_rank() == 0:

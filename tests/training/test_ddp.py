@@ -110,6 +110,20 @@ def test_ddp_grouped_generation_samples_once_per_group_on_each_rank(ddp):
     assert not trained_by_rank[0] & trained_by_rank[1]  # the ranks' prompts are disjoint
 
 
+def test_ddp_asynchronous_rollouts_sample_each_ranks_own_rows_one_step_behind(ddp):
+    r = ddp["asynchronous"]
+    trained_by_rank = []
+    for rank in r["ranks"]:
+        assert rank["sources"] == ["student"] * r["steps"]
+        trained = [tuple(p) for step in rank["trained"] for p in step]
+        assert trained == [tuple(p) for p in rank["expected"]]  # this rank's rows, in the loader's order, once each
+        staleness = rank["staleness"]
+        assert staleness["staleness/0"] == 1 and staleness["staleness/1"] == r["steps"] - 1
+        assert staleness["dropped"] == 0
+        trained_by_rank.append(set(trained))
+    assert not trained_by_rank[0] & trained_by_rank[1]  # no row sampled by two ranks
+
+
 def test_sharded_sampling_with_uneven_eos_does_not_hang(tmp_path):
     """Regression for the all-reduced early stop in sample_tokens: with an FSDP2-sharded model every forward is a
     collective, so rank 0 (all rows done after 1 token) must keep decoding until rank 1 is done."""
