@@ -43,7 +43,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     # test doubles (a stand-in vLLM server) the tests and the studies share
     "testing": {"data", "models", "ops"},
     # studies and benchmarks built on the package: tables from sweeps of runs, report pages, bench models
-    "studies": {"data", "evaluation", "models", "ops", "toy"},
+    "studies": {"asynchronous", "data", "evaluation", "models", "ops", "samplers", "toy"},
 }
 
 

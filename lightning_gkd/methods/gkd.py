@@ -21,7 +21,7 @@ from lightning_gkd.losses.cross_tokenizer_plan import (
 from lightning_gkd.losses.plan import check_teacher_settings, refuse_unread_settings
 from lightning_gkd.losses.settings import DivergenceSettings
 from lightning_gkd.methods.base import Group, settings_group
-from lightning_gkd.methods.on_policy import OnPolicyModule
+from lightning_gkd.methods.on_policy import ENGINE_ARGUMENTS, OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.rollouts import RolloutSettings
 from lightning_gkd.samplers import SamplingSettings
@@ -146,7 +146,7 @@ class GKDModule(OnPolicyModule):
             )
         else:
             self.loss = self.divergence_loss()
-        self.save_settings("student", "teacher", "tokenizer", "teacher_tokenizer", "loss")
+        self.save_settings("student", "teacher", "tokenizer", "teacher_tokenizer", "loss", *ENGINE_ARGUMENTS)
 
     def settings_groups(self) -> dict[str, Any]:
         return {**super().settings_groups(), "cross_tokenizer": self.cross_tokenizer.as_dict()}

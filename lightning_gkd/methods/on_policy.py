@@ -39,6 +39,9 @@ from lightning_gkd.training.teacher_outage import TeacherOutage, stop_ranks_toge
 Source = Literal["dataset", "student", "teacher"]  # where a batch's completions come from
 # salts that keep the coin flip's, the sampler's and the group shuffle's random streams apart
 _COIN, _SAMPLE, _SHUFFLE = 0, 1, 2
+#: Constructor arguments a checkpoint does not record: the asynchronous group's engine is an object, and its staleness
+#: means nothing without it, so a module loaded from a checkpoint samples synchronously unless given them again.
+ENGINE_ARGUMENTS = ("asynchronous",)
 #: With tools and no ``max_transcript_tokens``, a serving engine is sized for transcripts this many times
 #: ``data.max_length`` (plus a turn's ``max_new_tokens``).
 ROLLOUT_CONTEXT_FACTOR = 4
@@ -206,7 +209,6 @@ class OnPolicyModule(CausalLMModule):
             "sampling": self.sampling,
             "divergence": self.divergence,
             "rollout": self.rollout_settings,
-            "asynchronous": self.asynchronous,
         }
 
     def training_loss(self, batch: dict[str, Any]) -> LossOutput:

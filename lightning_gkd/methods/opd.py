@@ -15,7 +15,7 @@ from lightning_gkd.losses.cross_tokenizer_plan import CrossTokenizerSettings, pl
 from lightning_gkd.losses.plan import check_teacher_settings, policy_gradient_loss, refuse_unread_settings
 from lightning_gkd.losses.settings import DivergenceSettings, PolicyGradientSettings
 from lightning_gkd.methods.base import Group, settings_group
-from lightning_gkd.methods.on_policy import OnPolicyModule
+from lightning_gkd.methods.on_policy import ENGINE_ARGUMENTS, OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
 from lightning_gkd.rollouts import RolloutSettings
@@ -153,7 +153,7 @@ class OPDModule(OnPolicyModule):
         )
         #: Validation's loss on the dataset completions: GKD's generalized JSD against the same teachers.
         self.validation_loss = self.divergence_loss()
-        self.save_settings("student", "teacher", "tokenizer")
+        self.save_settings("student", "teacher", "tokenizer", *ENGINE_ARGUMENTS)
 
     def settings_groups(self) -> dict[str, Any]:
         return {**super().settings_groups(), "policy_gradient": self.policy_gradient}

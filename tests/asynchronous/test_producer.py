@@ -8,10 +8,10 @@ import copy
 from functools import partial
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
 from helpers.fitting import logged, make_module, small_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gkd import AsyncSettings, ChatDataModule
 from lightning_gkd.asynchronous import InProcessEngine, Produced, StalenessLedger, WeightSnapshot
@@ -168,3 +168,23 @@ def test_a_resume_samples_the_batches_in_flight_again_from_the_restored_weights(
     sampler = KVCacheSampler(tokenizer, max_new_tokens=6, temperature=0.9)
     expected = sampler.sample(replica, batches[2]["prompts"], batches[2]["prompt_attention_mask"], seed=seed)
     assert torch.equal(recorded.batches[0]["input_ids"], expected["input_ids"])
+
+
+def test_a_checkpoint_loads_into_a_synchronous_module_unless_given_an_engine(
+    student, teacher, tokenizer, toy_rows, tmp_path
+):
+    module, _ = async_fit(student, teacher, tokenizer, toy_rows, tmp_path, max_staleness=1, steps=1)
+    module.trainer.save_checkpoint(tmp_path / "a.ckpt")
+    assert "asynchronous" not in module.hparams
+    loaded = type(module).load_from_checkpoint(
+        tmp_path / "a.ckpt", student=student, teacher=teacher, tokenizer=tokenizer
+    )
+    assert loaded.rollout_engine is None and loaded.asynchronous.max_staleness == 0
+    again = type(module).load_from_checkpoint(
+        tmp_path / "a.ckpt",
+        student=student,
+        teacher=teacher,
+        tokenizer=tokenizer,
+        asynchronous={"max_staleness": 2, "engine": InProcessEngine},
+    )
+    assert isinstance(again.rollout_engine, InProcessEngine) and again.asynchronous.max_staleness == 2
