@@ -118,7 +118,9 @@ class InProcessEngine(RolloutEngine):
         model: nn.Module = copy.deepcopy(student)
         if is_peft_model(model):
             model = cast(Any, model).merge_and_unload()  # the snapshot's names are the merged model's
-        model.requires_grad_(False).eval()
+        # eval mode for sampling; requires_grad stays as the student's: a sampler keeps copies of a trainable model's
+        # weights in sync (VLLMSampler's engine, a bf16 decode copy) and never re-syncs a frozen one
+        model.eval()
         self.model = model
         self._parameters = dict(model.state_dict(keep_vars=True))
         self.sampler.start({"student": model}, max_model_len=max_model_len)

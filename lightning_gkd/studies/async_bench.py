@@ -263,6 +263,10 @@ def page(summary: dict[str, Any], *, command: str, machine: str, minutes: float,
     if balanced and "1" in balanced["medians"]:
         one = balanced["medians"]["1"]
         verdict = "meets" if one.get("speedup_vs_staleness0", 0) >= 1.5 else "misses"
+        zero = balanced["medians"]["0"]
+        ideal_step = max(zero["sample_seconds"], zero["train_seconds"])
+        slower_sample = one["sample_seconds"] / zero["sample_seconds"]
+        slower_train = one["train_seconds"] / zero["train_seconds"]
         lines += [
             "## Reading these numbers",
             "",
@@ -271,20 +275,34 @@ def page(summary: dict[str, Any], *, command: str, machine: str, minutes: float,
             f"cores ({verdict} the 1.5× target; the ideal is {balanced.get('ideal_speedup', 0):.2f}×), and "
             f"{one.get('speedup_vs_sync', 0):.2f}× today's synchronous run with vLLM in process on both cores, whose "
             "sampling and training each use two cores.",
+            f"- Where the rest goes: side by side, sampling takes {slower_sample:.2f}× and training "
+            f"{slower_train:.2f}× their time at max_staleness 0 (the two cores share "
+            f"the memory system and its caches), so a step takes {one['step_seconds']:.3f} s instead of "
+            f"the ideal max(sample, train) = {ideal_step:.3f} s; the trainer waits {one['idle_seconds']:.3f} s a step "
+            f"for samples, and the weight snapshot costs it {one['snapshot_seconds'] * 1000:.1f} ms (the engine's "
+            f"load, {one['weight_load_seconds'] * 1000:.0f} ms, overlaps training).",
         ]
         heavy = summary.get("training-heavy")
         if heavy and "1" in heavy["medians"]:
+            heavy_one, heavy_zero = heavy["medians"]["1"], heavy["medians"]["0"]
             lines.append(
                 f"- Where training dominates (training-heavy), the ideal is {heavy.get('ideal_speedup', 0):.2f}× and "
-                f"max_staleness 1 gives {heavy['medians']['1'].get('speedup_vs_staleness0', 0):.2f}×: overlapping "
-                "hides the sampling time, which is small there. Giving the engine a core takes it from training: "
-                f"{heavy['medians']['1'].get('speedup_vs_sync', 0):.2f}× the in-process run on both cores."
+                f"max_staleness 1 gives {heavy_one.get('speedup_vs_staleness0', 0):.2f}× (training's own time was "
+                f"{heavy_one['train_seconds'] / heavy_zero['train_seconds']:.2f}× staleness 0's in those runs): "
+                "overlapping hides the sampling time, which is small there. Giving the engine a core takes it from "
+                f"training: {heavy_one.get('speedup_vs_sync', 0):.2f}× the in-process run on both cores."
             )
-        lines.append(
-            "- Larger max_staleness buys little once sampling is hidden (the step cannot be faster than training); it "
-            "absorbs variance in the sampling time (long samples, multi-turn rollouts), and costs accuracy: see "
-            "[the accuracy study](results.md#asynchronous-rollouts-staleness-on-the-chain-task)."
-        )
+        larger = [key for key in ("2", "4") if key in balanced["medians"]]
+        if larger:
+            speedups = ", ".join(
+                f"max_staleness {key}: {balanced['medians'][key].get('speedup_vs_staleness0', 0):.2f}×"
+                for key in larger
+            )
+            lines.append(
+                f"- Larger bounds (balanced; {speedups}) absorb the variance of the sampling time (long samples, "
+                "multi-turn rollouts) but cannot make a step shorter than training; they cost accuracy: see "
+                "[the accuracy study](results.md#asynchronous-rollouts-staleness-on-the-chain-task)."
+            )
         lines.append("")
     return "\n".join(lines)
 

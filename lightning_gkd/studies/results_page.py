@@ -29,7 +29,7 @@ RESULTS_HEADER = [
     "task's.",
     "",
 ]
-SECTION_ORDER = ("tools", "chain", "addition", "shapes")
+SECTION_ORDER = ("tools", "chain", "async", "addition", "shapes")  # "async": lightning_gkd.studies.async_study
 #: the methods a section compares the on-policy ones against
 OFF_POLICY = ("SFT", "Supervised KD", "SeqKD")
 

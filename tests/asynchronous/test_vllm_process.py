@@ -137,3 +137,50 @@ def test_a_dead_engine_process_stops_the_run_with_a_checkpoint_to_resume_from(to
     checkpoints = list(tmp_path.rglob("last.ckpt"))
     assert len(checkpoints) == 1
     assert torch.load(checkpoints[0], weights_only=False)["global_step"] == 1
+
+
+def test_the_in_process_engine_keeps_a_vllm_sampler_in_sync_with_every_snapshot(tokenizer, tmp_path):
+    """producer=hf with sampler=vllm: the engine's copy of the student stays "trainable" to its sampler, so the
+    in-process vLLM engine re-syncs after each snapshot the copy loads (a frozen copy would never be re-synced)."""
+    from lightning_gkd.asynchronous import InProcessEngine
+
+    engine = partial(InProcessEngine, sampler=VLLMSampler)
+    module = gkd(tokenizer, vllm_tiny("qwen2", tokenizer, seed=0), asynchronous={"max_staleness": 1, "engine": engine})
+    syncs = []
+
+    class Syncs(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            syncs.append(pl_module.rollout_engine.sampler.syncs)
+
+    fit(module, tokenizer, tmp_path, callbacks=[Syncs()])
+    # the engine's start, then before each batch sampled after a new snapshot (batches 1, 2, 3 of 4; batch 0 with
+    # the start's weights)
+    assert syncs == [4]
+
+
+@pytest.mark.slow
+def test_the_benchmark_script_measures_each_staleness_beside_the_in_process_run(tmp_path):
+    """scripts/bench_async.py --fast: the synchronous in-process run, staleness 0 and 1, each in its own process, and
+    the page they make (docs/benchmarks_async.md's full run is the same code)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers.paths import SCRIPTS
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the benchmark pins the trainer and the engine to two cores")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_async.py"), "--fast", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    saved = json.loads((tmp_path / "benchmarks_async.json").read_text())
+    medians = saved["summary"]["balanced"]["medians"]
+    assert set(medians) == {"sync", "0", "1"}
+    assert medians["1"]["staleness_mean"] > 0.5 and medians["0"]["staleness_mean"] == 0.0
+    assert all(figures["steps_per_second"] > 0 and figures["dropped"] == 0 for figures in medians.values())
+    assert "max_staleness 1 (1 + 1 cores)" in (tmp_path / "benchmarks_async.md").read_text()

@@ -45,7 +45,12 @@ PAGES = [
     if path.relative_to(ROOT).as_posix() not in CHECKED_ELSEWHERE
 ]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
-EXECUTABLE_PAGES = {"docs/asynchronous.md", "docs/customization.md", "docs/python_api.md", "docs/vision.md"}  # run by their own tests
+EXECUTABLE_PAGES = {
+    "docs/asynchronous.md",
+    "docs/customization.md",
+    "docs/python_api.md",
+    "docs/vision.md",
+}  # run by their own tests
 NEEDS = {
     "gpu",
     "real model",
