@@ -54,8 +54,8 @@ def gkd(tokenizer, student, *, method=GKDModule, **kwargs):
     )
 
 
-def fit(module, tokenizer, root, steps=4, **trainer_kwargs):
-    data = ChatDataModule(tokenizer, addition_rows("train", 32), batch_size=4, max_length=48, seed=0)
+def fit(module, tokenizer, root, steps=4, rows=32, **trainer_kwargs):
+    data = ChatDataModule(tokenizer, addition_rows("train", rows), batch_size=4, max_length=48, seed=0)
     batches = Batches(module)
     small_trainer(root, csv=True, max_steps=steps, **trainer_kwargs).fit(module, datamodule=data)
     return batches
@@ -152,9 +152,9 @@ def test_the_in_process_engine_keeps_a_vllm_sampler_in_sync_with_every_snapshot(
         def on_train_end(self, trainer, pl_module) -> None:
             syncs.append(pl_module.rollout_engine.sampler.syncs)
 
-    fit(module, tokenizer, tmp_path, callbacks=[Syncs()])
-    # the engine's start, then before each batch sampled after a new snapshot (batches 1, 2, 3 of 4; batch 0 with
-    # the start's weights)
+    fit(module, tokenizer, tmp_path, rows=16, callbacks=[Syncs()])  # 4 batches: no job runs past the last step
+    # the engine's start, then before the first batch sampled after each new snapshot: batch 0 (the first
+    # snapshot), batch 2 (the snapshot after step 0), batch 3 (after step 1); batch 1 shares batch 0's weights
     assert syncs == [4]
 
 
