@@ -1,10 +1,11 @@
 """Asynchronous rollouts' steps per second, side by side in one run (lightning_gkd.studies.async_bench): GKD at λ=1
 on the chain task's student with the producer's vLLM engine process on one core and the trainer on the other, at
-max_staleness {0, 1, 2, 4}, and today's synchronous run (vLLM in the trainer's process, both cores), for two shapes:
-one where sampling and training take similar times and one where training dominates. Needs vLLM (run it in the vLLM
+max_staleness {0, 1, 2, 4}, and today's synchronous run (vLLM in the trainer's process, both cores), for three shapes:
+the chain task at batch 16 and 32, and with a larger teacher (training dominates). Needs vLLM (run it in the vLLM
 environment, README "vLLM") and two CPU cores. Writes docs/benchmarks_async.md and .json.
 
-    .venv-vllm/bin/python scripts/bench_async.py                 # about 12 minutes on 2 cores
+    .venv-vllm/bin/python scripts/bench_async.py                 # about 20 minutes on 2 cores
+    .venv-vllm/bin/python scripts/bench_async.py --shapes "batch 16" --add   # one shape, the others' runs kept
     .venv-vllm/bin/python scripts/bench_async.py --fast --out /tmp/ba   # a smoke test
 """
 
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=6, help="first steps not timed")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--fast", action="store_true", help="one shape, staleness 0 and 1, 5 steps, 1 repeat")
+    parser.add_argument("--shapes", nargs="+", default=None, help="run only these shapes (names in SHAPES)")
+    parser.add_argument("--add", action="store_true", help="keep <out>/benchmarks_async.json's runs of other shapes")
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     parser.add_argument("--rerender", action="store_true", help="rewrite the page from <out>/benchmarks_async.json")
     args = parser.parse_args(argv)
@@ -50,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(cores) < 2:
         raise SystemExit(f"bench_async needs two CPU cores (one for the trainer, one for the engine); found {cores}.")
     steps, warmup, repeats = (5, 2, 1) if args.fast else (args.steps, args.warmup, args.repeats)
-    shapes = SHAPES[:1] if args.fast else SHAPES
+    shapes = [shape for shape in SHAPES if args.shapes is None or shape.name in args.shapes]
+    if not shapes:
+        raise SystemExit(f"--shapes {args.shapes}: no such shape; the shapes: {[shape.name for shape in SHAPES]}")
+    shapes = shapes[:1] if args.fast else shapes
     staleness: list[int | None] = [None, 0, 1] if args.fast else [None, *STALENESS]
     started = time.perf_counter()
     results = []
@@ -65,8 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results.append(result)
     minutes = (time.perf_counter() - started) / 60
-    summary = summarise(results)
     command = "python scripts/bench_async.py" + (" --fast" if args.fast else "")
+    if args.add and (args.out / "benchmarks_async.json").exists():
+        saved = json.loads((args.out / "benchmarks_async.json").read_text())
+        names = {shape.name for shape in shapes}
+        results = [run for run in saved["runs"] if run["shape"]["name"] not in names] + results
+        command = (
+            f"{saved['command']} && python scripts/bench_async.py --shapes {' '.join(repr(n) for n in names)} --add"
+        )
+        minutes += float(saved["minutes"])
+    summary = summarise(results)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "benchmarks_async.json").write_text(

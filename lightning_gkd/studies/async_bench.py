@@ -259,8 +259,9 @@ def page(summary: dict[str, Any], *, command: str, machine: str, minutes: float,
         "",
     ]
     lines.append(markdown(summary))
-    balanced = summary.get("balanced")
-    if balanced and "1" in balanced["medians"]:
+    balanced_name = most_similar_shape(summary)
+    if balanced_name is not None:
+        balanced = summary[balanced_name]
         one = balanced["medians"]["1"]
         verdict = "meets" if one.get("speedup_vs_staleness0", 0) >= 1.5 else "misses"
         zero = balanced["medians"]["0"]
@@ -270,7 +271,9 @@ def page(summary: dict[str, Any], *, command: str, machine: str, minutes: float,
         lines += [
             "## Reading these numbers",
             "",
-            f"- Where sampling and training take similar times (balanced), max_staleness 1 runs "
+            f"- Where sampling and training take the most similar times ({balanced_name}: "
+            f"{balanced['medians']['0']['sample_seconds']:.3f} s and {balanced['medians']['0']['train_seconds']:.3f} s "
+            "a step at max_staleness 0), max_staleness 1 runs "
             f"{one.get('speedup_vs_staleness0', 0):.2f}× the steps per second of max_staleness 0 on the same two "
             f"cores ({verdict} the 1.5× target; the ideal is {balanced.get('ideal_speedup', 0):.2f}×), and "
             f"{one.get('speedup_vs_sync', 0):.2f}× today's synchronous run with vLLM in process on both cores, whose "
@@ -299,12 +302,29 @@ def page(summary: dict[str, Any], *, command: str, machine: str, minutes: float,
                 for key in larger
             )
             lines.append(
-                f"- Larger bounds (balanced; {speedups}) absorb the variance of the sampling time (long samples, "
-                "multi-turn rollouts) but cannot make a step shorter than training; they cost accuracy: see "
+                f"- Larger bounds ({balanced_name}; {speedups}) absorb the variance of the sampling time (long "
+                "samples, multi-turn rollouts) but cannot make a step shorter than training; they cost accuracy: see "
                 "[the accuracy study](results.md#asynchronous-rollouts-staleness-on-the-chain-task)."
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def most_similar_shape(summary: dict[str, Any]) -> str | None:
+    """The measured shape (with staleness 0 and 1) whose sampling and training times at staleness 0 are closest to
+    equal (by their ratio); None without one."""
+    import math
+
+    measured = {
+        name: entry["medians"]["0"]
+        for name, entry in summary.items()
+        if {"0", "1"} <= set(entry["medians"]) and entry["medians"]["0"]["train_seconds"] > 0
+    }
+    if not measured:
+        return None
+    return min(
+        measured, key=lambda name: abs(math.log(measured[name]["sample_seconds"] / measured[name]["train_seconds"]))
+    )
 
 
 def _config_from_json(payload: str) -> BenchConfig:

@@ -179,7 +179,7 @@ def test_the_benchmark_script_measures_each_staleness_beside_the_in_process_run(
     )
     assert done.returncode == 0, done.stderr[-4000:]
     saved = json.loads((tmp_path / "benchmarks_async.json").read_text())
-    medians = saved["summary"]["balanced"]["medians"]
+    medians = saved["summary"]["batch 16"]["medians"]
     assert set(medians) == {"sync", "0", "1"}
     assert medians["1"]["staleness_mean"] > 0.5 and medians["0"]["staleness_mean"] == 0.0
     assert all(figures["steps_per_second"] > 0 and figures["dropped"] == 0 for figures in medians.values())

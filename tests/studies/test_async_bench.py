@@ -38,7 +38,7 @@ def test_the_summary_takes_medians_and_compares_each_run_with_staleness_zero_and
         result(balanced, 1, repeat=0, sample=0.2, train=0.25, idle=0.0),  # 4.0
         result(balanced, 1, repeat=1, sample=0.2, train=0.25, idle=0.0),
     ]
-    summary = summarise(runs)["balanced"]
+    summary = summarise(runs)[balanced.name]
     medians = summary["medians"]
     assert medians["0"]["steps_per_second"] == pytest.approx(2.25)
     assert medians["1"]["speedup_vs_staleness0"] == pytest.approx(4.0 / 2.25)
