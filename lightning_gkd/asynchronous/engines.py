@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
 import torch
@@ -61,6 +61,9 @@ class RolloutEngine(ABC):
         self, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, seed: int, vision: VisionRows | None = None
     ) -> dict[str, Any]:
         """Completions for left-padded ``prompts`` ``(B, P)`` (``Sampler.sample``'s contract)."""
+
+    def bind_teachers(self, sources: Mapping[str, Any]) -> None:
+        """Take the method's teacher sources by name (an engine whose sampler consults the teacher)."""
 
     def close(self) -> None:
         """Release the engine (a process, a copy of the model)."""
@@ -141,6 +144,9 @@ class InProcessEngine(RolloutEngine):
     ) -> dict[str, Any]:
         assert self.model is not None, "start the engine first"
         return self.sampler.sample(self.model, prompts, prompt_attention_mask, seed=seed, vision=vision)
+
+    def bind_teachers(self, sources: Mapping[str, Any]) -> None:
+        self.sampler.bind_teachers(sources)  # speculative KD's sampler verifies with the in-process teacher
 
     def close(self) -> None:
         self.sampler.close()

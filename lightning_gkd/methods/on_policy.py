@@ -178,6 +178,8 @@ class OnPolicyModule(CausalLMModule):
         #: How completions are sampled (``lightning_gkd.samplers``).
         self.sampler = sampling.build(self.tokenizer)
         self.sampler.bind_teachers(self.teacher_sources)  # a sampler that consults the teacher (speculative KD)
+        if self.rollout_engine is not None:
+            self.rollout_engine.bind_teachers(self.teacher_sources)
         self.lmbda, self.seq_kd = lmbda, seq_kd
         self._batches = self._on_policy_batches = 0
         self._group: GenerationGroup | None = None

@@ -43,8 +43,22 @@ def record_batches(module, recorded: Recorded) -> None:
     module.training_loss = recording
 
 
-def async_fit(student, teacher, tokenizer, rows, root, *, max_staleness, engine=True, steps=4, lmbda=1.0, **kwargs):
-    settings = {"max_staleness": max_staleness, "engine": InProcessEngine} if engine else None
+def async_fit(
+    student,
+    teacher,
+    tokenizer,
+    rows,
+    root,
+    *,
+    max_staleness,
+    engine=True,
+    steps=4,
+    lmbda=1.0,
+    asynchronous_engine=None,
+    **kwargs,
+):
+    engine_factory = asynchronous_engine or InProcessEngine
+    settings = {"max_staleness": max_staleness, "engine": engine_factory} if engine else None
     module = make_module(student, teacher, tokenizer, lmbda=lmbda, asynchronous=settings, **kwargs)
     recorded = Recorded()
     record_batches(module, recorded)
@@ -188,3 +202,18 @@ def test_a_checkpoint_loads_into_a_synchronous_module_unless_given_an_engine(
         asynchronous={"max_staleness": 2, "engine": InProcessEngine},
     )
     assert isinstance(again.rollout_engine, InProcessEngine) and again.asynchronous.max_staleness == 2
+
+
+def test_speculative_kd_samples_ahead_with_the_in_process_teacher(student, teacher, tokenizer, toy_rows, tmp_path):
+    """producer=hf with sampler=skd: the engine's sampler is bound to the method's teacher, verifies the copy's drafts
+    from the producer's thread, and its figures are logged with the step that trains on them."""
+    from lightning_gkd.samplers import SpeculativeKDSampler
+
+    engine = partial(InProcessEngine, sampler=partial(SpeculativeKDSampler, accept_top_k=5))
+    module, recorded = async_fit(
+        student, teacher, tokenizer, toy_rows, tmp_path, max_staleness=1, steps=3, asynchronous_engine=engine
+    )
+    assert module.rollout_engine.sampler.teacher is teacher
+    rates = logged(tmp_path, "train/sampler/replacement_rate")
+    assert len(rates) >= 3 and all(0.0 <= rate <= 1.0 for rate in rates)
+    assert logged(tmp_path, "train/async/staleness")[-1] == 1.0
