@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -71,14 +72,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results.append(result)
     minutes = (time.perf_counter() - started) / 60
-    command = "python scripts/bench_async.py" + (" --fast" if args.fast else "")
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python scripts/bench_async.py", *(shlex.quote(arg) for arg in given)])
     if args.add and (args.out / "benchmarks_async.json").exists():
         saved = json.loads((args.out / "benchmarks_async.json").read_text())
         names = {shape.name for shape in shapes}
         results = [run for run in saved["runs"] if run["shape"]["name"] not in names] + results
-        command = (
-            f"{saved['command']} && python scripts/bench_async.py --shapes {' '.join(repr(n) for n in names)} --add"
-        )
+        # the earlier commands that measured the shapes kept, then this one
+        earlier = [part for part in saved["command"].split(" && ") if not any(name in part for name in names)]
+        command = " && ".join([*earlier, command])
         minutes += float(saved["minutes"])
     summary = summarise(results)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
