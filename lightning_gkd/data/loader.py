@@ -173,12 +173,21 @@ class GenerationGroup:
         }
 
 
-def shuffled_micro_batches(group: Mapping[str, Any], micro_batch_size: int, seed: int) -> list[dict[str, Any]]:
+def shuffled_micro_batches(
+    group: Mapping[str, Any], micro_batch_size: int, seed: int, *, parts: int | None = None
+) -> list[dict[str, Any]]:
     """A (sampled) group batch cut into micro-batches of ``micro_batch_size`` rows after a permutation of its rows
-    seeded by ``seed``; each micro-batch trimmed to its own columns (``select_rows``)."""
+    seeded by ``seed``; each micro-batch trimmed to its own columns (``select_rows``). ``parts``: the number of
+    micro-batches the group must give (its training steps); a group with more rows than that many micro-batches of
+    ``micro_batch_size`` hold (a rollout's transcripts split into segments) is cut into ``parts`` near-equal ones."""
     rows = group["input_ids"].shape[0]
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
-    return [select_rows(group, order[list(span)]) for span in micro_batch_rows(rows, micro_batch_size)]
+    spans = micro_batch_rows(rows, micro_batch_size)
+    if parts is not None and len(spans) != parts:
+        sizes = [rows // parts + (index < rows % parts) for index in range(parts)]
+        starts = [sum(sizes[:index]) for index in range(parts)]
+        spans = [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+    return [select_rows(group, order[list(span)]) for span in spans]
 
 
 class _GroupIndexSampler(Sampler[list[int]]):

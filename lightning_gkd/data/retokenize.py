@@ -252,9 +252,11 @@ def teacher_batch(
     *,
     max_length: int,
     eos_id: int | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The teacher's batch for the same texts: per row, the teacher's own chat template on ``prompt_messages``
-    with the generation prompt, then ``contents[row]`` tokenized by the teacher, then the teacher's EOS.
+    (with the tool schemas ``tools`` where given) with the generation prompt, then ``contents[row]`` tokenized by
+    the teacher, then the teacher's EOS.
 
     The prompt and the content are tokenized together (the teacher sees its own tokenization of the whole text) and
     split where the content's bytes begin, found from the ids' own bytes (``token_byte_spans``'s rules): the bytes
@@ -283,7 +285,7 @@ def teacher_batch(
     token_bytes = _TokenBytes(teacher_tokenizer)
     rows, labels, completion_ids, completion_spans = [], [], [], []
     for row, (messages, content) in enumerate(zip(prompt_messages, contents, strict=True)):
-        prompt = render_chat(teacher_tokenizer, messages, add_generation_prompt=True)
+        prompt = render_chat(teacher_tokenizer, messages, add_generation_prompt=True, tools=tools)
         ids = list(teacher_tokenizer(prompt + content, add_special_tokens=False)["input_ids"])
         num_prompt, spans = _split_content(token_bytes, ids, content.encode(), row)
         completion = [*ids[num_prompt:], eos]

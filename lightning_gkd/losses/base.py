@@ -92,7 +92,8 @@ class DistillationLoss(ABC):
     """A distillation loss with its teacher signal inside: ``loss(student, batch) -> LossOutput``.
 
     The method also calls, each doing nothing here: ``check_datamodule(datamodule)`` before fitting (what the loss
-    needs from the rows: a routing column, the prompt messages), and ``close()`` at teardown."""
+    needs from the rows: a routing column, the prompt messages), ``use_tools(schemas)`` before fitting with
+    multi-turn rollouts, and ``close()`` at teardown."""
 
     @abstractmethod
     def __call__(self, student: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
@@ -100,6 +101,11 @@ class DistillationLoss(ABC):
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Raise for training data this loss cannot read; ask the datamodule for the columns it needs."""
+
+    def use_tools(self, tools: list[dict] | None, *, max_context_tokens: int | None) -> None:
+        """The student acts with tools (their schemas, None for an environment without any) in contexts of up to
+        ``max_context_tokens`` tokens (None: unknown): a loss whose teacher renders each context itself renders the
+        schemas too, and sizes its inputs for those contexts."""
 
     def close(self) -> None:
         """Release what the loss holds."""

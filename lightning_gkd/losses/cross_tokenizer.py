@@ -97,16 +97,27 @@ class CrossTokenizerDistillation(DistillationLoss):
         self.teacher_positions: int | None = int(positions) if isinstance(positions, int) else None
         self.max_length = settings.teacher_max_length or self.teacher_positions or 1 << 20
         self.max_new_tokens = max_new_tokens  # the samples' length beyond the datamodule's max_length
+        self.tools: list[dict] | None = None  # the schemas the teacher's template renders (multi-turn rollouts)
+        self.max_context_tokens: int | None = None  # a rollout's student contexts, when longer than max_length
 
     def check_datamodule(self, datamodule: Any) -> None:
         """Ask ``datamodule`` for the rows' prompt messages (``check_cross_tokenizer_datamodule``) and set the
         teacher's input budget when ``teacher_max_length`` is null: the student's (the datamodule's ``max_length``
         plus ``max_new_tokens``), at most the teacher's positions."""
         check_cross_tokenizer_datamodule(datamodule)
-        student_max_length = getattr(datamodule, "max_length", None)
+        student_max_length = self.max_context_tokens or getattr(datamodule, "max_length", None)
         if self.settings.teacher_max_length is None and student_max_length:
             budget = student_max_length + self.max_new_tokens
             self.max_length = min(budget, self.teacher_positions) if self.teacher_positions else budget
+
+    def use_tools(self, tools: list[dict] | None, *, max_context_tokens: int | None) -> None:
+        """Each row is then one student turn of a rollout, its context the turn's messages: the teacher renders them
+        with ``tools``' schemas through its own template (checked: it must render tools and tool messages), and its
+        input budget covers contexts of ``max_context_tokens`` (when ``teacher_max_length`` is null)."""
+        from lightning_gkd.rollouts.templates import check_template_renders_tools
+
+        check_template_renders_tools(self.teacher_tokenizer, tools)
+        self.tools, self.max_context_tokens = tools, max_context_tokens
 
     @property
     def matched_count(self) -> int:
@@ -138,7 +149,11 @@ class CrossTokenizerDistillation(DistillationLoss):
             )
         completions = student_completions(self.student_tokenizer, batch, end_ids=self.student_end_ids)
         teacher = teacher_batch(
-            self.teacher_tokenizer, messages, [c.text for c in completions], max_length=self.max_length
+            self.teacher_tokenizer,
+            messages,
+            [c.text for c in completions],
+            max_length=self.max_length,
+            tools=self.tools,
         )
         return completions, teacher
 

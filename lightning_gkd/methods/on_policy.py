@@ -6,6 +6,7 @@ validation's dataset completions."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar, Literal, cast
 
 import lightning as L
@@ -14,7 +15,13 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from transformers import PreTrainedTokenizerBase
 
 from lightning_gkd.asynchronous import AsyncSettings, RolloutEngine, RolloutProducer, StalenessLedger, WeightSnapshot
-from lightning_gkd.data.loader import UPCOMING, GenerationGroup, group_slot, shuffled_micro_batches
+from lightning_gkd.data.loader import (
+    UPCOMING,
+    GenerationGroup,
+    group_slot,
+    micro_batch_rows,
+    shuffled_micro_batches,
+)
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.evaluation.metrics import reference_texts
 from lightning_gkd.evaluation.settings import ValidationSettings
@@ -26,7 +33,7 @@ from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.constants import IGNORE_INDEX
 from lightning_gkd.ops.decoding.sampling import eos_ids
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id, resolve_pad_token_id
-from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, build_rollout
+from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, RolloutStats, build_rollout, rollout_transcripts
 from lightning_gkd.rollouts.evaluate import final_answers, greedy_turn
 from lightning_gkd.samplers import Sampler, SamplingSettings
 from lightning_gkd.samplers.base import check_sampler_images
@@ -47,17 +54,23 @@ ENGINE_ARGUMENTS = ("asynchronous",)
 ROLLOUT_CONTEXT_FACTOR = 4
 
 
-def refuse_rollouts_with(*, same_vocab: bool) -> None:
-    """Multi-turn rollouts need a teacher that scores transcripts in the student's tokens: ValueError, with the
-    reason, for a teacher of another tokenizer. (A top-k cache is refused for sampled steps whatever the rollout:
-    ``check_teacher_settings``.)"""
-    if not same_vocab:
+def rollout_settings_for_teacher(rollout: RolloutSettings, *, same_vocab: bool) -> RolloutSettings:
+    """The rollout settings a method runs with its teacher: ``rollout`` itself for a teacher of the student's
+    tokenizer; for one of another tokenizer, every turn its own row (``split_turns``), since the cross-tokenizer
+    losses align one completion per row, the teacher reading each turn's context through its own chat template.
+    ValueError, before any model loads, for what that cannot align: reasoning kept out of the trained tokens or
+    capped (a turn's labels would not be one run of the text the teacher scores)."""
+    if same_vocab or not rollout.enabled:
+        return rollout
+    if rollout.reasoning != "keep" or rollout.max_reasoning_tokens is not None:
         raise ValueError(
-            "Tools or an environment with a teacher of another tokenizer are not supported: the cross-tokenizer "
-            "losses align one completion per row, while a transcript interleaves the student's turns with tool "
-            "and environment turns that the teacher's chat template would render differently. Use a teacher with "
-            "the student's tokenizer (e.g. the same family), or distil without tools."
+            f"Tools or an environment with a teacher of another tokenizer score each student turn as one text, "
+            f"but rollout.reasoning={rollout.reasoning!r} and rollout.max_reasoning_tokens="
+            f"{rollout.max_reasoning_tokens!r} leave tokens of a turn untrained (dropped reasoning, or the closing "
+            "marker a cap writes for the student). Use rollout.reasoning=keep and max_reasoning_tokens=null with "
+            "this teacher, or a teacher with the student's tokenizer."
         )
+    return replace(rollout, split_turns=True)
 
 
 class OnPolicyModule(CausalLMModule):
@@ -124,9 +137,9 @@ class OnPolicyModule(CausalLMModule):
         sampling.check_teachers(teachers)
         check_range("lmbda", lmbda, 0.0, 1.0)
         tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        if rollout.enabled:  # the template and the teachers can take them
+        rollout = rollout_settings_for_teacher(rollout, same_vocab=same_vocab)
+        if rollout.enabled:  # the template can take them
             build_rollout(tokenizer, rollout, eos_token_ids=[])
-            refuse_rollouts_with(same_vocab=same_vocab)
         super().__init__(student, tokenizer, training=training, validation=validation)
         #: How completions are sampled (``SamplingSettings``; the engine itself: ``sampler``).
         self.sampling = sampling
@@ -313,6 +326,10 @@ class OnPolicyModule(CausalLMModule):
                     f"and carry their messages), got {type(datamodule).__name__}."
                 )
             use_rollouts(self.rollout.tools)
+            max_length = getattr(datamodule, "max_length", None)
+            context = self.rollout.max_transcript_tokens or (max_length and ROLLOUT_CONTEXT_FACTOR * max_length)
+            for part in self.loss_objects():  # a teacher that renders contexts itself renders the schemas
+                part.use_tools(self.rollout.tools, max_context_tokens=context or None)
             if self.rollout.state_columns:
                 cast(Any, datamodule).carry_columns(self.rollout.state_columns)
         for part in (*self.loss_objects(), *self.teacher_sources.values()):
@@ -372,10 +389,15 @@ class OnPolicyModule(CausalLMModule):
             return sampler.sample(cast(torch.nn.Module, model), ids, mask, seed=turn_seed)
 
         transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        self.check_rollout_rows(stats)
         self.log_sampler_stats(sampler, len(batch["prompts"]))  # the last turn's
         for name, value in stats.metrics().items():
             self.log(f"train/tools/{name}", value, batch_size=len(stats.turns))
         return transcripts
+
+    def check_rollout_rows(self, stats: RolloutStats) -> None:
+        """Raise when the method cannot train on transcripts split into several rows as ``stats`` counts them
+        (``segments``); every split is fine here: each student token is a label in exactly one row."""
 
     def log_sampler_stats(self, sampler: Sampler, size: int) -> None:
         """The sampler's figures of its last call (``last_stats``, e.g. speculative KD's replacement rate) as
@@ -392,7 +414,7 @@ class OnPolicyModule(CausalLMModule):
         turn = greedy_turn(self.student, self.tokenizer, self.validation.max_new_tokens, self.sampler)
         out, _ = self.rollout.run(turn, batch, seed=0)
         eos = resolve_eos_token_id(self.student, self.tokenizer)
-        predictions = final_answers(out["transcripts"])
+        predictions = final_answers(rollout_transcripts(out))
         self.generation_scores.add(dataloader_idx, predictions, reference_texts(self.tokenizer, batch, eos))
 
     def _sampler_model(self, source: Source) -> torch.nn.Module | None:
@@ -476,6 +498,7 @@ class OnPolicyModule(CausalLMModule):
             return engine.sample(ids, mask, seed=turn_seed)
 
         transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        self.check_rollout_rows(stats)
         figures = {f"sampler/{name}": value for name, value in engine.last_stats().items()}
         figures.update({f"tools/{name}": value for name, value in stats.metrics().items()})
         return transcripts, figures
@@ -491,7 +514,8 @@ class OnPolicyModule(CausalLMModule):
             self._sampler_model(source), group, seed=self.step_seed(batch_idx, _SAMPLE, self.global_rank)
         )
         seed = self.step_seed(batch_idx, _SHUFFLE, self.global_rank)
-        return GenerationGroup(group_id, source, shuffled_micro_batches(sampled, micro_batch_size, seed))
+        parts = len(micro_batch_rows(len(group["prompts"]), micro_batch_size))  # the group's steps
+        return GenerationGroup(group_id, source, shuffled_micro_batches(sampled, micro_batch_size, seed, parts=parts))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -18,7 +18,7 @@ from lightning_gkd.methods.base import Group, settings_group
 from lightning_gkd.methods.on_policy import ENGINE_ARGUMENTS, OnPolicyModule
 from lightning_gkd.models.loading import ModelSource
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
-from lightning_gkd.rollouts import RolloutSettings
+from lightning_gkd.rollouts import RolloutSettings, RolloutStats
 from lightning_gkd.samplers import SamplingSettings
 from lightning_gkd.teachers import CacheTeacher
 from lightning_gkd.teachers.spec import TeacherSource, teacher_plan
@@ -102,6 +102,13 @@ class OPDModule(OnPolicyModule):
         validation: Group[ValidationSettings] = None,
     ) -> None:
         policy_gradient = settings_group(policy_gradient, self.default_policy_gradient, "policy_gradient")
+        rollout = settings_group(rollout, self.default_rollout, "rollout")
+        if rollout.split_turns and (problem := _whole_transcript_settings(policy_gradient)):
+            raise ValueError(
+                f"OPD with {problem} sums or averages over each row's tokens, and rollout.split_turns makes every "
+                "turn its own row: the returns would stop at each turn. Set rollout.split_turns=false, or use "
+                "policy_gradient.gamma=0 with baseline=none and length_normalize=false (per-token rewards)."
+            )
         divergence = settings_group(divergence, self.default_divergence, "divergence")
         if divergence.sparse_loss in ("k1", "k3"):
             raise ValueError(
@@ -172,6 +179,19 @@ class OPDModule(OnPolicyModule):
                 "policy_gradient.importance_weights=False (Hydra: method.policy_gradient.importance_weights=false)."
             )
 
+    def check_rollout_rows(self, stats: RolloutStats) -> None:
+        """ValueError when the chat template split transcripts into several rows (``stats.segments``) and the
+        policy gradient reads whole rows (``gamma > 0``, ``baseline="row"``, ``length_normalize``)."""
+        split = sum(segments > 1 for segments in stats.segments)
+        if split and (problem := _whole_transcript_settings(self.policy_gradient)):
+            raise ValueError(
+                f"The chat template rewrites earlier turns, so the rollout split {split} transcripts into several rows "
+                f"(each turn in the context it was written in), and OPD with {problem} sums or averages over each "
+                "row's tokens: the returns would stop where the template rewrote. Use policy_gradient.gamma=0 with "
+                "baseline=none and length_normalize=false (per-token rewards, exact over any split), or a template "
+                "that keeps earlier turns as they were."
+            )
+
     def training_loss(self, batch: dict[str, Any]) -> LossOutput:
         """The OPD loss on a batch of the student's samples (the class docstring), with ``opd/*`` logs."""
         return self.loss(self.student, batch)
@@ -179,3 +199,13 @@ class OPDModule(OnPolicyModule):
     def completion_loss(self, batch: dict[str, Any]) -> LossOutput:
         """Validation's loss on the dataset completions: GKD's generalized JSD (``beta``) against the teacher."""
         return self.validation_loss(self.student, batch)
+
+
+def _whole_transcript_settings(settings: PolicyGradientSettings) -> str | None:
+    """The policy-gradient settings that read a row's tokens together (named for an error), or None."""
+    named = [
+        f"policy_gradient.gamma={settings.gamma}" if settings.gamma > 0 else "",
+        "policy_gradient.baseline=row" if settings.baseline == "row" else "",
+        "policy_gradient.length_normalize=true" if settings.length_normalize else "",
+    ]
+    return ", ".join(name for name in named if name) or None

@@ -12,6 +12,9 @@ from lightning_gkd.rollouts.rollout import (
     build_environment,
     build_rollout,
     continuation_ids,
+    first_segments,
+    reasoning_span,
+    rollout_transcripts,
 )
 from lightning_gkd.rollouts.settings import RolloutSettings
 from lightning_gkd.rollouts.tools import FAILURE_KINDS, Tool, ToolCall, ToolResult, build_tools, row_state
@@ -35,5 +38,8 @@ __all__ = [
     "build_tools",
     "continuation_ids",
     "default_parser",
+    "first_segments",
+    "reasoning_span",
+    "rollout_transcripts",
     "row_state",
 ]

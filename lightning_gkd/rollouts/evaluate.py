@@ -12,7 +12,7 @@ from torch import nn
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.ops.decoding.sampling import complete_prompts
 from lightning_gkd.rollouts.environment import Message
-from lightning_gkd.rollouts.rollout import MultiTurnRollout, RolloutStats, SampleTurn
+from lightning_gkd.rollouts.rollout import MultiTurnRollout, RolloutStats, SampleTurn, rollout_transcripts
 
 
 def greedy_turn(model: nn.Module, tokenizer: Any, max_new_tokens: int, sampler: Any = None) -> SampleTurn:
@@ -69,14 +69,8 @@ def rollout_rows(
             batch["prompts"] = batch["prompts"].to(device)
             batch["prompt_attention_mask"] = batch["prompt_attention_mask"].to(device)
             out, stats = rollout.run(turn, batch, seed=start)
-            transcripts += out["transcripts"]
-            total.turns += stats.turns
-            total.calls += stats.calls
-            total.lengths += stats.lengths
-            total.failures.update(stats.failures)
-            total.truncated += stats.truncated
-            total.capped += stats.capped
-            total.unfinished += stats.unfinished
+            transcripts += rollout_transcripts(out)
+            total.add(stats)
     finally:
         model.train(was_training)
     return transcripts, total
