@@ -1,0 +1,100 @@
+"""Multi-turn rollouts with a served teacher (lightning_gkd.rollouts with lightning_gkd.teachers.server): a top-k
+server scores a tool transcript exactly as the same teacher in process with the same top-k, on every segment of a
+transcript a rewriting template split, and a GKD step with tools trains against the server through a real Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.fitting import small_trainer
+from transformers import AutoModelForCausalLM
+
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.data.chat import ChatMLCollator
+from lightning_gkd.data.tokenizer import load_tokenizer
+from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer
+from lightning_gkd.toy.tiny import TINY_STUDENT, asset_path, tiny_causal_lm
+from lightning_gkd.toy.tools import TOOLS, tool_rows
+from tests.helpers.rewriting_templates import REWRITES_TOOL_CALLS
+from tests.helpers.scripted_sampler import ScriptedSampler
+
+TOOLS_ROLLOUT = {"tools": list(TOOLS), "tool_state_columns": ["facts"]}
+FAST = {"retries": 2, "backoff": 0.01, "timeout": 30.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The fake server's forwards run in its request threads beside the client's (see tests/teachers/test_server)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def toy_tools():
+    path = asset_path("toy_tools/teacher")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def server(toy_tools):
+    with FakeVLLMServer(*toy_tools, max_model_len=400) as fake:
+        yield fake
+
+
+def script_of(rows):
+    return {
+        row["messages"][0]["content"]: [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        for row in rows
+    }
+
+
+def module_with(teacher, tokenizer, rows, **kwargs) -> GKDModule:
+    return GKDModule(
+        tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
+        teacher,
+        tokenizer,
+        lmbda=1.0,
+        divergence={"beta": 0.0},
+        rollout=TOOLS_ROLLOUT,
+        sampling={"sampler": ScriptedSampler(tokenizer, script_of(rows)), "max_new_tokens": 64},
+        validation={"metrics": {}},
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("template", ["chatml", "rewrites_tool_calls"])
+def test_a_top_k_server_scores_a_tool_transcript_as_the_teacher_in_process(toy_tools, server, template):
+    model, shipped = toy_tools
+    tokenizer = load_tokenizer(asset_path("toy_tools/teacher"))
+    if template == "rewrites_tool_calls":
+        tokenizer.chat_template = REWRITES_TOOL_CALLS
+    rows = tool_rows("train", 3)
+    local = module_with({"kind": "local", "model": model, "top_k": 20}, tokenizer, rows)
+    served = module_with({"kind": "server", "url": server.url, "top_k": 20, **FAST}, tokenizer, rows)
+    served.student.load_state_dict(local.student.state_dict())
+    rollout = local.rollout
+    collator = ChatMLCollator(
+        tokenizer, columns=["facts"], carry_prompt_messages=True, tools=rollout.tools, first_turn_prompts=True
+    )
+    scripted = ScriptedSampler(tokenizer, script_of(rows))
+    out, stats = rollout.run(lambda i, m, s: scripted.sample(None, i, m, seed=s), collator(rows), seed=0)
+    assert stats.segments == ([1, 1, 1] if template == "chatml" else [4, 4, 4])
+    ours, theirs = served.distillation_loss(out), local.distillation_loss(out)
+    assert int(ours.count) == int(theirs.count) > 0
+    assert torch.allclose(ours.loss, theirs.loss, atol=1e-4)
+    served.teardown("fit")
+
+
+def test_a_gkd_step_with_tools_trains_against_a_top_k_server(toy_tools, server, tmp_path):
+    _, tokenizer = toy_tools
+    rows = tool_rows("train", 4)
+    module = module_with({"kind": "server", "url": server.url, "top_k": 20, **FAST}, tokenizer, rows)
+    before = [p.detach().clone() for p in module.student.parameters()]
+    data = ChatDataModule(tokenizer, rows, rows[:2], batch_size=2, max_length=200, assistant_turns="all")
+    trainer = small_trainer(tmp_path, max_steps=1)
+    trainer.fit(module, datamodule=data)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["train/tools/calls"] == 3.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.student.parameters(), strict=True))
