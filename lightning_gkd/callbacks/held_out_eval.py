@@ -30,6 +30,9 @@ class HeldOutEvaluation(L.Callback):
     method's tools, scored on the transcript's final answer (plus ``tool_calls`` and ``tool_failures``).
 
     Every rank evaluates (sharded models need all ranks in each forward); rank zero reports.
+
+    A resumed fit reports the run's own start: "before" and the teacher's scores are saved in every checkpoint
+    (``state_dict``) and restored with it, instead of scoring the restored model again.
     """
 
     def __init__(
@@ -39,6 +42,17 @@ class HeldOutEvaluation(L.Callback):
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.results: dict[str, Mapping[str, float | None]] = {}
+        self._restored = False  # the start's scores came with the checkpoint this fit resumes from
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scores of the run's start (``teacher``, ``before``), so a resumed fit reports them."""
+        return {"results": {key: dict(self.results[key]) for key in ("teacher", "before") if key in self.results}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        start = state_dict.get("results", {})
+        if "before" in start:
+            self.results = {**self.results, **start}
+            self._restored = True
 
     def _rows(self, trainer: L.Trainer) -> Any:
         datamodule = getattr(trainer, "datamodule", None)
@@ -77,6 +91,13 @@ class HeldOutEvaluation(L.Callback):
         if rows is None:
             rank_zero_info("HeldOutEvaluation: the datamodule has no test_data; nothing to evaluate.")
             return
+        if self._restored:  # a resume: the run's start was scored before its first step, not now
+            scores = ", ".join(
+                f"{name} {value:.3f}" for name, value in self.results["before"].items() if value is not None
+            )
+            rank_zero_info(f"HeldOutEvaluation: resumed; 'before' is the run's start, from the checkpoint ({scores}).")
+            return
+        self.results = {}
         if callable(getattr(getattr(pl_module, "teacher", None), "generate", None)):  # one in-process teacher
             self.results["teacher"] = self._evaluate(trainer, pl_module.teacher, rows)
         # the trained model through the method's sampler (a serving engine when sampler=vllm); the teacher through
@@ -106,6 +127,7 @@ class HeldOutEvaluation(L.Callback):
             saved = {"num_rows": len(rows), "max_new_tokens": self.max_new_tokens, **self.results}
             out.write_text(json.dumps(saved, indent=2))
         rank_zero_info(self.table(len(rows)))
+        self._restored = False
 
     def table(self, num_rows: int) -> str:
         lines = [f"Held-out evaluation on {num_rows} test prompts (greedy):"]

@@ -4,6 +4,10 @@ its table, from a real fit (more of the callback: tests/methods/test_sft.py)."""
 import copy
 import csv
 import json
+import signal
+import subprocess
+import sys
+import time
 from functools import partial
 
 import pytest
@@ -90,3 +94,69 @@ def test_without_a_teacher_there_is_no_gap(student, tokenizer, tmp_path):
     assert set(held_out.results) == {"before", "after"}
     assert "gap closed" not in held_out.table(4)
     assert not any(key.endswith("_gap_closed") for key in logged(tmp_path))
+
+
+def _default_sigint() -> None:  # a child of a shell script or CI runner may inherit an ignored SIGINT
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_after_ctrl_c_reports_its_own_start_as_before(tmp_path):
+    """The default toy job (its shipped student, 24 test rows), Ctrl-C after step 10, then ckpt_path=last: the
+    held-out "before" of the finished run is the shipped student's score, not the restored checkpoint's."""
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_gkd.cli.train",
+        "print_config=false",
+        "paths.cache_dir=cache",
+        "trainer.limit_val_batches=0",
+        "callbacks.sample_table=null",
+        "+data.test_data.num_rows=24",
+        "optimizer.lr=3e-3",
+        "method.lmbda=0.0",  # supervised steps: the student moves fast and the test stays short
+    ]
+    run_dir, log = tmp_path / "outputs" / "runs" / "a", tmp_path / "first_run.log"
+    with open(log, "w") as sink:
+        process = subprocess.Popen(
+            [*command, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000", "trainer.val_check_interval=10"],
+            cwd=tmp_path,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_default_sigint,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while not list((run_dir / "checkpoints").glob("step*.ckpt")):
+                assert process.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint within 300 s"
+                time.sleep(0.2)
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 130, log.read_text()[-3000:]
+    interrupted = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    step = interrupted["global_step"]
+    assert not (run_dir / "held_out.json").exists()
+    resumed = subprocess.run(
+        [*command, f"hydra.run.dir={tmp_path}/outputs/runs/b", f"trainer.max_steps={step + 1}", "ckpt_path=last"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    tokenizer = load_tokenizer(asset_path("toy/teacher"))
+    rows = addition_rows("test", 24)
+    start = evaluate_generations(load_causal_lm(asset_path("toy/student_init")), tokenizer, rows, max_new_tokens=8)
+    at_interrupt = load_causal_lm(asset_path("toy/student_init"))
+    at_interrupt.load_state_dict({k.removeprefix("model."): v for k, v in interrupted["state_dict"].items()})
+    restored = evaluate_generations(at_interrupt, tokenizer, rows, max_new_tokens=8)
+    assert restored["accuracy"] != start["accuracy"]  # scoring the restored model would report another start
+    saved = json.loads((run_dir / "held_out.json").read_text())
+    assert saved["before"]["accuracy"] == start["accuracy"]
+    assert "'before' is the run's start, from the checkpoint" in resumed.stdout + resumed.stderr
+    assert f"model before {start['accuracy']:.3f}" in resumed.stdout + resumed.stderr
