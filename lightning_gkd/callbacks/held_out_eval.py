@@ -38,7 +38,7 @@ class HeldOutEvaluation(L.Callback):
     def __init__(
         self, metrics: Mapping[str, GenerationMetric] | None = None, max_new_tokens: int = 32, batch_size: int = 64
     ) -> None:
-        self.metrics = dict(metrics or {"accuracy": exact_match})
+        self.metrics = {k: v for k, v in (metrics or {"accuracy": exact_match}).items() if v is not None}
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.results: dict[str, Mapping[str, float | None]] = {}
@@ -111,7 +111,8 @@ class HeldOutEvaluation(L.Callback):
         self.results["after"] = self._evaluate(trainer, pl_module.model, rows, getattr(pl_module, "sampler", None))
         if "teacher" in self.results:
             scores = cast(dict[str, dict[str, float]], self.results)  # the three scores are never None
-            self.results["gap_closed"] = gaps_closed(scores["after"], scores["before"], scores["teacher"])
+            scored = {name: scores["after"][name] for name in self.metrics}  # scores, not call counts
+            self.results["gap_closed"] = gaps_closed(scored, scores["before"], scores["teacher"])
         flat = {
             f"test/{name}_{when}": value for when in ("before", "after") for name, value in self.results[when].items()
         }

@@ -348,6 +348,9 @@ def generation_results(
         for index, (prediction, reference) in enumerate(zip(predictions, references, strict=True)):
             messages = [dict(m) for m in rows[index]["messages"]]
             prompt = messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+            if transcripts:  # what the agent was given: the conversation before its first turn
+                first = next((k for k, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+                prompt = messages[:first]
             samples.append(
                 {
                     "split": prefix,

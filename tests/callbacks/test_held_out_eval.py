@@ -160,3 +160,29 @@ def test_a_run_resumed_after_ctrl_c_reports_its_own_start_as_before(tmp_path):
     assert saved["before"]["accuracy"] == start["accuracy"]
     assert "'before' is the run's start, from the checkpoint" in resumed.stdout + resumed.stderr
     assert f"model before {start['accuracy']:.3f}" in resumed.stdout + resumed.stderr
+
+
+def test_with_tools_the_gap_closed_is_of_the_scores_only(tmp_path):
+    """An agent's held-out figures also count tool calls and failures per transcript: reported before and after,
+    but a gap closed only for the scores (a call count has no better direction)."""
+    from lightning_gkd.evaluation import exact_match
+    from lightning_gkd.toy.tools import TOOLS, tool_rows
+
+    tokenizer = load_tokenizer(asset_path("toy_tools/teacher"))
+    module = GKDModule(
+        load_causal_lm(asset_path("toy_tools/student_init")),
+        load_causal_lm(asset_path("toy_tools/teacher")),
+        tokenizer,
+        lmbda=0.0,
+        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"], "max_tool_calling_iterations": 4},
+        sampling={"max_new_tokens": 24},
+    )
+    held_out = HeldOutEvaluation(metrics={"success": exact_match, "accuracy": None}, max_new_tokens=24)
+    rows = tool_rows("test", 8)
+    data = ChatDataModule(
+        tokenizer, tool_rows("train", 8), test_data=rows, batch_size=4, max_length=200, assistant_turns="all"
+    )
+    small_trainer(tmp_path, max_steps=1, callbacks=[held_out]).fit(module, datamodule=data)
+    assert set(held_out.results["after"]) == {"success", "tool_calls", "tool_failures"}
+    assert set(held_out.results["gap_closed"]) == {"success"}
+    assert "success: teacher" in held_out.table(8) and "tool_calls" not in held_out.table(8)

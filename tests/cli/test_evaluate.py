@@ -223,3 +223,6 @@ def test_with_tools_the_teacher_is_scored_on_greedy_rollouts_with_them(tmp_path)
         "assistant"
     ]
     assert transcript[-1]["content"] == samples[-1]["completion"]
+    # the prompt is what the agent was given (the question), not the reference transcript's calls and results
+    assert [m["role"] for m in samples[-1]["prompt"]] == ["user"] and samples[-1]["prompt"] == transcript[:1]
+    assert "test/accuracy" not in out["metrics"]  # one name per figure: success

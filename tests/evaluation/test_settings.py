@@ -11,6 +11,8 @@ def test_the_defaults_and_null_metrics():
     given = {"accuracy": exact_match}
     settings = ValidationSettings(metrics=given)
     assert settings.metrics == given and settings.metrics is not given  # a copy of its own
+    # a metric set to null is left out: an experiment drops a default (experiment=toy_tools: accuracy: null)
+    assert ValidationSettings(metrics={"accuracy": None, "success": exact_match}).metrics == {"success": exact_match}
 
 
 @pytest.mark.parametrize(
