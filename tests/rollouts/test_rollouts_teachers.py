@@ -98,3 +98,51 @@ def test_a_gkd_step_with_tools_trains_against_a_top_k_server(toy_tools, server, 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["train/tools/calls"] == 3.0 and torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert any(not torch.equal(a, b) for a, b in zip(before, module.student.parameters(), strict=True))
+
+
+def test_speculative_kd_verified_by_a_top_k_server_rolls_out_as_with_the_teacher_in_process(toy_tools, server):
+    """sampler=skd with a served teacher in a tool rollout: every turn's drafts are verified by the server (the
+    transcript so far plus the block, one request per row and block); with the sampling top_k inside the server's
+    top-k the transcripts are the in-process teacher's, token for token."""
+    from functools import partial
+
+    from lightning_gkd.samplers import SpeculativeKDSampler
+
+    model, tokenizer = toy_tools
+    rows = tool_rows("test", 4)
+    sampling = {
+        "sampler": partial(SpeculativeKDSampler, accept_top_k=5, draft_tokens=4),
+        "max_new_tokens": 24,
+        "top_k": 5,
+    }
+    outs = []
+    for teacher in ({"kind": "local", "model": model}, {"kind": "server", "url": server.url, "top_k": 20, **FAST}):
+        module = GKDModule(
+            load_student(tokenizer), teacher, tokenizer, lmbda=1.0, rollout=TOOLS_ROLLOUT, sampling=sampling
+        )
+        collator = ChatMLCollator(
+            tokenizer,
+            columns=["facts"],
+            carry_prompt_messages=True,
+            tools=module.rollout.tools,
+            first_turn_prompts=True,
+        )
+        student = module.student.eval()
+        out, stats = module.rollout.run(
+            lambda i, m, s, module=module, student=student: module.sampler.sample(student, i, m, seed=s),
+            collator(rows),
+            seed=11,
+        )
+        outs.append((out, stats, module.sampler.last_stats()))
+        module.teardown("fit")
+    (local, local_stats, local_figures), (served, served_stats, served_figures) = outs
+    assert torch.equal(local["input_ids"], served["input_ids"]) and torch.equal(local["labels"], served["labels"])
+    assert local_stats.turns == served_stats.turns and sum(served_stats.turns) > len(rows)  # several turns each
+    assert served_figures["replacement_rate"] == local_figures["replacement_rate"] > 0
+
+
+def load_student(tokenizer):
+    """The shipped student start of the toy tool task (it follows the tool protocol)."""
+    from lightning_gkd.models.loading import load_causal_lm
+
+    return load_causal_lm(asset_path("toy_tools/student_init"))
