@@ -56,7 +56,9 @@ class TopKDistillation(DistillationLoss):
     """``divergence``'s generalized JSD (``beta``) between the teacher's top-k log-probs and the student at every
     supervised position: over the k tokens plus one bucket for the rest of the vocabulary (``sparse_loss="topk"``:
     the exact divergence of those coarse distributions, the full one at k = V), or both renormalised over the k
-    (``"topk_renorm"``). From the student's final hidden states (``topk_divergence``); no full-logits path."""
+    (``"topk_renorm"``). From the student's final hidden states (``topk_divergence``); no full-logits path. Masked
+    entries of the signal (``TopKSignal``: ids past the student's vocabulary from a padded served teacher) count for
+    nothing: their mass stays in the rest bucket (``topk``) or is dropped with it (``topk_renorm``)."""
 
     def __init__(self, teacher: SparseTeacher, divergence: DivergenceSettings | None = None) -> None:
         self.teacher = teacher

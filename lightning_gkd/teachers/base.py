@@ -50,6 +50,10 @@ class TopKSignal:
     their log-probs under its full softmax at temperature 1, most likely first. ``next_logprobs`` ``(N,)``
     float32: the teacher's log-prob of the token that actually follows (a dataset completion's or a sample's),
     whether or not it is in the top-k; None when the source does not have it.
+
+    A masked entry (id ``ops.divergence.sparse_kd.MASKED_ID`` = −1, log-prob −inf, after the kept ones) stands for a
+    top-k token the student does not have (a served teacher padded past the student's vocabulary): the top-k losses
+    leave it out, its mass staying in the tail bucket.
     """
 
     ids: torch.Tensor

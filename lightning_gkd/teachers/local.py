@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gkd.ops.decoding.speculative import ModelVerifier
 from lightning_gkd.ops.divergence.topk import topk_log_probs
 from lightning_gkd.ops.hf.forward import unwrap
 from lightning_gkd.ops.hf.heads import LogitHead, hidden_states_and_head
@@ -39,6 +40,11 @@ class LocalTeacher(TeacherBase):
                 f"The teacher's image token id is {token} but the student's is {expected}: the two vision-language "
                 "models do not share a tokenizer and its image token. Use a teacher of the student's family."
             )
+
+    def block_verifier(self, accept_top_k: int) -> ModelVerifier:
+        """A verifier of speculative KD's drafts: the model itself, with its KV cache (every log-prob known, any
+        ``accept_top_k``)."""
+        return ModelVerifier(self.model)
 
     @torch.no_grad()
     def logits(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -15,6 +15,7 @@ http``), and a server that stays down raises ``TeacherUnavailable``.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
+from lightning_gkd.ops.divergence.sparse_kd import MASKED_ID
 from lightning_gkd.ops.hf.forward import EosTokenId
 from lightning_gkd.ops.hf.model_inputs import VisionRows
 from lightning_gkd.samplers.base import Sampler
@@ -30,7 +32,14 @@ from lightning_gkd.teachers.base import TeacherBase, TeacherUnavailable, TopKSig
 from lightning_gkd.teachers.http import TeacherRequestError, check_number, normalize_url, start_command
 from lightning_gkd.teachers.served_model import ServedModel, scored_rows
 
-__all__ = ["ServerSampler", "ServerTeacher", "TeacherRequestError", "TeacherUnavailable"]
+__all__ = [
+    "ServerBlockVerifier",
+    "ServerSampler",
+    "ServerTeacher",
+    "TeacherRequestError",
+    "TeacherUnavailable",
+    "check_verifiable",
+]
 
 
 class ServerTeacher(TeacherBase):
@@ -68,6 +77,9 @@ class ServerTeacher(TeacherBase):
         self.url = self.server.url
         self.top_k = top_k
         self.vocab_size: int | None = None
+        #: whether the served model has rows past the student's vocabulary (``check``; None: not known), whose ids
+        #: ``topk`` masks
+        self.padded_vocabulary: bool | None = None
 
     @property
     def model(self) -> str | None:
@@ -80,9 +92,14 @@ class ServerTeacher(TeacherBase):
 
     # -- probe ------------------------------------------------------------------------------------------------------
     def check(self, tokenizer: Any, vocab_size: int) -> None:
-        """Before training: the server is up, serves ``model``, allows ``top_k`` log-probs, and tokenizes like
-        ``tokenizer`` with a vocabulary of ``vocab_size`` (the student's). Raises ``TeacherUnavailable`` (down) or
-        ``ValueError`` naming the URL and both values of what does not match."""
+        """Before training: the server is up, serves ``model``, allows ``top_k`` log-probs, tokenizes like
+        ``tokenizer``, and takes every id of the student's ``vocab_size`` rows. Raises ``TeacherUnavailable`` (down)
+        or ``ValueError`` naming the URL and both values of what does not match.
+
+        A served model with *more* rows than the student (one tokenizer, the embedding padded further, as Qwen2.5-7B
+        against 0.5B) is accepted: ``topk`` masks the ids it returns past ``vocab_size`` (``padded_vocabulary``
+        says whether the probe saw such rows). A model with *fewer* rows (it rejects the student's last id) is
+        refused: the student could sample tokens the teacher cannot score."""
         self.server.client.get("/health")
         model = self.server.name()
         theirs = self.server.check_tokenizer(tokenizer)
@@ -102,26 +119,21 @@ class ServerTeacher(TeacherBase):
                 ) from None
             raise
         returned = {int(token) for entry in entries[1:] for token in entry}
-        if len(returned) < min(self.top_k, vocab_size) or max(returned) >= vocab_size:
+        if len(returned) < min(self.top_k, vocab_size):
             raise ValueError(
                 f"The teacher server at {self.url} (model {model!r}) returned token ids {sorted(returned)} for "
-                f"top_k={self.top_k}: not {self.top_k} ids below the student's vocabulary size {vocab_size}."
+                f"top_k={self.top_k}: fewer than {min(self.top_k, vocab_size)} ids."
             )
-        if theirs is not None:  # with a tokenizer, vLLM rejects ids past max(tokenizer, model vocabulary)
+        self.padded_vocabulary = max(returned) >= vocab_size or None
+        if theirs is not None and not self.padded_vocabulary:  # with a tokenizer vLLM rejects ids past its rows
             try:
                 self._prompt_logprobs(model, [vocab_size, 0], None, top_k=1)
             except TeacherRequestError as error:
                 if "vocabulary" not in error.message:
                     raise
+                self.padded_vocabulary = False
             else:
-                raise ValueError(
-                    f"The teacher server at {self.url} (model {model!r}) accepts token id {vocab_size}: its "
-                    f"vocabulary is larger than the student's {vocab_size} tokens, so its top-k could hold ids the "
-                    "student does not have, and its log-probs are normalised over rows the student lacks (a model "
-                    "padded to more rows over the same tokenizer, as Qwen2.5-7B against 0.5B). Serve it as a "
-                    "pooling server (teacher.signal=hidden: its head is cut to the shared rows here), cache it "
-                    "(lightning-gkd-cache takes the student's rows), or load it in-process (teacher=local)."
-                )
+                self.padded_vocabulary = True
         self.vocab_size = vocab_size
 
     # -- scoring ----------------------------------------------------------------------------------------------------
@@ -129,7 +141,12 @@ class ServerTeacher(TeacherBase):
     def topk(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> TopKSignal:
         """The signal at the True ``positions`` ``(B, L)`` of ``batch`` (``input_ids``, ``attention_mask`` ``(B,
         L)``, left-padded): ``ids``/``logprobs`` ``(N, k)``, ``next_logprobs`` ``(N,)``, row-major, on the batch's
-        device. Ties in log-probs are ordered by id (as ``lightning_gkd.ops.divergence.topk.topk_log_probs``)."""
+        device. Ties in log-probs are ordered by id (as ``lightning_gkd.ops.divergence.topk.topk_log_probs``).
+
+        After ``check``, an id of the server's top-k past the student's vocabulary (a padded row of a larger served
+        model) is masked: moved after the kept ids as ``MASKED_ID`` (−1) with log-prob −inf, so the top-k losses
+        leave it out (``ops.divergence.sparse_kd``: its mass stays in the tail bucket) and ``ids[:, 0]`` is the
+        teacher's most likely token among the student's."""
         input_ids = batch["input_ids"]
         # prompt_logprobs entry j is the distribution of token j given tokens < j: position i reads entry i + 1
         rows = [
@@ -157,8 +174,10 @@ class ServerTeacher(TeacherBase):
                     raise ValueError(
                         f"The teacher server at {self.url} returned {len(ranked)} log-probs, not top_k={k}."
                     )
-                out_ids.append([t for _, t in ranked])
-                out_logprobs.append([-v for v, _ in ranked])
+                kept = [(t, -v) for v, t in ranked if self.vocab_size is None or t < self.vocab_size]
+                kept += [(MASKED_ID, -math.inf)] * (k - len(kept))
+                out_ids.append([t for t, _ in kept])
+                out_logprobs.append([v for _, v in kept])
                 following.append(float(entry[str(prompt[index])]["logprob"]))
         device = input_ids.device
         return TopKSignal(
@@ -166,6 +185,13 @@ class ServerTeacher(TeacherBase):
             torch.tensor(out_logprobs, dtype=torch.float32).reshape(-1, k).to(device),
             torch.tensor(following, dtype=torch.float32).to(device),
         )
+
+    def block_verifier(self, accept_top_k: int) -> ServerBlockVerifier:
+        """A verifier of speculative KD's drafts (``ops.decoding.speculative.BlockVerifier``) keeping a draft among
+        the teacher's top-``accept_top_k``: ValueError unless ``accept_top_k <= top_k`` (the server then returns the
+        whole top-K at every position). No request is made here."""
+        check_verifiable(accept_top_k, self.top_k, self.url)
+        return ServerBlockVerifier(self)
 
     def close(self) -> None:
         """Shut the thread pool down (a later call starts a new one)."""
@@ -185,6 +211,87 @@ class ServerTeacher(TeacherBase):
                 f"(got {type(entries).__name__}); is it a vLLM server?"
             )
         return [entry or {} for entry in entries]
+
+
+def check_verifiable(accept_top_k: int, top_k: int | None, where: str = "the teacher server") -> None:
+    """ValueError unless speculative KD's ``accept_top_k`` (K) fits a served teacher's ``top_k`` (k): deciding
+    whether a draft is among the teacher's top-K needs all K of them."""
+    k = 20 if top_k is None else top_k  # ServerTeacher's default
+    if accept_top_k > k:
+        raise ValueError(
+            f"sampler.accept_top_k={accept_top_k} is above the served teacher's top_k={k} ({where}): speculative "
+            f"KD keeps a draft when it is among the teacher's top-{accept_top_k}, and the server returns only its "
+            f"top-{k}. "
+            f"Lower sampler.accept_top_k to {k} or less, or raise teacher.top_k to {accept_top_k} (and the server's "
+            "--max-logprobs with it)."
+        )
+
+
+class ServerBlockVerifier:
+    """Speculative KD's verification by a served teacher (``ops.decoding.speculative.BlockVerifier``): per block one
+    request per unfinished row, scoring its prompt, the tokens decided so far and the ``n`` drafts with
+    ``prompt_logprobs=top_k``; the answer at draft ``i`` holds the teacher's top-``k`` (log-softmax at temperature
+    1, over all its rows) and the draft's own log-prob. ``verify`` returns them at their ids, −inf at every other
+    token and at ids past the student's vocabulary (a padded served model's rows).
+
+    With ``accept_top_k <= top_k`` (``ServerTeacher.block_verifier`` refuses more) every keep/replace decision is
+    the in-process teacher's, ties included. The replacement token is drawn (with the sampler's own seeded stream)
+    from the teacher's sampling distribution restricted to those known tokens and renormalised: exact when the
+    distribution's support lies among them (sampling ``top_k`` in ``[1, teacher.top_k]``, whatever the temperature),
+    else it misses the teacher's mass outside its top-k (at temperature 1: ``1 − Σ`` of the top-k probabilities,
+    small for a peaked teacher and a ``top_k`` of 20 or more). ``sampled_logprobs`` are computed from that same
+    restricted distribution, the one sampled from."""
+
+    def __init__(self, teacher: ServerTeacher) -> None:
+        self.teacher = teacher
+        self.tokens_read = 0
+        self._rows: list[list[int]] = []
+        self._model = ""
+
+    def begin(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, *, max_new_tokens: int) -> None:
+        ids, mask = prompt_ids.cpu(), prompt_attention_mask.cpu().bool()
+        self._rows = [row[keep].tolist() for row, keep in zip(ids, mask, strict=True)]
+        self._model = self.teacher.server.name()
+        # the longest request: a prompt, every completion token, and the one token vLLM generates after them
+        self.teacher.server.check_length(max(len(row) for row in self._rows) + max_new_tokens, 1)
+        rows = self.teacher.vocab_size
+        top = max(max(row) for row in self._rows)
+        if rows is not None and top >= rows:
+            raise ValueError(f"ServerBlockVerifier: prompt token id {top} is outside the vocabulary ({rows}).")
+        self.tokens_read = 0
+
+    def verify(self, drafts: torch.Tensor, finished: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        batch, n = drafts.shape
+        out = torch.full((batch, n, vocab_size), -math.inf, dtype=torch.float32)
+        out[finished.cpu()] = 0.0  # rows past their EOS: never read
+        jobs = [
+            (row, self._rows[row] + [int(t) for t in drafts[row].tolist()])
+            for row in range(batch)
+            if not bool(finished[row])
+        ]
+        teacher = self.teacher
+
+        def score(job: tuple[int, list[int]], abort: threading.Event) -> list[dict[str, dict[str, Any]]]:
+            return teacher._prompt_logprobs(self._model, job[1], abort)
+
+        answers = teacher.server.map(score, jobs)
+        for (row, tokens), entries in zip(jobs, answers, strict=True):
+            self.tokens_read += len(tokens)
+            start = len(self._rows[row])  # entry j: the distribution of token j given tokens < j
+            for i in range(n):
+                entry = entries[start + i]
+                known = [(int(t), float(v["logprob"])) for t, v in entry.items() if int(t) < vocab_size]
+                if known:
+                    ids, values = zip(*known, strict=True)
+                    out[row, i, list(ids)] = torch.tensor(values, dtype=torch.float32)
+        return out.to(drafts.device)
+
+    def advance(self, tokens: torch.Tensor, drafted: int, more: bool) -> None:
+        for row, decided in enumerate(tokens.cpu().tolist()):
+            self._rows[row].extend(int(t) for t in decided)
+
+    def finish(self) -> None:
+        self._rows = []
 
 
 class ServerSampler(Sampler):
@@ -324,6 +431,13 @@ class ServerSampler(Sampler):
                 body["seed"] = seed
             choice = server.client.post("/v1/completions", body, abort=abort)["choices"][0]
             tokens = [int(t) for t in choice["token_ids"]]
+            rows = teacher.vocab_size
+            if rows is not None and tokens and max(tokens) >= rows:  # a padded row of a larger served model
+                raise ValueError(
+                    f"The teacher server at {teacher.url} sampled token id {max(tokens)}, past the student's "
+                    f"vocabulary ({rows} rows): a padded row of the served model, which a trained model gives ~0 "
+                    "probability. Sample with top_k or top_p set (method.sampling.top_k), or check the served model."
+                )
             logprobs = [float(v) for v in (choice.get("logprobs") or {}).get("token_logprobs", [])]
             if len(logprobs) != len(tokens):
                 raise ValueError(

@@ -1,6 +1,7 @@
 """lightning_gkd.samplers.SpeculativeKDSampler (``sampler=skd``) driving GKD and OPD through a real Trainer: at K =
 vocabulary size a fit is the plain sampler's fit, the replacement rate is logged per step, grouped generation and the
-CLI compose with it, and a teacher it cannot verify with is refused before any model loads."""
+CLI compose with it, and a teacher it cannot verify with is refused before any model loads. With a served teacher:
+tests/samplers/test_skd_server.py."""
 
 import csv
 import math
@@ -127,7 +128,7 @@ def test_sampler_skd_composes_from_hydra_and_trains(tmp_path, method):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["teacher=server", "teacher.url=http://127.0.0.1:9"], r"sampler=skd verifies .* teacher: server"),
+        (["teacher=server_hidden"], r"sampler=skd verifies .* teacher: server \(signal=hidden\)"),
         (["sampler.accept_top_k=0"], r"accept_top_k must be an integer >= 1 .*got 0"),
         (["sampler.draft_tokens=0"], r"draft_tokens must be an integer >= 1 .*got 0"),
     ],
@@ -148,7 +149,7 @@ def test_a_python_api_user_gets_the_same_refusal(student, tokenizer):
     with pytest.raises(ValueError, match="sampler=skd verifies"):
         GKDModule(
             student,
-            {"kind": "server", "url": "http://127.0.0.1:9", "model": "m"},
+            {"kind": "server", "signal": "hidden", "url": "http://127.0.0.1:9", "model": "m"},
             tokenizer,
             lmbda=1.0,
             sampling={"sampler": partial(SpeculativeKDSampler, accept_top_k=5)},

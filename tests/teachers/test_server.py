@@ -4,17 +4,23 @@ retries and the probe's errors, the sampler's contract. The real server: tests/t
 
 from __future__ import annotations
 
+import copy
+import math
 import pickle
 import socket
 import time
 
 import pytest
 import torch
+from helpers.padded_vocab import pad_vocabulary
 from transformers import AutoModelForCausalLM
 
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.ops.decoding.sampling import generate_completions, sampling_logits
+from lightning_gkd.ops.divergence.sparse_kd import MASKED_ID, topk_distillation_loss
+from lightning_gkd.ops.hf.forward import position_ids_from_mask
+from lightning_gkd.ops.hf.heads import hidden_states_and_head
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
 from lightning_gkd.teachers.http import TeacherRequestError
 from lightning_gkd.teachers.server import ServerSampler, ServerTeacher, TeacherUnavailable
@@ -201,18 +207,120 @@ def test_check_finds_another_tokenizer(toy):
     assert fake.url in message and str(ours)[1:-1] in message and str(shifted("Hello", False))[1:-1] in message
 
 
-@pytest.mark.parametrize(
-    ("server_vocab", "student_vocab", "match"),
-    [
-        (259, 300, "rejects token id 299: its vocabulary is smaller than the student's 300"),
-        (300, 259, "accepts token id 259: its vocabulary is larger than the student's 259"),
-    ],
-)
-def test_check_finds_another_vocabulary_size(server_vocab, student_vocab, match, toy):
-    with FakeVLLMServer(*toy, vocab_size=server_vocab) as fake:
-        with pytest.raises(ValueError, match=match) as raised:
-            ServerTeacher(fake.url, **FAST).check(toy[1], student_vocab)
+def test_check_refuses_a_served_vocabulary_smaller_than_the_students(toy):
+    """The student could sample ids the teacher cannot score: refused (a larger one is accepted, below)."""
+    with FakeVLLMServer(*toy, vocab_size=259) as fake:
+        with pytest.raises(
+            ValueError, match="rejects token id 299: its vocabulary is smaller than the student's 300"
+        ) as raised:
+            ServerTeacher(fake.url, **FAST).check(toy[1], 300)
         assert fake.url in str(raised.value)
+
+
+def test_check_accepts_a_served_vocabulary_padded_past_the_students(toy):
+    """A served model over the same tokenizer with more rows (as Qwen2.5-7B against 0.5B) is accepted: its ids past
+    the student's vocabulary are masked in ``topk`` (test_a_padded_served_teacher_masks_its_padded_ids)."""
+    with FakeVLLMServer(*toy, vocab_size=300) as fake:
+        teacher = ServerTeacher(fake.url, **FAST)
+        teacher.check(toy[1], 259)
+        assert teacher.padded_vocabulary is True and teacher.vocab_size == 259
+    with FakeVLLMServer(*toy) as fake:
+        teacher = ServerTeacher(fake.url, **FAST)
+        teacher.check(toy[1], 259)
+        assert teacher.padded_vocabulary is False
+
+
+@pytest.fixture(scope="module")
+def padded(toy):
+    """The toy teacher with its embedding and head padded from 259 to 300 rows, the new rows random at the spread of
+    the real ones: they take a share of every top-20 (a trained model gives them ~0; here they must be masked)."""
+    model = pad_vocabulary(copy.deepcopy(toy[0]), 300, seed=7, scale=1.5).eval()
+    assert model.config.vocab_size == 300
+    return model
+
+
+def reference_kept(log_probs: torch.Tensor, k: int, vocab: int) -> list[tuple[list[int], list[float]]]:
+    """Per position of ``log_probs`` ``(N, V_padded)``: the top-k ids below ``vocab`` and their log-probs."""
+    values, ids = log_probs.topk(k, dim=-1)
+    return [
+        ([i for i in row_ids if i < vocab], [v for v, i in zip(row_values, row_ids, strict=True) if i < vocab])
+        for row_values, row_ids in zip(values.tolist(), ids.tolist(), strict=True)
+    ]
+
+
+def test_a_padded_served_teacher_masks_its_padded_ids(toy, padded, batch):
+    """Top-k ids past the student's 259 rows come back masked (``MASKED_ID``, log-prob −inf) after the kept ids; the
+    kept ids and log-probs are the padded model's own (normalised over all 300 rows); the top-k loss equals the one
+    of the signal with the masked entries removed, and the hand-computed coarse forward KL (the padded rows' mass in
+    the tail bucket)."""
+    positions = supervised_positions(batch["labels"])
+    with FakeVLLMServer(padded, toy[1]) as fake:
+        teacher = ServerTeacher(fake.url, **{"top_k": 20, **FAST})
+        teacher.check(toy[1], 259)
+        signal = teacher.topk(batch, positions)
+        teacher.close()
+    kept = reference_kept(padded_log_probs(padded, batch), 20, 259)
+    masked = signal.ids == MASKED_ID
+    assert masked.any() and not masked.all(dim=1).any()  # padded rows were in the top-20, never all of it
+    for row, (ids, values) in enumerate(kept):
+        assert signal.ids[row, : len(ids)].tolist() == ids and bool(masked[row, len(ids) :].all())
+        torch.testing.assert_close(signal.logprobs[row, : len(ids)], torch.tensor(values), atol=1e-4, rtol=0)
+        assert bool(torch.isneginf(signal.logprobs[row, len(ids) :]).all())
+
+    student = AutoModelForCausalLM.from_pretrained(asset_path("toy/student_init"), dtype=torch.float32).eval()
+    hidden, head = hidden_states_and_head(student, batch["input_ids"], batch["attention_mask"], positions)
+    loss = topk_distillation_loss(hidden, head, signal.ids, signal.logprobs, beta=0.0)
+    removed = [
+        topk_distillation_loss(hidden[row : row + 1], head, torch.tensor([ids]), torch.tensor([values]))
+        for row, (ids, values) in enumerate(kept)
+    ]
+    assert float(loss.detach()) == pytest.approx(float(torch.stack(removed).mean().detach()), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(hand_forward_kl(student, batch, kept), rel=1e-4)
+
+
+def padded_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``(N, V_padded)`` the padded model's log-softmax (over all its rows) at the batch's supervised positions."""
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask))
+    return logits.logits.float().log_softmax(-1)[supervised_positions(batch["labels"])]
+
+
+def hand_forward_kl(student, batch, kept: list[tuple[list[int], list[float]]]) -> float:
+    """Σ_k p_k (t_k − s_k) + p_rest (t_rest − s_rest) per position over the kept ids only (float64; p_rest = 1 − Σ
+    kept p: the padded rows' mass is in it), averaged over positions."""
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        out = student(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask))
+    s = out.logits.double().log_softmax(-1)[supervised_positions(batch["labels"])]
+    total = 0.0
+    for row, (ids, values) in enumerate(kept):
+        t, s_k = torch.tensor(values, dtype=torch.float64), s[row, ids]
+        t_rest, s_rest = math.log1p(-float(t.exp().sum())), math.log1p(-float(s_k.exp().sum()))
+        total += float((t.exp() * (t - s_k)).sum()) + math.exp(t_rest) * (t_rest - s_rest)
+    return total / len(kept)
+
+
+def test_a_gkd_step_with_a_padded_served_teacher(toy, padded, batch, tmp_path):
+    """GKD's training loss (the step's loss object) against the padded server is the hand-computed loss over the kept
+    ids, and a real Trainer fits two steps with it."""
+    from helpers.fitting import fit, logged, make_module
+
+    tokenizer = toy[1]
+    student = AutoModelForCausalLM.from_pretrained(asset_path("toy/student_init"), dtype=torch.float32)
+    with FakeVLLMServer(padded, tokenizer) as fake:
+        spec = {"kind": "server", "url": fake.url, "top_k": 20, **FAST}
+        module = make_module(student, spec, tokenizer, lmbda=0.0, divergence={"beta": 0.0})
+        assert module.teacher_source.padded_vocabulary is True
+        with torch.no_grad():
+            out = module.training_loss(dict(batch))
+        kept = reference_kept(padded_log_probs(padded, batch), 20, 259)
+        assert any(len(ids) < 20 for ids, _ in kept)
+        assert float(out.loss) == pytest.approx(hand_forward_kl(module.student, batch, kept), rel=1e-4)
+        rows = {"train": addition_rows("train", 16), "val": addition_rows("val", 4)}
+        fit(module, tokenizer, rows, tmp_path, max_steps=2)
+    losses = logged(tmp_path, "train/loss")
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
 
 def test_check_names_the_max_logprobs_flag(toy):

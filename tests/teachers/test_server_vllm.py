@@ -300,3 +300,38 @@ def test_a_killed_server_stops_gkd_with_a_resumable_checkpoint(served, toy, batc
     with pytest.raises(TeacherUnavailable):
         teacher.topk(batch, supervised_positions(batch["labels"]))
     teacher.close()
+
+
+def test_speculative_kd_verified_by_the_server_samples_as_the_local_teacher(served, toy):
+    """sampler=skd's served verifier (``ServerBlockVerifier``) against the real server: with a sampling top_k (5)
+    inside the served top-k (20) and accept_top_k <= 20, every keep/replace decision and token is the in-process
+    teacher's for the same seed, and ``log P(x)`` matches."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_gkd.ops.decoding.speculative import speculative_tokens
+
+    url, _ = served
+    model, tokenizer = toy
+    student = AutoModelForCausalLM.from_pretrained(asset_path("toy/student_init"), dtype=torch.float32).eval()
+    collated = ChatMLCollator(tokenizer, max_length=40)(addition_rows(split="val")[:6])
+    ids, mask = collated["prompts"], collated["prompt_attention_mask"]
+    options = {
+        "max_new_tokens": 10,
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+        "seed": 5,
+        "accept_top_k": 2,
+        "draft_tokens": 3,
+        "temperature": 1.0,
+        "top_k": 5,
+    }
+    local = speculative_tokens(student, model, ids, mask, **options)
+    teacher = ServerTeacher(url, top_k=20, retries=2, backoff=0.1)
+    try:
+        teacher.check(tokenizer, 259)
+        served_sample = speculative_tokens(student, teacher.block_verifier(2), ids, mask, **options)
+    finally:
+        teacher.close()
+    assert local.replaced.any()  # the teacher replaced some drafts
+    assert torch.equal(served_sample.tokens, local.tokens) and torch.equal(served_sample.replaced, local.replaced)
+    torch.testing.assert_close(served_sample.logprobs, local.logprobs, atol=1e-4, rtol=1e-4)

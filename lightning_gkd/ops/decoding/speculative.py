@@ -19,6 +19,16 @@ where ``q_S``, ``q_T`` are the student's and the teacher's sampling distribution
 applied) and top-K ranks the teacher's logits; ``log P(x)`` is what the batch's ``sampled_logprobs`` hold (the
 distribution each token was drawn from, for OPD's importance weights).
 
+The teacher's side goes through a ``BlockVerifier``: it reads the prompts (``begin``), gives the teacher's
+log-probs before each draft of a block (``verify``) and takes the decided tokens (``advance``). ``ModelVerifier`` runs
+an in-process teacher model with its KV cache (every log-prob known); a served top-k teacher
+(``teachers.server.ServerBlockVerifier``) knows, per position, its top-``k`` and the draft's own log-prob and gives
+−inf elsewhere. With ``K <= k`` the accept/reject decisions are exact (the top-``K`` is known, ties included); the
+replacement is drawn from ``q_T`` restricted to the known tokens and renormalised, which is ``q_T`` itself whenever
+``q_T``'s support lies among them (sampling ``top_k`` between 1 and ``k``; or ``k`` covering the vocabulary), and
+otherwise misses ``q_T``'s mass outside the known tokens. ``log P(x)`` is computed from the same restricted ``q_T``,
+so ``sampled_logprobs`` stay the log-probs of the distribution actually sampled from.
+
 Shapes: ``B`` batch size, ``P`` left-padded prompt length, ``N <= max_new_tokens`` generated tokens, ``V``
 vocabulary size.
 """
@@ -26,7 +36,7 @@ vocabulary size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -50,7 +60,14 @@ from lightning_gkd.ops.hf.forward import (
     position_ids_from_mask,
 )
 
-__all__ = ["SpeculativeSample", "check_speculative_settings", "speculative_completions", "speculative_tokens"]
+__all__ = [
+    "BlockVerifier",
+    "ModelVerifier",
+    "SpeculativeSample",
+    "check_speculative_settings",
+    "speculative_completions",
+    "speculative_tokens",
+]
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,101 @@ class _Decoder:
         crop(-count)
 
 
+class BlockVerifier(Protocol):
+    """The teacher's side of block verification (module docstring). One verifier serves one decoding call:
+    ``begin``, then per block ``verify`` and ``advance``, then ``finish``. ``tokens_read``: token positions the
+    teacher ran over (prompts included; a server: the tokens sent)."""
+
+    tokens_read: int
+
+    def begin(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, *, max_new_tokens: int) -> None:
+        """Read the left-padded prompts ``(B, P)`` (1 on real tokens in the mask); up to ``max_new_tokens`` follow."""
+        ...
+
+    def verify(self, drafts: torch.Tensor, finished: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """``(B, n, V)`` float32, ``V = vocab_size`` (the student's): the teacher's log-probs (or logits: any
+        per-position shift) of the next token before each of the ``n`` ``drafts`` ``(B, n)``, after the tokens decided
+        so far; −inf for a token the verifier does not know. Every known set must hold the teacher's top-``K``
+        (``accept_top_k``) and the draft itself. Rows ``finished`` ``(B,)`` (past their EOS) may be anything finite."""
+        ...
+
+    def advance(self, tokens: torch.Tensor, drafted: int, more: bool) -> None:
+        """The block decided ``tokens`` ``(B, length)``, of the ``drafted`` drafts verified (the first ``length - 1``
+        were drafts kept as they are); ``more``: another block follows."""
+        ...
+
+    def finish(self) -> None:
+        """The decoding call is over (restore what ``begin`` changed)."""
+        ...
+
+
+class ModelVerifier:
+    """A ``BlockVerifier`` over an in-process causal LM (Hugging Face ``forward``), decoding with its KV cache in eval
+    mode (its flag restored by ``finish``): every log-prob is known, so SKD's decisions and replacements are exact."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if is_sharded(model):
+            raise ValueError(
+                "Speculative KD sampling runs a different number of forwards on each rank, which a sharded (FSDP) "
+                "model cannot do: use sampler=hf or sampler=vllm with sharded models."
+            )
+        self.model = model
+        self.tokens_read = 0
+        self._decoder: _Decoder | None = None
+        self._training: bool | None = None
+
+    def begin(self, prompt_ids: torch.Tensor, prompt_attention_mask: torch.Tensor, *, max_new_tokens: int) -> None:
+        self._training = self.model.training
+        self.model.eval()
+        batch, self._prompt_len = prompt_ids.shape
+        self._mask = torch.ones(batch, self._prompt_len + max_new_tokens, dtype=torch.long, device=prompt_ids.device)
+        self._mask[:, : self._prompt_len] = prompt_attention_mask
+        self._first_position = prompt_attention_mask.long().sum(dim=-1, keepdim=True)
+        self._done = 0
+        self._decoder = _Decoder(self.model, prompt_ids, self._mask[:, : self._prompt_len])
+        self.tokens_read = self._decoder.tokens_read
+
+    def _state(self) -> _Decoder:
+        if self._decoder is None:
+            raise RuntimeError("ModelVerifier: call begin(prompts) before verify/advance.")
+        return self._decoder
+
+    def verify(self, drafts: torch.Tensor, finished: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        decoder = self._state()
+        if decoder.next_logits.shape[-1] != vocab_size:
+            raise ValueError(
+                f"The student's vocabulary ({vocab_size}) and the teacher's ({decoder.next_logits.shape[-1]}) differ: "
+                "speculative KD compares token ids, so both must share one."
+            )
+        n = drafts.shape[1]
+        logits = [decoder.next_logits]
+        if n > 1:  # one forward over drafts 0..n-2: the distributions before drafts 1..n-1
+            column = self._prompt_len + self._done
+            offsets = torch.arange(n - 1, device=drafts.device)
+            fed = decoder.feed(
+                drafts[:, :-1], self._mask[:, : column + n - 1], self._first_position + self._done + offsets
+            )
+            logits.extend(fed.unbind(dim=1))
+            self.tokens_read = decoder.tokens_read
+        return torch.stack(logits, dim=1)
+
+    def advance(self, tokens: torch.Tensor, drafted: int, more: bool) -> None:
+        decoder = self._state()
+        length = tokens.shape[1]
+        if length < drafted:  # it read drafted - 1 drafts and keeps length - 1 of them
+            decoder.drop_last(drafted - length)
+        self._done += length
+        if more:  # read the last decided token: its logits predict the next block's first draft
+            positions = self._first_position + self._done - 1
+            decoder.feed(tokens[:, -1:], self._mask[:, : self._prompt_len + self._done], positions)
+        self.tokens_read = decoder.tokens_read
+
+    def finish(self) -> None:
+        if self._training is not None:
+            self.model.train(self._training)
+        self._decoder, self._training = None, None
+
+
 def _proposal_logprobs(
     tokens: torch.Tensor,
     student_logits: torch.Tensor,
@@ -133,7 +245,7 @@ def _proposal_logprobs(
 @torch.no_grad()
 def speculative_tokens(
     student: nn.Module,
-    teacher: nn.Module,
+    teacher: nn.Module | BlockVerifier,
     prompt_ids: torch.Tensor,
     prompt_attention_mask: torch.Tensor,
     *,
@@ -150,7 +262,9 @@ def speculative_tokens(
     """Decode up to ``max_new_tokens`` tokens per left-padded prompt with SKD (module docstring).
 
     Args:
-        student, teacher: causal LMs over the same vocabulary (the caller chooses their train/eval mode).
+        student: a causal LM (the caller chooses its train/eval mode).
+        teacher: a causal LM over the student's vocabulary (verified by a ``ModelVerifier``, in eval mode), or a
+            ``BlockVerifier`` (a served teacher's: its known tokens must hold its top-``accept_top_k``).
         prompt_ids: ``(B, P)`` left-padded prompts; ``prompt_attention_mask`` ``(B, P)`` 1 on real tokens.
         accept_top_k: ``K`` (>= 1): a proposal is kept when the teacher ranks it among its ``K`` most likely tokens
             (ties with the K-th are kept); ``K >= V`` keeps every proposal.
@@ -165,14 +279,48 @@ def speculative_tokens(
     """
     validate_sampling_args(max_new_tokens, temperature, top_k, top_p)
     check_speculative_settings(accept_top_k, draft_tokens)
-    if is_sharded(student) or is_sharded(teacher):
+    if is_sharded(student):
         raise ValueError(
             "Speculative KD sampling runs a different number of forwards on each rank, which a sharded (FSDP) "
             "model cannot do: use sampler=hf or sampler=vllm with sharded models."
         )
+    verifier: BlockVerifier = ModelVerifier(teacher) if isinstance(teacher, nn.Module) else teacher
+    verifier.begin(prompt_ids, prompt_attention_mask, max_new_tokens=max_new_tokens)
+    try:
+        return _speculative_loop(
+            student,
+            verifier,
+            prompt_ids,
+            prompt_attention_mask,
+            accept_top_k=accept_top_k,
+            draft_tokens=draft_tokens,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            options={"temperature": temperature, "top_k": top_k, "top_p": top_p},
+            seed=seed,
+        )
+    finally:
+        verifier.finish()
+
+
+def _speculative_loop(
+    student: nn.Module,
+    verifier: BlockVerifier,
+    prompt_ids: torch.Tensor,
+    prompt_attention_mask: torch.Tensor,
+    *,
+    accept_top_k: int,
+    draft_tokens: int,
+    max_new_tokens: int,
+    pad_token_id: int,
+    eos_token_id: EosTokenId,
+    options: dict[str, Any],
+    seed: int,
+) -> SpeculativeSample:
+    """``speculative_tokens``' decoding, the verifier begun."""
     batch, prompt_len = prompt_ids.shape
     device = prompt_ids.device
-    options: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     # one uniform per row and completion position for each stream: a re-drafted position draws the same token
     student_stream = torch.Generator(device=device).manual_seed(seed)
     teacher_stream = torch.Generator(device=device).manual_seed(seed ^ 0x5DEECE66D)
@@ -189,12 +337,7 @@ def speculative_tokens(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
     drafter = _Decoder(student, prompt_ids, mask[:, :prompt_len])
-    verifier = _Decoder(teacher, prompt_ids, mask[:, :prompt_len])
-    if drafter.next_logits.shape[-1] != verifier.next_logits.shape[-1]:
-        raise ValueError(
-            f"The student's vocabulary ({drafter.next_logits.shape[-1]}) and the teacher's "
-            f"({verifier.next_logits.shape[-1]}) differ: speculative KD compares token ids, so both must share one."
-        )
+    vocab = drafter.next_logits.shape[-1]
     done, blocks = 0, 0  # completion tokens decided so far (the same for every row)
     while done < max_new_tokens and not bool(finished.all()):
         blocks += 1
@@ -213,14 +356,7 @@ def speculative_tokens(
                     drafter.feed(token[:, None], mask[:, : column + 1], first_position + done + i)[:, -1]
                 )
         drafted = torch.stack(drafts, dim=1)  # (B, n)
-        # the teacher's distribution before each draft: its current logits, then one forward over drafts 0..n-2
-        teacher_logits = [verifier.next_logits]
-        if n > 1:
-            column = prompt_len + done
-            offsets = torch.arange(n - 1, device=device)
-            fed = verifier.feed(drafted[:, :-1], mask[:, : column + n - 1], first_position + done + offsets)
-            teacher_logits.extend(fed.unbind(dim=1))
-        verify = torch.stack(teacher_logits, dim=1)  # (B, n, V)
+        verify = verifier.verify(drafted, finished, vocab).to(device=device, dtype=torch.float32)  # (B, n, V)
         if accept_top_k < verify.shape[-1]:
             in_top = verify >= verify.topk(accept_top_k, dim=-1).values[..., -1:]  # (B, n, V)
         else:
@@ -252,16 +388,14 @@ def speculative_tokens(
         replaced[:, done : done + length] = swap & ~dead
         if eos is not None:
             finished |= torch.isin(tokens, eos).any(dim=1)
-        # both caches keep the decided tokens before the last one, then read the last one
-        if length < n:  # both read n - 1 drafts and keep length - 1 of them
+        # both models keep the decided tokens before the last one, then read the last one
+        if length < n:  # the student read n - 1 drafts and keeps length - 1 of them
             drafter.drop_last(n - length)
-            verifier.drop_last(n - length)
         done += length
-        if done < max_new_tokens and not bool(finished.all()):
-            last = tokens[:, -1:]
-            positions = first_position + done - 1
-            drafter.feed(last, mask[:, : prompt_len + done], positions)
-            verifier.feed(last, mask[:, : prompt_len + done], positions)
+        more = done < max_new_tokens and not bool(finished.all())
+        verifier.advance(tokens, n, more)
+        if more:
+            drafter.feed(tokens[:, -1:], mask[:, : prompt_len + done], first_position + done - 1)
     return SpeculativeSample(
         out[:, :done], logprobs[:, :done], replaced[:, :done], drafter.tokens_read, verifier.tokens_read, blocks
     )
@@ -281,15 +415,16 @@ def check_speculative_settings(accept_top_k: Any, draft_tokens: Any) -> None:
 
 def speculative_completions(
     student: nn.Module,
-    teacher: nn.Module,
+    teacher: nn.Module | BlockVerifier,
     prompt_ids: torch.Tensor,
     prompt_attention_mask: torch.Tensor,
     **settings: Any,
 ) -> tuple[dict[str, torch.Tensor], SpeculativeSample]:
     """SKD samples as a training batch (``completion_batch``: ``input_ids``, ``attention_mask``, ``labels``,
-    ``sampled_logprobs``, each ``(B, P + N)``) and the ``SpeculativeSample`` they came from; both models run in eval
-    mode (their flags restored). ``settings``: :func:`speculative_tokens`' keywords."""
-    with eval_mode(student), eval_mode(teacher):
+    ``sampled_logprobs``, each ``(B, P + N)``) and the ``SpeculativeSample`` they came from; the student runs in eval
+    mode (its flag restored), as does an in-process teacher (``ModelVerifier``). ``teacher``: a model or a
+    ``BlockVerifier``; ``settings``: :func:`speculative_tokens`' keywords."""
+    with eval_mode(student):
         sample = speculative_tokens(student, teacher, prompt_ids, prompt_attention_mask, **settings)
     batch = completion_batch(
         prompt_ids, prompt_attention_mask, sample.tokens, settings.get("eos_token_id"), sample.logprobs

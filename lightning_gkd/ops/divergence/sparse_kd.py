@@ -15,6 +15,14 @@ sets and bounded by the dense divergence. ``tail=False`` renormalises both over 
 cheaper approximation TRL-style top-k servers use; not monotone in ``k``, and blind to mass the student puts outside
 ``K``.
 
+Masked entries: an id of ``MASKED_ID`` (−1) in the teacher's ids marks an entry that is not one of the student's
+tokens (a served teacher whose vocabulary is padded past the student's returned a padded row there:
+``teachers.server``). It is not a bucket: it contributes nothing to the loss or its gradient, and its log-prob is not
+read. With the tail bucket its teacher mass stays in ``p_rest = 1 − Σ_{kept} p_k`` (the mass of every token outside
+the kept ids, padded rows included, which a trained model gives ~0); renormalised (``tail=False``) it is dropped with
+the rest of the tail. A row with every entry masked contributes 0 (renormalised) or compares ``p_rest = 1`` with the
+student's whole mass (tail: 0). The value equals the loss of the same signal with the masked entries removed.
+
 ``sampled_kl_loss`` is for on-policy batches where only the teacher's log-prob of the student's sampled token is
 known: the single-sample estimators k1 and k3 of the reverse KL.
 
@@ -43,10 +51,13 @@ from lightning_gkd.ops.divergence.chunked_head import check_hidden_and_head, che
 from lightning_gkd.ops.divergence.sample_figures import SampleFigures
 from lightning_gkd.ops.hf.heads import LogitHead
 
-__all__ = ["ESTIMATORS", "sampled_kl_loss", "topk_distillation_loss"]
+__all__ = ["ESTIMATORS", "MASKED_ID", "sampled_kl_loss", "topk_distillation_loss"]
 
 #: The single-sample estimators ``sampled_kl_loss`` knows.
 ESTIMATORS = ("k1", "k3")
+
+#: A teacher id that is no token of the student's (module docstring: masked entries).
+MASKED_ID = -1
 
 # Floor of the teacher's rest-bucket log-mass: the smallest normal float32. A rest mass that rounds to 0 or below
 # (top-k probabilities summing to >= 1 in a float16 cache) is "0" for the forward KL, and costs the reverse KL a
@@ -88,20 +99,34 @@ def _bucket_loss(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> t
 def _topk_chunk_loss(
     logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor, *, beta: float, tail: bool, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed loss of a chunk: student ``logits`` ``(C, V)`` (overwritten), teacher ``ids``/``teacher`` ``(C, k)``."""
-    picked = logits.gather(1, ids)
+    """Summed loss of a chunk: student ``logits`` ``(C, V)`` (overwritten), teacher ``ids``/``teacher`` ``(C, k)``.
+    Negative ids are masked entries (module docstring): both sides get log-prob −inf there, a bucket of zero mass
+    on both sides, which adds 0 to the value and to ``h`` (``_xlogy_terms``), and is kept out of the rest bucket."""
+    masked = ids < 0
+    any_masked = bool(masked.any())
+    index = ids.clamp(min=0)  # a masked entry reads (and adds 0 to) some column; its values are overwritten
+    picked = logits.gather(1, index)
+    if any_masked:
+        picked = picked.masked_fill(masked, -math.inf)
+        teacher = teacher.masked_fill(masked, -math.inf)
     if not tail:  # renormalised over K: the gradient lives on the K columns only
-        student = picked - torch.logsumexp(picked, dim=-1, keepdim=True)
-        loss, h = _bucket_loss(student, teacher - torch.logsumexp(teacher, dim=-1, keepdim=True), beta)
+        empty = masked.all(dim=-1, keepdim=True)  # no kept entry: nothing to compare, the row adds 0
+        student = (picked - torch.logsumexp(picked, dim=-1, keepdim=True)).masked_fill(empty, -math.inf)
+        renormalised = (teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)).masked_fill(empty, -math.inf)
+        loss, h = _bucket_loss(student, renormalised, beta)
         if not need_grad:
             return loss, None
         grad_k = h - student.exp() * h.sum(dim=-1, keepdim=True)
-        return loss, logits.zero_().scatter_(1, ids, grad_k)
+        return loss, logits.zero_().scatter_add_(1, index, grad_k)
     log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     student = picked - log_norm
     rest_logits = None
-    if ids.shape[1] < logits.shape[1]:  # K is not the whole vocabulary (ids are distinct): a rest bucket
-        rest_logits = logits.scatter(1, ids, -math.inf)
+    if any_masked or ids.shape[1] < logits.shape[1]:  # K is not the whole vocabulary (ids are distinct): a rest bucket
+        if any_masked:  # the kept columns to −inf, a masked entry's column untouched (amin with +inf)
+            fill = torch.full_like(picked, -math.inf).masked_fill(masked, math.inf)
+            rest_logits = logits.scatter_reduce(1, index, fill, reduce="amin")
+        else:
+            rest_logits = logits.scatter(1, ids, -math.inf)
         rest_norm = torch.logsumexp(rest_logits, dim=-1, keepdim=True)
         student = torch.cat([student, rest_norm - log_norm], dim=1)
         teacher = torch.cat([teacher, _rest_log_mass(teacher)], dim=1)
@@ -112,7 +137,7 @@ def _topk_chunk_loss(
     if rest_logits is not None:
         grad.add_(rest_logits.sub_(rest_norm).exp_().mul_(h[:, -1:]))  # softmax over the complement · h_rest
         h = h[:, :-1]
-    return loss, grad.scatter_add_(1, ids, h)
+    return loss, grad.scatter_add_(1, index, h)
 
 
 def _sampled_chunk_loss(
@@ -169,9 +194,11 @@ def topk_distillation_loss(
     Args:
         student_hidden: ``(N, H)`` student final hidden states at the supervised positions.
         student_head: the student's ``LogitHead`` (logits ``softcap(scale · (h @ Wᵀ + b))``) or a ``(V, H)`` weight.
-        teacher_ids: ``(N, k)`` integer ids of the teacher's top-k tokens, distinct in each row, ``1 <= k <= V``.
+        teacher_ids: ``(N, k)`` integer ids of the teacher's top-k tokens, distinct in each row, ``1 <= k <= V``;
+            ``MASKED_ID`` (−1) marks a masked entry (module docstring: it contributes nothing, and its mass stays in
+            the rest bucket), repeated as often as needed.
         teacher_logprobs: ``(N, k)`` the teacher's log-softmax (temperature 1) at those ids, any float dtype
-            (upcast to float32).
+            (upcast to float32); not read at masked entries.
         beta: in ``[0, 1]``; 0 forward KL(T‖S), 1 reverse KL(S‖T).
         tail: keep the rest bucket (exact coarse divergence) or renormalise over ``K``.
         chunk_size: positions projected to logits at a time.
@@ -196,11 +223,13 @@ def topk_distillation_loss(
     k = teacher_ids.shape[1]
     if not 1 <= k <= vocab:
         raise ValueError(f"k (teacher_ids.shape[1]) must be in [1, {vocab}] (the student's vocabulary), got {k}.")
-    check_token_ids("teacher_ids", teacher_ids, vocab)
+    if teacher_ids.dtype.is_floating_point or teacher_ids.dtype == torch.bool:
+        raise ValueError(f"teacher_ids must hold integer token ids, got dtype {teacher_ids.dtype}.")
+    check_token_ids("teacher_ids", teacher_ids[teacher_ids != MASKED_ID], vocab)
     ids = teacher_ids.to(device=student_hidden.device, dtype=torch.long)
     if positions and k > 1:
         ordered = ids.sort(dim=1).values
-        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+        repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != MASKED_ID)).any(dim=1)
         if bool(repeated.any()):
             row = int(repeated.nonzero()[0, 0])
             raise ValueError(f"teacher_ids repeats an id in row {row} ({ids[row].tolist()}); a top-k set is distinct.")

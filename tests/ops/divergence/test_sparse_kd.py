@@ -1,8 +1,10 @@
 """Losses from a sparse teacher signal (lightning_gkd.ops.divergence.sparse_kd): at k = V the top-k loss is the dense
 generalized JSD in value and gradients; below it, the exact divergence of the coarse distributions over
 K ∪ {rest} (checked against a hand-built float64 computation); robust to float16 top-k log-probs that sum past 1;
-non-decreasing in k on the shipped toy teacher. The sampled-token estimators k1/k3, averaged exactly over the
-student's distribution, give the reverse KL, and the gradients of the reverse KL (k1) and of the cross-entropy (k3)."""
+non-decreasing in k on the shipped toy teacher; masked entries (ids past the student's vocabulary from a padded
+served teacher) contribute nothing, against golden numbers computed by hand. The sampled-token estimators k1/k3,
+averaged exactly over the student's distribution, give the reverse KL, and the gradients of the reverse KL (k1) and
+of the cross-entropy (k3)."""
 
 import math
 
@@ -14,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from lightning_gkd.data.chat import ChatMLCollator
 from lightning_gkd.data.tokenizer import load_tokenizer
 from lightning_gkd.ops.divergence.jsd import generalized_jsd_loss
-from lightning_gkd.ops.divergence.sparse_kd import sampled_kl_loss, topk_distillation_loss
+from lightning_gkd.ops.divergence.sparse_kd import MASKED_ID, sampled_kl_loss, topk_distillation_loss
 from lightning_gkd.ops.divergence.topk import topk_log_probs
 from lightning_gkd.ops.hf.heads import LogitHead, final_hidden_states, output_head
 from lightning_gkd.teachers import LocalTeacher, supervised_positions
@@ -149,6 +151,91 @@ def test_float16_top_k_summing_past_one_treats_the_rest_as_empty():
         assert_same(grads_of(forward, leaves), grads_of(expected, copies))
 
 
+def one_position_student() -> tuple[torch.Tensor, torch.Tensor]:
+    """One position over a 4-token student vocabulary, logits ``z = [1, 0, 2, -1]`` (identity head)."""
+    return torch.tensor([[1.0, 0.0, 2.0, -1.0]], requires_grad=True), torch.eye(4)
+
+
+def golden_masked_loss(beta: float, tail: bool) -> float:
+    """By hand: the teacher (over 6 padded rows) gives token 2 p=.5, padded token 5 p=.3, token 0 p=.1; the student
+    has 4 tokens. Kept buckets {2}, {0}; with the tail the rest bucket holds the teacher's .4 (token 5's .3 included)
+    against the student's S1 + S3; renormalised, the teacher is [5/6, 1/6] over {2, 0}."""
+    z = [1.0, 0.0, 2.0, -1.0]
+    norm = sum(math.exp(v) for v in z)
+    s = [math.exp(v) / norm for v in z]
+    if tail:
+        p, q = [0.5, 0.1, 0.4], [s[2], s[0], s[1] + s[3]]
+    else:
+        p, q = [5 / 6, 1 / 6], [s[2] / (s[2] + s[0]), s[0] / (s[2] + s[0])]
+    if beta == 0:
+        return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True))
+    if beta == 1:
+        return sum(qi * math.log(qi / pi) for pi, qi in zip(p, q, strict=True))
+    m = [beta * pi + (1 - beta) * qi for pi, qi in zip(p, q, strict=True)]
+    return sum(
+        beta * pi * math.log(pi / mi) + (1 - beta) * qi * math.log(qi / mi) for pi, qi, mi in zip(p, q, m, strict=True)
+    )
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("tail", [True, False])
+def test_masked_entries_contribute_nothing_golden(beta, tail):
+    """A padded teacher's entry (id past the student's vocabulary, ``MASKED_ID`` in the signal) is left out: the value
+    is the hand computation, and value and gradients equal those of the signal with the entry removed."""
+    log = math.log
+    masked_ids = torch.tensor([[2, MASKED_ID, 0]])
+    masked_logprobs = torch.tensor([[log(0.5), -math.inf, log(0.1)]])
+    removed_ids, removed_logprobs = torch.tensor([[2, 0]]), torch.tensor([[log(0.5), log(0.1)]])
+    hidden, weight = one_position_student()
+    value = topk_distillation_loss(hidden, weight, masked_ids, masked_logprobs, beta=beta, tail=tail)
+    (grad,) = torch.autograd.grad(value, hidden)
+    assert float(value.detach()) == pytest.approx(golden_masked_loss(beta, tail), rel=1e-5, abs=1e-7)
+    removed = topk_distillation_loss(hidden, weight, removed_ids, removed_logprobs, beta=beta, tail=tail)
+    (removed_grad,) = torch.autograd.grad(removed, hidden)
+    torch.testing.assert_close(value, removed, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, removed_grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("tail", [True, False])
+def test_masked_entries_anywhere_equal_the_rows_without_them(beta, tail):
+    """Masked entries at any place of a row, several in a row, a row of masked entries only (it adds 0), a masked
+    entry whose clamped column (0) is a kept id: the batch's value and gradients are the mean of each row's loss
+    computed without its masked entries."""
+    leaves, head = make_student("bias_scale_softcap")
+    teacher = teacher_log_probs()
+    ids = torch.stack([torch.randperm(V, generator=torch.Generator().manual_seed(40 + r))[:5] for r in range(N)])
+    ids[0] = torch.tensor([0, 3, 5, 7, 9])
+    masks = torch.zeros(N, 5, dtype=torch.bool)
+    masks[0, 1] = masks[1, 0] = masks[2, 4] = True
+    masks[3, 1:4] = True
+    masks[4] = True  # every entry masked
+    logprobs = teacher.gather(1, ids).float()
+    value = topk_distillation_loss(
+        leaves[0], head, ids.masked_fill(masks, MASKED_ID), logprobs.masked_fill(masks, -7.0), beta=beta, tail=tail
+    )
+    grads = grads_of(value, leaves)
+    total = torch.zeros(())
+    for row in range(N):
+        keep = ~masks[row]
+        if not keep.any():
+            if tail:  # p_rest = 1 against the student's whole mass: 0
+                total = total + 0.0 * leaves[0][row].sum()
+            continue
+        total = total + topk_distillation_loss(
+            leaves[0][row : row + 1],
+            head,
+            ids[row : row + 1, keep],
+            logprobs[row : row + 1, keep],
+            beta=beta,
+            tail=tail,
+        )
+    expected = total / N
+    torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, grads_of(expected, leaves), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_no_grad_and_empty_batch():
     leaves, head = make_student("plain")
     ids = torch.zeros(N, 1, dtype=torch.long)
@@ -171,7 +258,7 @@ def test_errors_name_the_values():
         (lambda: topk_distillation_loss(hidden, head, ids, logprobs, beta=1.5), "beta must be in"),
         (lambda: topk_distillation_loss(hidden, head, ids, logprobs, chunk_size=0), "chunk_size must be >= 1, got 0"),
         (lambda: topk_distillation_loss(hidden, head, ids + V - 1, logprobs), rf"\[0, {V}\).*from {V - 1} to {V}"),
-        (lambda: topk_distillation_loss(hidden, head, ids - 1, logprobs), r"from -1 to 0"),
+        (lambda: topk_distillation_loss(hidden, head, ids - 2, logprobs), r"from -2 to -2"),  # -1: masked
         (lambda: topk_distillation_loss(hidden, head, ids.float(), logprobs), "integer token ids"),
         (lambda: topk_distillation_loss(hidden, head, torch.zeros(N, 2, dtype=torch.long), logprobs), "row 0"),
         (
