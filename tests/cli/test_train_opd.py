@@ -141,3 +141,17 @@ def test_experiment_toy_chain_trains_opd_on_the_chain_task_scored_by_its_final_s
             float(r["train/completion_length"]) for r in csv.DictReader(handle) if r.get("train/completion_length")
         ]
     assert lengths and max(lengths) > 6  # the chain task's answers, not the addition task's 8-token budget
+
+
+@pytest.mark.parametrize(
+    "overrides, lr",
+    [
+        (["method=opd"], 1e-4),  # OPD's own learning rate (1e-3 collapses it)
+        (["method=opd", "optimizer.lr=3e-4"], 3e-4),  # the user's wins
+        (["method=opd", "experiment=toy_tools"], 1e-4),
+        (["method=gkd"], 1e-3),  # the optimizer's default for the others
+        (["method=sft"], 1e-3),
+    ],
+)
+def test_method_opd_brings_the_learning_rate_it_needs_unless_one_is_given(tmp_path, overrides, lr):
+    assert compose_train(tmp_path, overrides).optimizer.lr == pytest.approx(lr)
