@@ -5,6 +5,8 @@ lightning-gkd [overrides...]      # or: python -m lightning_gkd.cli.train [overr
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import sys
 import time
 from dataclasses import dataclass
@@ -109,6 +111,25 @@ def build_data(cfg: DictConfig) -> Any:
     return datamodule
 
 
+def check_method_keys(method: DictConfig) -> None:
+    """ValueError, before anything loads, for a ``method.<key>`` the method's class does not take (a typo such as
+    ``+method.lmbd=0.5``), naming the closest option and all of them."""
+    target = get_object(str(method._target_))
+    parameters = inspect.signature(target).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    options = [name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    unknown = [str(key) for key in method if not str(key).startswith("_") and key not in parameters]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, options, n=1)
+        hint = f" (did you mean method.{close[0]}?)" if close else ""
+        raise ValueError(
+            f"method.{key} is not an option of {target.__name__}{hint}. Its options: "
+            f"{', '.join(f'method.{name}' for name in options if name not in ('student', 'teacher', 'tokenizer'))}."
+        )
+
+
 def build(cfg: DictConfig) -> Run:
     """Check what can be checked before any model loads, then instantiate data, method, trainer and callbacks."""
     # ckpt_path=last (checked against the run's record), and a resume continues in the checkpoint's run folder
@@ -119,6 +140,7 @@ def build(cfg: DictConfig) -> Run:
         if not cfg.get("export"):
             raise ValueError("push_to_hub=true uploads the exported student: set export=true.")
         check_push_settings(cfg.get("hub_model_id"))  # before training, not after
+    check_method_keys(cfg.method)
     datamodule = build_data(cfg)
     check_cross_tokenizer_config(cfg, datamodule)  # a teacher with another tokenizer: what it cannot train on
     # the optimizer and scheduler groups reach the method through method.training (${optimizer}, ${scheduler})

@@ -69,3 +69,15 @@ def test_a_mistyped_student_path_is_named_before_its_tokenizer_is_looked_for(tmp
     monkeypatch.setattr("lightning_gkd.models.loading.hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(FileNotFoundError, match=r"student: no local folder 'models/studnet' \(relative to"):
         build(compose_train(tmp_path, ["model.student.name_or_path=models/studnet"]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+method.lmbd=0.5"], r"method\.lmbd is not an option of GKDModule \(did you mean method\.lmbda\?\)\. "),
+        (["method=opd", "+method.lmbda=0.5"], r"method\.lmbda is not an option of OPDModule.*method\.policy_gradient"),
+    ],
+)
+def test_a_mistyped_method_key_names_the_options_before_anything_loads(tmp_path, no_weights, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build(compose_train(tmp_path, overrides))
