@@ -1,7 +1,9 @@
 """Command-line entry points: ``lightning-gkd`` (Hydra: build -> fit -> finish) and the hub push."""
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 def put_launch_folder_on_path() -> None:
@@ -28,3 +30,24 @@ def tokenizer_source(model: Mapping[str, Any]) -> str:
         "model.tokenizer is null and the student has no name_or_path to take its tokenizer from (it is built from a "
         "config): set model.tokenizer=<tokenizer folder or hub id>."
     )
+
+
+def run_reporting_errors(run: Callable[[], _T], *, multirun: bool) -> _T:
+    """``run()``; when it raises, print the error's message alone (``Error: <type>: <message>``) and exit with status
+    1, as a command-line user needs it: every check of ours names what was wrong and what to do, and a traceback
+    above it buries that. ``HYDRA_FULL_ERROR=1`` re-raises (Hydra then prints the whole traceback), as does a
+    ``multirun`` job, whose error the sweep records."""
+    import os
+    import sys
+
+    try:
+        return run()
+    except Exception as error:
+        if multirun or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(
+            f"Error: {type(error).__name__}: {error}\n(the traceback: run the command again with HYDRA_FULL_ERROR=1)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(1) from None

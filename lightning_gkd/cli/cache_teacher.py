@@ -20,7 +20,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_gkd.conf  # noqa: F401  (registers the ${asset:...} resolver for configs composed here)
-from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
+from lightning_gkd.cli import put_launch_folder_on_path, run_reporting_errors, tokenizer_source
+from lightning_gkd.cli.sweep import in_multirun
 from lightning_gkd.data.rows import ChainedRows, fit_rows
 from lightning_gkd.data.sources import load_rows
 from lightning_gkd.data.tokenizer import load_tokenizer
@@ -150,7 +151,7 @@ def print_report(report: CacheBuildReport) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="cache_teacher")
 def main(cfg: DictConfig) -> None:
     put_launch_folder_on_path()  # before anything is instantiated from the config
-    run(cfg)
+    run_reporting_errors(lambda: run(cfg), multirun=in_multirun())
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 import lightning_gkd.conf  # noqa: F401  (registers the ${asset:...} resolver for configs composed here)
-from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
+from lightning_gkd.cli import put_launch_folder_on_path, run_reporting_errors, tokenizer_source
 from lightning_gkd.cli.eval_checkpoint import check_fits_student, load_weights, read_checkpoint
 from lightning_gkd.cli.model_source import check_model_folder, has_tokenizer
+from lightning_gkd.cli.sweep import in_multirun
 from lightning_gkd.cli.train import print_config
 from lightning_gkd.data.chat import ChatDataModule
 from lightning_gkd.data.tokenizer import load_tokenizer
@@ -479,7 +480,7 @@ def print_summary(result: Mapping[str, Any], target: EvalTarget) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://lightning_gkd.conf", config_name="evaluate")
 def main(cfg: DictConfig) -> dict[str, Any]:
     put_launch_folder_on_path()  # before anything is instantiated from the config
-    return run(cfg)  # a multirun's sweep summary reads its "metrics"
+    return run_reporting_errors(lambda: run(cfg), multirun=in_multirun())  # a sweep summary reads its "metrics"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_gkd.conf  # noqa: E402,F401  (registers the ${asset:...} resolver for configs composed here)
 from lightning_gkd.callbacks.signal_checkpoint import SIGINT_EXIT_STATUS
-from lightning_gkd.cli import put_launch_folder_on_path, tokenizer_source
+from lightning_gkd.cli import put_launch_folder_on_path, run_reporting_errors, tokenizer_source
 from lightning_gkd.cli.hub import check_push_settings, push_folder
 from lightning_gkd.cli.sweep import in_multirun, record_job
 from lightning_gkd.cli.toy_defaults import warn_toy_defaults
@@ -335,7 +335,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     put_launch_folder_on_path()  # before anything is instantiated from the config
     launched_in = Path(cfg.paths.output_dir)  # the folder Hydra made; a resume moves the run to its own folder
     try:
-        result = run(cfg)
+        result = run_reporting_errors(lambda: run(cfg), multirun=in_multirun())
     except KeyboardInterrupt:  # Ctrl-C before training started (inside fit, Lightning and SignalCheckpoint see it)
         print("\nCtrl-C before training started: stopped; nothing to save.", file=sys.stderr, flush=True)
         record_job(error=KeyboardInterrupt("Ctrl-C before training started"))

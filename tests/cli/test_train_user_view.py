@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -199,3 +200,27 @@ def test_table_cells_keep_blank_completions_visible_and_prompts_end_first():
     assert _completion_cell("\n\n", 10) == "⏎⏎" and _completion_cell("", 10) == "(empty)"
     assert _completion_cell("abcdefghijkl", 6) == "abcde…"
     assert _clip("user\n123+456=\nassistant\n", 12, keep_end=True) == "…= assistant"
+
+
+@pytest.mark.parametrize("full_error", [False, True])
+def test_a_failed_run_prints_its_message_alone_and_the_traceback_on_request(tmp_path, full_error):
+    """A missing data file: the one-line message and how to see the traceback, exit status 1; with HYDRA_FULL_ERROR=1
+    Hydra's traceback as before."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1" if full_error else "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_gkd.cli.train", "data.train_data=missing.jsonl", "print_config=false"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 1
+    message = "train_data: data file 'missing.jsonl' does not exist."
+    assert message in result.stderr
+    assert ("Traceback" in result.stderr) == full_error
+    if not full_error:
+        assert (
+            f"Error: FileNotFoundError: {message}\n(the traceback: run the command again with HYDRA_FULL_ERROR=1)"
+            in (result.stderr)
+        )
