@@ -73,7 +73,6 @@ class FittedRun:
 #: TensorBoard logs, 8 validation and 32 test rows
 DEBUG_RUN = [
     "experiment=debug",
-    "print_config=false",
     "logger=[csv,tensorboard]",
     "+data.val_data.num_rows=8",
     "+data.test_data.num_rows=32",

@@ -66,6 +66,21 @@ def print_config(cfg: DictConfig) -> None:
     rich.print(tree)
 
 
+@rank_zero_only
+def print_config_line(cfg: DictConfig) -> None:
+    """One line instead of the tree: the command line's overrides, and where Hydra saved the whole config."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides, saved = "", ""
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        overrides = " ".join(hydra_cfg.overrides.task)
+        folder = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None, throw_on_missing=False)
+        if folder and hydra_cfg.output_subdir:  # a command's run (a config composed in process saves none)
+            saved = f"; the full config: {Path(folder) / hydra_cfg.output_subdir / 'config.yaml'}"
+    print(f"config: {overrides or 'the defaults'}{saved} (print_config=true prints it)", flush=True)
+
+
 def instantiate_callbacks(cfg: DictConfig | None) -> list[L.Callback]:
     if not cfg:
         return []
@@ -136,6 +151,8 @@ def build(cfg: DictConfig) -> Run:
     ckpt_path, record = plan_resume(cfg)
     if cfg.get("print_config"):  # after plan_resume: a resume prints the run folder it continues in
         print_config(cfg)
+    else:
+        print_config_line(cfg)
     if cfg.get("push_to_hub"):
         if not cfg.get("export"):
             raise ValueError("push_to_hub=true uploads the exported student: set export=true.")

@@ -97,6 +97,11 @@ def test_sample_table_compares_dpo_against_its_reference(student, tokenizer, tmp
 
 def test_default_run_prints_the_sample_table_progress_lines_and_the_summary(debug_run):
     result, out = debug_run.result, debug_run.stdout
+    # the config as one line (the overrides, where the whole config is), not a tree of every value
+    assert re.search(
+        r"^config: .*experiment=debug logger=\[csv,tensorboard\].*\(print_config=true prints it\)$", out, re.M
+    )
+    assert "print_config=true prints it" in out and "├── " not in out  # no rich tree
     assert "Samples at step 2 (greedy)" in out and "Samples at step 4 (greedy)" in out
     # stdout is no terminal here (as in a SLURM log): a line per logged step (log_every_n_steps=1), the
     # learning rate among its metrics, and one per validation
