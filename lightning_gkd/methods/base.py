@@ -49,9 +49,11 @@ from lightning_gkd.training.export import export_module
 from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
 from lightning_gkd.training.normalization import StepTokenNormalizer
 from lightning_gkd.training.optimizers import adamw, amp_clipping, build_optimizer
-from lightning_gkd.training.quiet import ignore_frozen_eval_warning
+from lightning_gkd.training.quiet import ignore_frozen_eval_warning, silence_known_noise
 from lightning_gkd.training.settings import TrainingSettings
 from lightning_gkd.training.throughput import TokenThroughput
+
+silence_known_noise()  # Lightning's litlogger tip and a torch deprecation in Lightning's code: noise for any user
 
 __all__ = [
     "MAX_CONSECUTIVE_SKIPS",

@@ -32,6 +32,26 @@ EXPECTED_LOG_RECORDS = (
 )
 
 
+#: Of the above, what is noise in any process that uses the methods (a plain ``L.Trainer`` included): dropped for
+#: good once ``lightning_gkd.methods`` is imported (``silence_known_noise``).
+_ALWAYS_SILENCED = (EXPECTED_WARNINGS[0], EXPECTED_LOG_RECORDS[0], EXPECTED_LOG_RECORDS[1])
+_silenced = False
+
+
+def silence_known_noise() -> None:
+    """Drop, for the rest of the process, Lightning's advertisement ("💡 Tip: ... try installing litlogger", once
+    per Trainer) and torch's deprecation warning about a class Lightning's ``_pytree`` uses (once per fit): a user
+    can do nothing about either. Everything else Lightning prints stays. Idempotent."""
+    global _silenced
+    if _silenced:
+        return
+    (message, category), *records = _ALWAYS_SILENCED
+    warnings.filterwarnings("ignore", message=message, category=category)
+    for name, start in records:
+        logging.getLogger(name).addFilter(_DropStarting(start))
+    _silenced = True
+
+
 def frozen_eval_message(module: Any) -> str | None:
     """The regex of Lightning's "Found N module(s) in eval mode at the start of training" when N is exactly the
     number of submodules of ``module``'s frozen models (``module.frozen_models()``: a teacher, a reference),

@@ -76,11 +76,16 @@ def test_lightnings_tips_are_not_logged_and_other_info_is(monkeypatch):
             rank_zero_info("GPU available: False, used: False")
             mlflow_logger.warning("Experiment with name lightning-gkd not found. Creating it.")
             mlflow_logger.warning("something else")
-        rank_zero_info("💡 Tip: after the run")
+        rank_zero_info("💡 Tip: after the run")  # dropped for good once the methods are imported
+        mlflow_logger.warning("Experiment with name x not found. Creating it.")  # restored after the run
     finally:
         for each in (logger, mlflow_logger):
             each.removeHandler(handler)
-    assert records == ["GPU available: False, used: False", "something else", "💡 Tip: after the run"]
+    assert records == [
+        "GPU available: False, used: False",
+        "something else",
+        "Experiment with name x not found. Creating it.",
+    ]
 
 
 @pytest.mark.parametrize("live_terminal", [False, True])
@@ -94,3 +99,37 @@ def test_progress_bars_off_within_and_back_after(live_terminal, monkeypatch):
         # "Loading weights" and downloads: kept on a terminal (a big model takes minutes), off in a log file
         assert transformers_logging.is_progress_bar_enabled() is live_terminal
     assert datasets.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
+
+
+PLAIN_TRAINER_SCRIPT = """
+import lightning as L
+from lightning_gkd import ChatDataModule, GKDModule
+from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+from lightning_gkd.toy import addition_rows
+from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
+
+tokenizer = build_chatml_tokenizer()
+for _ in range(2):  # two fits, two Trainers: the noise came once per Trainer and once per fit
+    module = GKDModule(
+        tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0), tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1), tokenizer,
+        lmbda=0.0,
+    )
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", enable_checkpointing=False, logger=False)
+    trainer.fit(module, datamodule=ChatDataModule(tokenizer, addition_rows("train", 8), batch_size=4))
+print("fitted")
+"""
+
+
+def test_the_python_api_with_a_plain_trainer_prints_no_known_noise(tmp_path):
+    """The methods drop Lightning's litlogger tip and torch's _pytree deprecation for the whole process (a user's own
+    Trainer included); Lightning's other messages stay."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", PLAIN_TRAINER_SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    printed = result.stdout + result.stderr
+    assert result.returncode == 0 and "fitted" in result.stdout, printed[-3000:]
+    assert "💡 Tip" not in printed and "LeafSpec" not in printed
+    assert "GPU available: False" in printed
