@@ -6,6 +6,8 @@
 - ``LearningRateLogger`` (in ``default``): ``train/lr``, at the logged steps.
 - ``SignalCheckpoint`` (in ``default``): on SIGTERM/SIGUSR1 or a first Ctrl-C, finish the step, save, stop cleanly
   (a second Ctrl-C aborts at once).
+- ``BestModel`` (in ``default``): the best checkpoint by a validation metric, loaded at the end when asked; a
+  warning (or a stop) when the metric stays below the student's start.
 - ``HeldOutEvaluation`` (in ``default``): greedy held-out scores of the teacher and the student before/after.
 - ``SampleTable`` (in ``default``): greedy samples and teacher agreement every few steps.
 - ``LengthGuard`` (in ``default``): the student's greedy completion lengths and EOS rate against the teacher's at
@@ -15,6 +17,7 @@
 - ``StudyRecord`` (conf/experiment/study_*.yaml): a study run's curve, compute and completions, for its tables.
 """
 
+from lightning_gkd.callbacks.best_model import BestModel
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
 from lightning_gkd.callbacks.hf_export import HFExportCallback
 from lightning_gkd.callbacks.last_step_validation import LastStepValidation
@@ -27,6 +30,7 @@ from lightning_gkd.callbacks.step_progress import StepProgressBar
 from lightning_gkd.callbacks.study_record import StudyRecord
 
 __all__ = [
+    "BestModel",
     "HFExportCallback",
     "HeldOutEvaluation",
     "LastStepValidation",

@@ -62,28 +62,14 @@ class HeldOutEvaluation(L.Callback):
         return getattr(datamodule, "test_rows", None)
 
     def _evaluate(self, trainer: L.Trainer, model: Any, rows: Any, sampler: Any = None) -> dict[str, float]:
-        module = require_lm_module(trainer.lightning_module, type(self).__name__)
-        rollout = getattr(module, "rollout", None)
-        if rollout is not None:  # an agent: its transcripts' final answers, with the method's tools
-            return evaluate_rollouts(
-                model,
-                module.tokenizer,
-                rows,
-                rollout,
-                metrics=self.metrics,
-                batch_size=self.batch_size,
-                max_new_tokens=self.max_new_tokens,
-                sampler=sampler,
-            )
-        return evaluate_generations(
+        return score_rows(
+            trainer,
             model,
-            module.tokenizer,
             rows,
             metrics=self.metrics,
-            batch_size=self.batch_size,
             max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
             sampler=sampler,
-            processor=getattr(getattr(trainer, "datamodule", None), "processor", None),  # rows with images
         )
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -150,3 +136,41 @@ class HeldOutEvaluation(L.Callback):
     def run_summary(self) -> dict[str, Any]:
         """What ``lightning-gkd``'s summary and model card report: the held-out scores."""
         return {"held_out": self.results}
+
+
+def score_rows(
+    trainer: L.Trainer,
+    model: Any,
+    rows: Any,
+    *,
+    metrics: Mapping[str, GenerationMetric],
+    max_new_tokens: int,
+    batch_size: int,
+    sampler: Any = None,
+) -> dict[str, float]:
+    """``metrics`` of ``model``'s greedy completions of ``rows`` (through ``sampler.greedy`` where it decodes): with a
+    method that rolls out with tools, of its greedy rollouts' final answers (plus ``tool_calls`` and
+    ``tool_failures``); with images, through the datamodule's processor."""
+    module = require_lm_module(trainer.lightning_module, "score_rows")
+    rollout = getattr(module, "rollout", None)
+    if rollout is not None:  # an agent: its transcripts' final answers, with the method's tools
+        return evaluate_rollouts(
+            model,
+            module.tokenizer,
+            rows,
+            rollout,
+            metrics=metrics,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+        )
+    return evaluate_generations(
+        model,
+        module.tokenizer,
+        rows,
+        metrics=metrics,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        sampler=sampler,
+        processor=getattr(getattr(trainer, "datamodule", None), "processor", None),  # rows with images
+    )

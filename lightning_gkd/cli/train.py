@@ -318,6 +318,13 @@ def print_summary(result: dict[str, Any]) -> None:
             f"held-out {name} ({label}): " + (f"{value:.4f}" if value is not None else "n/a (teacher not above start)")
             for name, value in scores.items()
         ]
+    best = result.get("best_model")
+    if best:
+        loaded = f", loaded at the end from {best['loaded']}" if best.get("loaded") else ""
+        start = f" (start {best['start']:.4f})" if best.get("start") is not None else ""
+        lines.append(f"best validation: {best['value']:.4f} at step {best['step']}{start}{loaded}")
+    if result.get("below_start"):
+        lines.append(f"warning: {result['below_start']}")
     if result.get("teacher_unavailable"):
         lines.append(f"stopped: the teacher server stayed unavailable ({result['teacher_unavailable']}); not exported")
     if result["stopped_by_signal"]:

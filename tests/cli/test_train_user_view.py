@@ -117,6 +117,9 @@ def test_default_run_prints_the_sample_table_progress_lines_and_the_summary(debu
     # the last batch's 0/1 coin (train/on_policy) and the schedule's last rate are no results
     assert "train/on_policy:" not in summary and "train/lr" not in summary
     assert "held-out accuracy (student after)" in summary
+    # callbacks.best_model: the best validation and the start it is compared with
+    best = result["best_model"]
+    assert f"best validation: {best['value']:.4f} at step {best['step']} (start {best['start']:.4f})" in summary
     assert f"trained model exported to: {debug_run.run_dir / 'student'}" in summary
     assert result["trained_tokens"] > 0 and (debug_run.run_dir / "samples.jsonl").is_file()
     with open(debug_run.run_dir / "logs" / "metrics.csv") as handle:
