@@ -65,6 +65,9 @@ class RolloutEngine(ABC):
     def bind_teachers(self, sources: Mapping[str, Any]) -> None:
         """Take the method's teacher sources by name (an engine whose sampler consults the teacher)."""
 
+    def end_rollout(self) -> None:
+        """A multi-turn rollout ended: release what was kept for its turns (``Sampler.end_rollout``)."""
+
     def close(self) -> None:
         """Release the engine (a process, a copy of the model)."""
 
@@ -127,6 +130,9 @@ class InProcessEngine(RolloutEngine):
         self.model = model
         self._parameters = dict(model.state_dict(keep_vars=True))
         self.sampler.start({"student": model}, max_model_len=max_model_len)
+
+    def end_rollout(self) -> None:
+        self.sampler.end_rollout()
 
     def load_weights(self, snapshot: WeightSnapshot) -> float:
         started = time.perf_counter()

@@ -388,7 +388,10 @@ class OnPolicyModule(CausalLMModule):
         def sample_turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
             return sampler.sample(cast(torch.nn.Module, model), ids, mask, seed=turn_seed)
 
-        transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        try:
+            transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        finally:
+            sampler.end_rollout()  # the KV caches kept across its turns
         self.check_rollout_rows(stats)
         self.log_sampler_stats(sampler, len(batch["prompts"]))  # the last turn's
         for name, value in stats.metrics().items():
@@ -497,7 +500,10 @@ class OnPolicyModule(CausalLMModule):
         def sample_turn(ids: torch.Tensor, mask: torch.Tensor, turn_seed: int) -> dict[str, torch.Tensor]:
             return engine.sample(ids, mask, seed=turn_seed)
 
-        transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        try:
+            transcripts, stats = self.rollout.run(sample_turn, batch, seed)
+        finally:
+            engine.end_rollout()
         self.check_rollout_rows(stats)
         figures = {f"sampler/{name}": value for name, value in engine.last_stats().items()}
         figures.update({f"tools/{name}": value for name, value in stats.metrics().items()})

@@ -24,7 +24,8 @@ class Sampler(ABC):
     overrides ``bind_teachers(sources)`` (the method's teachers by name, once they are built); one that reports
     figures ``last_stats()`` (name → float of its last call, logged as ``train/sampler/<name>``); one whose
     ``sampled_logprobs`` may not be those of the distribution it sampled from (a served engine's raw log-probs)
-    ``sampled_logprobs_problem()`` (None when they are, else why not).
+    ``sampled_logprobs_problem()`` (None when they are, else why not); one that keeps state across the turns of a
+    multi-turn rollout (``KVCacheSampler``'s KV) ``end_rollout()`` (after each rollout: release it).
 
     Before any model loads, the class's static checks run on a sampler, its class or a ``functools.partial`` of it
     (``check_sampler``, ``SamplingSettings.check_teachers``): ``check_available()`` (its 'not installed' error),
@@ -85,6 +86,9 @@ class Sampler(ABC):
 
     def close(self) -> None:
         """Release what the sampler holds (engines); it may start again on its next use."""
+
+    def end_rollout(self) -> None:
+        """A multi-turn rollout ended: release what was kept for its turns."""
 
     def greedy(
         self, model: nn.Module, prompts: torch.Tensor, prompt_attention_mask: torch.Tensor, *, max_new_tokens: int

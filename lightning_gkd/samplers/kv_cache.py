@@ -6,14 +6,37 @@ import contextlib
 import copy
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from lightning_gkd.ops.decoding.kv_decoders import DECODE_MODES, KVDecoder, make_decoder, resolve_decode
-from lightning_gkd.ops.decoding.sampling import generate_completions, validate_sampling_args
+from lightning_gkd.ops.decoding.kv_decoders import (
+    DECODE_MODES,
+    DecodedKV,
+    KVDecoder,
+    make_decoder,
+    resolve_decode,
+)
+from lightning_gkd.ops.decoding.sampling import (
+    completion_batch,
+    completion_lengths,
+    generate_completions,
+    validate_sampling_args,
+)
+from lightning_gkd.ops.decoding.turn_cache import (
+    KeptKV,
+    PastKV,
+    gather_kv,
+    is_left_padded,
+    kept_kv,
+    match_rows,
+    row_tokens,
+    suffix_inputs,
+    weights_fingerprint,
+)
 from lightning_gkd.ops.hf.forward import (
     check_matmul_precision,
     float32_matmul_precision,
@@ -21,7 +44,7 @@ from lightning_gkd.ops.hf.forward import (
     resolve_eos_token_id,
     resolve_pad_token_id,
 )
-from lightning_gkd.ops.hf.model_inputs import VisionRows
+from lightning_gkd.ops.hf.model_inputs import VisionRows, has_images
 from lightning_gkd.samplers.base import Sampler
 
 log = logging.getLogger(__name__)
@@ -45,6 +68,18 @@ class _SamplingCopy:
 
     model: nn.Module
     synced_version: int
+
+
+@dataclass
+class _TurnCache:
+    """The KV kept from the last ``sample`` call for the next turn, and what it was computed with: the sampled
+    model and its sampling module (weak references), their weights' fingerprints, the sampler's weight version, the
+    device and the autocast state."""
+
+    kept: KeptKV
+    model: weakref.ReferenceType[nn.Module]
+    sampling_model: weakref.ReferenceType[nn.Module]
+    key: tuple[Any, ...]
 
 
 @dataclass
@@ -83,6 +118,19 @@ class KVCacheSampler(Sampler):
 
     Prompts with images (``vision``, a vision-language model's) prefill with them; those decodes use the dynamic
     decoder whatever ``decode`` says (the static ones take text only).
+
+    ``reuse_turn_cache`` (default True) carries each row's KV cache from one ``sample`` call to the next, for the
+    turns of a multi-turn rollout: after a call the sampler keeps every returned row's cache (its context and its
+    sampled tokens up to and including EOS, as far as the model consumed them) and, at the next call, a row whose
+    tokens start with a kept row's reuses that row's keys and values and prefills only the rest (the environment's
+    reply and the next generation prompt); other rows prefill in full (``ops.decoding.turn_cache``). The samples are
+    those of a full prefill, up to floating-point summation order. What is kept is dropped at ``weights_updated``,
+    at ``end_rollout``, at ``close``, and never used with another model, with weights changed in place since
+    (``weights_fingerprint``), on another device or autocast state. Only the dynamic decoder reuses: with
+    ``decode=static|compiled`` every turn prefills in full and nothing is kept; so do rows with images, and a model
+    whose cache is not transformers' ``DynamicCache`` of full (or not yet sliding) attention layers, or whose
+    sliding window the decode's width would reach. ``last_stats()`` reports the tokens of the last call's prefill
+    (``prefill_tokens``) and the reused ones (``reused_tokens``).
     """
 
     takes_images: ClassVar[bool] = True
@@ -98,7 +146,10 @@ class KVCacheSampler(Sampler):
     compile_backend: str | None = None
     prompt_bucket: int = 64
     finished_lag: int | None = None
+    reuse_turn_cache: bool = True
     _decoder: KVDecoder | None = field(default=None, init=False, repr=False)
+    _turns: _TurnCache | None = field(default=None, init=False, repr=False)
+    _stats: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _copies: dict[int, _SamplingCopy] = field(default_factory=dict, init=False, repr=False)
     _version: int = field(default=0, init=False, repr=False)
     #: Seconds spent making and re-syncing sampling copies (``weights_dtype``), in this process.
@@ -112,6 +163,7 @@ class KVCacheSampler(Sampler):
             decode=self.decode,
             prompt_bucket=self.prompt_bucket,
             finished_lag=self.finished_lag,
+            reuse_turn_cache=self.reuse_turn_cache,
         )
 
     @staticmethod
@@ -120,6 +172,7 @@ class KVCacheSampler(Sampler):
         decode: str = "auto",
         prompt_bucket: int = 64,
         finished_lag: int | None = None,
+        reuse_turn_cache: bool = True,
         **_: Any,
     ) -> None:
         """The factory's options, checked before any model loads."""
@@ -134,10 +187,31 @@ class KVCacheSampler(Sampler):
             raise ValueError(f"sampler.prompt_bucket must be an integer >= 1, got {prompt_bucket!r}.")
         if finished_lag is not None and (not isinstance(finished_lag, int) or finished_lag < 0):
             raise ValueError(f"sampler.finished_lag must be an integer >= 0 or null (auto), got {finished_lag!r}.")
+        if not isinstance(reuse_turn_cache, bool):
+            raise ValueError(f"sampler.reuse_turn_cache must be true or false, got {reuse_turn_cache!r}.")
 
     def weights_updated(self) -> None:
-        """An optimizer step is about to change the trainable models: their sampling copies re-sync when next used."""
+        """An optimizer step is about to change the trainable models: their sampling copies re-sync when next used,
+        and the KV kept for the next turn is dropped."""
         self._version += 1
+        self._turns = None
+
+    def end_rollout(self) -> None:
+        """A multi-turn rollout ended: drop the KV kept for its next turn."""
+        self._turns = None
+
+    def close(self) -> None:
+        """Drop the KV kept for a next turn (the sampling copies stay: they are re-synced, not rebuilt)."""
+        self._turns = None
+
+    def last_stats(self) -> dict[str, float]:
+        """The last call's prefill: ``prefill_tokens`` (the rows' tokens it fed) and ``reused_tokens`` (the tokens
+        whose keys and values came from the previous call instead)."""
+        return dict(self._stats)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the keys and values kept for the next turn (0: none)."""
+        return 0 if self._turns is None else self._turns.kept.nbytes()
 
     def sample(
         self,
@@ -155,23 +229,102 @@ class KVCacheSampler(Sampler):
             if sampling_model is not model
             else contextlib.nullcontext()
         )
+        decoder = self.decoder(sampling_model, prompts.device)
+        eos_token_id = resolve_eos_token_id(model, self.tokenizer)
+        reusing = self.reuse_turn_cache and decoder.takes_past and not has_images(vision)
+        real = int(prompt_attention_mask.sum())
+        self._stats = {"prefill_tokens": float(real), "reused_tokens": 0.0}
+        key = self._turn_key(model, sampling_model, prompts.device) if reusing else None
+        tokens = row_tokens(prompts, prompt_attention_mask) if reusing else []
+        past, reuse, ids, mask = self._reuse(model, sampling_model, key, prompts, prompt_attention_mask, tokens)
+        self._turns = None  # what this call reuses is gathered into past: hold one turn's cache at a time
+        kv_out: list[DecodedKV | None] | None = [] if reusing else None
         with float32_matmul_precision(self.matmul_precision), autocast_off:
-            return generate_completions(
+            out = generate_completions(
                 sampling_model,
-                prompts,
-                prompt_attention_mask,
+                ids,
+                mask,
                 max_new_tokens=self.max_new_tokens,
                 pad_token_id=resolve_pad_token_id(self.tokenizer),
-                eos_token_id=resolve_eos_token_id(model, self.tokenizer),
+                eos_token_id=eos_token_id,
                 do_sample=True,
                 temperature=self.temperature,
                 top_k=self.top_k,
                 top_p=self.top_p,
                 seed=seed,
-                decoder=self.decoder(sampling_model, prompts.device),
+                decoder=decoder,
                 finished_lag=self.finished_lag,
                 vision=vision,
+                past=past,
+                kv_out=kv_out,
             )
+        completion = out["input_ids"][:, ids.shape[1] :]
+        if past is not None:  # the batch's prompt columns are the full prompts, as given
+            reused = int(reuse.sum())
+            self._stats = {"prefill_tokens": float(real - reused), "reused_tokens": float(reused)}
+            logprobs = out["sampled_logprobs"][:, ids.shape[1] :]
+            out = completion_batch(prompts, prompt_attention_mask, completion, eos_token_id, logprobs)
+        decoded = kv_out[0] if kv_out else None
+        if decoded is not None and key is not None and key == self._turn_key(model, sampling_model, prompts.device):
+            lengths, _ = completion_lengths(completion, eos_token_id)
+            kept = kept_kv(
+                decoded.keys,
+                decoded.values,
+                decoded.context_mask,
+                tokens,
+                completion,
+                lengths,
+                decoded.fed,
+                window=decoded.window,
+            )
+            self._turns = _TurnCache(kept, weakref.ref(model), weakref.ref(sampling_model), key)
+        return out
+
+    def _turn_key(self, model: nn.Module, sampling_model: nn.Module, device: torch.device) -> tuple[Any, ...]:
+        """What kept KV must have been computed with to be reused: the weights of ``model`` and of the module that
+        decodes for it (``weights_fingerprint``), the sampler's weight version, the device and the autocast
+        state."""
+        autocast = torch.is_autocast_enabled(device.type)
+        return (
+            weights_fingerprint(model),
+            weights_fingerprint(sampling_model) if sampling_model is not model else None,
+            self._version,
+            device,
+            autocast,
+            torch.get_autocast_dtype(device.type) if autocast else None,
+        )
+
+    def _reuse(
+        self,
+        model: nn.Module,
+        sampling_model: nn.Module,
+        key: tuple[Any, ...] | None,
+        prompts: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        tokens: list[list[int]],
+    ) -> tuple[PastKV | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept KV this call's rows reuse (None: prefill in full), how many tokens each reuses ``(B,)``, and
+        the ids and mask to prefill: the rows' suffixes after the reused tokens, or the prompts as given."""
+        none = torch.zeros(prompts.shape[0], dtype=torch.long, device=prompts.device)
+        turns = self._turns
+        if key is None or turns is None:
+            return None, none, prompts, prompt_attention_mask
+        if turns.model() is not model or turns.sampling_model() is not sampling_model or turns.key != key:
+            self._turns = None  # other weights, another model, another device: never reused
+            return None, none, prompts, prompt_attention_mask
+        if not is_left_padded(prompt_attention_mask):
+            return None, none, prompts, prompt_attention_mask
+        sources, counts = match_rows(turns.kept.tokens, tokens)
+        if not any(counts):
+            return None, none, prompts, prompt_attention_mask
+        device = turns.kept.columns.device
+        source = torch.tensor(sources, dtype=torch.long, device=device)
+        reuse = torch.tensor(counts, dtype=torch.long, device=device)
+        ids, mask = suffix_inputs(prompts, prompt_attention_mask, reuse.to(prompts.device))
+        width = max(counts) + ids.shape[1] + self.max_new_tokens
+        if turns.kept.window is not None and width >= turns.kept.window:
+            return None, none, prompts, prompt_attention_mask  # the gap would reach into the sliding window
+        return gather_kv(turns.kept, source, reuse), reuse, ids, mask
 
     def decoder(self, model: nn.Module, device: torch.device) -> KVDecoder:
         """The decoder ``decode`` resolves to for the first model sampled (kept for the whole run, logged once)."""

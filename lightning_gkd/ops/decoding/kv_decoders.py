@@ -7,6 +7,8 @@ the next logits. Three decoders, chosen once per sampler:
 * ``DynamicKVDecoder``: transformers' growing cache (``DynamicCache``), the attention mask grown by a slice per
   token. Works with any model following the Hugging Face causal-LM ``forward`` convention. On every decode forward
   transformers' mask creation reads the padding mask on the host (``padding_mask.all()``: a device sync per token).
+  It can start from keys and values kept from an earlier decode (``past``, a multi-turn rollout's previous turn:
+  ``ops.decoding.turn_cache``) and hand its cache on when done (``kept``): ``takes_past``.
 * ``StaticKVDecoder``: transformers' ``StaticCache`` sized once for the whole decode (prompt + new tokens), one
   attention mask of that length for every forward. A compileable cache at one query token skips the mask check, so a
   decode forward reads nothing back to the host; the shapes of every decode forward are the same.
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_gkd.ops.decoding.turn_cache import PastKV
 from lightning_gkd.ops.hf.forward import accepts_logits_to_keep, cache_keyword, is_sharded, position_ids_from_mask
 from lightning_gkd.ops.hf.model_inputs import (
     VisionRows,
@@ -77,12 +81,28 @@ def resolve_decode(decode: str, model: nn.Module, device: torch.device) -> str:
     return decode
 
 
+@dataclass
+class DecodedKV:
+    """A finished decode's cache as ``DynamicKVDecoder.kept`` hands it on: per layer ``(B, H, Wc + fed, D)`` keys and
+    values, ``context_mask`` ``(B, Wc)`` (the mask of the columns before the first decode step: reused and prefilled
+    ones), ``fed`` (decode steps that fed a token) and ``window`` (the smallest sliding window among the layers;
+    None: none)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    context_mask: torch.Tensor
+    fed: int
+    window: int | None
+
+
 class KVDecoder(ABC):
     """Runs one decode's forwards (see the module docstring). ``prefill`` starts a decode; ``step`` continues it;
     ``release`` drops the references the decode holds (its cache, the model)."""
 
     #: whether ``prefill`` takes the prompts' images (``vision``); a decoder that does not is replaced for such a decode
     takes_images: bool = False
+    #: whether ``prefill`` starts from kept keys and values (``past``) and ``kept`` hands the cache on
+    takes_past: bool = False
 
     @abstractmethod
     def prefill(
@@ -93,9 +113,15 @@ class KVDecoder(ABC):
         max_new_tokens: int,
         *,
         vision: VisionRows | None = None,
+        past: PastKV | None = None,
     ) -> torch.Tensor:
         """``(B, V)`` logits after the prompts ``(B, P)`` (and their images, ``vision``: one dict per row, see
-        ``ops.hf.model_inputs``); starts a decode of at most ``max_new_tokens`` tokens."""
+        ``ops.hf.model_inputs``); starts a decode of at most ``max_new_tokens`` tokens. With ``past`` (where
+        ``takes_past``), the prompts continue those keys and values: ``(B, P)`` is only each row's suffix."""
+
+    def kept(self) -> DecodedKV | None:
+        """The finished decode's cache (before ``release``), or None where the decoder cannot hand it on."""
+        return None
 
     @abstractmethod
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
@@ -111,11 +137,13 @@ class DynamicKVDecoder(KVDecoder):
     enter at the prefill; a model with multimodal positions (M-RoPE) continues from the positions its images left."""
 
     takes_images = True
+    takes_past = True
 
     def __init__(self) -> None:
         self._model: nn.Module | None = None
         self._outputs: Any = None
         self._step_inputs: dict[str, torch.Tensor] = {}
+        self._fed = 0
 
     def prefill(
         self,
@@ -125,7 +153,11 @@ class DynamicKVDecoder(KVDecoder):
         max_new_tokens: int,
         *,
         vision: VisionRows | None = None,
+        past: PastKV | None = None,
     ) -> torch.Tensor:
+        self._fed = 0
+        if past is not None:
+            return self._prefill_on(model, prompt_ids, prompt_attention_mask, max_new_tokens, past, vision)
         batch, prompt_len = prompt_ids.shape
         self._model, self._cache_kw, self._prompt_len = model, cache_keyword(model), prompt_len
         self._mask = torch.ones(batch, prompt_len + max_new_tokens, dtype=torch.long, device=prompt_ids.device)
@@ -140,8 +172,69 @@ class DynamicKVDecoder(KVDecoder):
         self._outputs = model(**inputs, use_cache=True, **keep)
         return self._outputs.logits[:, -1, :]
 
+    def _prefill_on(
+        self,
+        model: nn.Module,
+        suffix_ids: torch.Tensor,
+        suffix_mask: torch.Tensor,
+        max_new_tokens: int,
+        past: PastKV,
+        vision: VisionRows | None,
+    ) -> torch.Tensor:
+        """The prefill of each row's suffix ``(B, S)`` after its kept keys and values ``past`` (width ``C``; see
+        ``ops.decoding.turn_cache`` for the layout): mask ``(B, C + S)``, positions counted over it."""
+        from transformers import DynamicCache
+
+        if has_images(vision):
+            raise ValueError("a prefill on kept keys and values takes text only: decode rows with images in full")
+        if past.mask.shape[0] != suffix_ids.shape[0]:
+            raise ValueError(f"past has {past.mask.shape[0]} rows, the suffixes {suffix_ids.shape[0]}")
+        batch, span = suffix_ids.shape
+        mask = torch.cat([past.mask.to(suffix_mask.device, torch.long), suffix_mask.long()], dim=1)
+        self._model, self._cache_kw, self._prompt_len = model, cache_keyword(model), mask.shape[1]
+        self._mask = torch.ones(batch, mask.shape[1] + max_new_tokens, dtype=torch.long, device=suffix_ids.device)
+        self._mask[:, : mask.shape[1]] = mask
+        self._next_position = mask.sum(dim=-1, keepdim=True)
+        self._step_inputs = {}
+        config = getattr(model, "config", None)  # its layer kinds (sliding-window layers), as the model's own cache
+        cache = DynamicCache(ddp_cache_data=list(zip(past.keys, past.values, strict=True)), config=config)
+        keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+        self._outputs = model(
+            input_ids=suffix_ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask)[:, -span:],
+            use_cache=True,
+            **{self._cache_kw: cache},
+            **keep,
+        )
+        return self._outputs.logits[:, -1, :]
+
+    def kept(self) -> DecodedKV | None:
+        """The cache of the decode that just ran, when every layer is a plain (or not yet sliding) transformers
+        ``DynamicCache`` layer holding all its columns; None otherwise (other cache kinds: recurrent, chunked,
+        KV-sharing layers)."""
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        cache = returned_cache(self._outputs) if self._outputs is not None else None
+        layers = getattr(cache, "layers", None)
+        if not layers:
+            return None
+        width = self._prompt_len + self._fed
+        keys, values, windows = [], [], []
+        for layer in layers:
+            if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) or layer.keys is None:
+                return None
+            if layer.keys.dim() != 4 or layer.keys.shape[2] != width or layer.values.shape[2] != width:
+                return None
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                windows.append(int(layer.sliding_window))
+            keys.append(layer.keys)
+            values.append(layer.values)
+        return DecodedKV(keys, values, self._mask[:, : self._prompt_len], self._fed, min(windows, default=None))
+
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         assert self._model is not None, "prefill starts a decode"
+        self._fed = step + 1
         self._outputs = self._model(
             input_ids=tokens[:, None],
             attention_mask=self._mask[:, : self._prompt_len + step + 1],
@@ -236,7 +329,10 @@ class StaticKVDecoder(KVDecoder):
         max_new_tokens: int,
         *,
         vision: VisionRows | None = None,
+        past: PastKV | None = None,
     ) -> torch.Tensor:
+        if past is not None:
+            raise ValueError("StaticKVDecoder does not start from kept keys and values (takes_past is False).")
         if has_images(vision):
             raise ValueError("StaticKVDecoder does not take images (takes_images is False): decode them dynamically.")
         batch, prompt_len = prompt_ids.shape

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gkd.ops.constants import IGNORE_INDEX
-from lightning_gkd.ops.decoding.kv_decoders import DynamicKVDecoder, KVDecoder
+from lightning_gkd.ops.decoding.kv_decoders import DecodedKV, DynamicKVDecoder, KVDecoder
+from lightning_gkd.ops.decoding.turn_cache import PastKV
 from lightning_gkd.ops.hf.forward import (
     EosTokenId,
     eval_mode,
@@ -225,6 +226,8 @@ def sample_tokens(
     decoder: KVDecoder | None = None,
     finished_lag: int | None = None,
     vision: VisionRows | None = None,
+    past: PastKV | None = None,
+    kv_out: list[DecodedKV | None] | None = None,
 ) -> torch.Tensor:
     """Decode up to ``max_new_tokens`` tokens per prompt with a KV cache.
 
@@ -260,6 +263,11 @@ def sample_tokens(
             ``DynamicKVDecoder`` for this decode. A vision-language model never samples its image (or video)
             placeholder tokens (``ops.hf.model_inputs.placeholder_token_ids``: their logits are ``-inf``, also in the
             returned log-probs' distribution).
+        past: keys and values kept from an earlier decode that the prompts continue (``ops.decoding.turn_cache``:
+            ``prompt_ids`` ``(B, S)`` are then each row's suffix after its ``past`` columns); needs a decoder that
+            ``takes_past`` and no images.
+        kv_out: when a list, the decode's cache (``decoder.kept()``: a ``DecodedKV``, or None where the decoder
+            cannot hand it on) is appended to it before the decoder releases it.
 
     Returns:
         ``(B, N)`` long tensor of generated tokens, ``N <= max_new_tokens``; ``N`` is
@@ -278,6 +286,12 @@ def sample_tokens(
     )
     if decoder is None or (has_images(vision) and not decoder.takes_images):
         decoder = DynamicKVDecoder()
+    if past is not None and (not decoder.takes_past or has_images(vision)):
+        raise ValueError(
+            f"{type(decoder).__name__} cannot start from kept keys and values (past) here: only a decoder that "
+            "takes_past does, for prompts without images; prefill the whole prompts instead."
+        )
+    prefill_options = {} if past is None else {"past": past}
     # a vision-language model's image placeholders are never text it writes: one sampled into a completion would
     # ask the next forward for an image the row does not have
     placeholders = torch.tensor(placeholder_token_ids(model), dtype=torch.long, device=device)
@@ -290,7 +304,9 @@ def sample_tokens(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
     try:
-        logits = decoder.prefill(model, prompt_ids, prompt_attention_mask, max_new_tokens, vision=vision)
+        logits = decoder.prefill(
+            model, prompt_ids, prompt_attention_mask, max_new_tokens, vision=vision, **prefill_options
+        )
         num_tokens = max_new_tokens
         for step in range(max_new_tokens):
             if len(placeholders):
@@ -311,6 +327,8 @@ def sample_tokens(
                 num_tokens = step + 1  # trimmed below to where the last row finished
                 break
             logits = decoder.step(tokens, step)
+        if kv_out is not None:
+            kv_out.append(decoder.kept())
     finally:
         decoder.release()
     if all_done is not None and all_done.lag > 0:
@@ -412,6 +430,8 @@ def generate_completions(
     decoder: KVDecoder | None = None,
     finished_lag: int | None = None,
     vision: VisionRows | None = None,
+    past: PastKV | None = None,
+    kv_out: list[DecodedKV | None] | None = None,
 ) -> dict[str, Any]:
     """Sample completions for a batch of prompts and return a training batch.
 
@@ -432,7 +452,8 @@ def generate_completions(
         seed: when given, sampling uses a fresh ``torch.Generator`` on the prompts'
             device seeded with it: results are reproducible and the global RNG is
             untouched. ``None`` uses the global RNG.
-        decoder, finished_lag, vision: see :func:`sample_tokens`.
+        decoder, finished_lag, vision, past, kv_out: see :func:`sample_tokens` (with ``past``, ``prompt_ids`` are
+            the rows' suffixes, and so are the prompt columns of the returned batch).
 
     Returns:
         The dict of :func:`completion_batch`: ``input_ids``, ``attention_mask``,
@@ -466,6 +487,8 @@ def generate_completions(
             decoder=decoder,
             finished_lag=finished_lag,
             vision=vision,
+            past=past,
+            kv_out=kv_out,
         )
     batch: dict[str, Any] = completion_batch(
         prompt_ids, prompt_attention_mask, completion_ids, eos_token_id, logprobs[0]
