@@ -95,3 +95,14 @@ def debug_run(_debug_run_once) -> FittedRun:
     """The session's one fit of DEBUG_RUN (its result a copy per test). Its folder is shared: read it, never write
     into it (copy what a test changes into its own tmp_path)."""
     return FittedRun(copy.deepcopy(_debug_run_once.result), _debug_run_once.run_dir, _debug_run_once.stdout)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    a fake server's forwards run in its request threads beside the client's, and with several intra-op threads each
+    they spin against each other (and other processes) on a small CPU, 40x slower here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,12 +7,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from functools import partial
 
 import pytest
 import torch
 from helpers.fitting import small_trainer
+from helpers.signals import signal_after_first_checkpoint
 
 from lightning_gkd import ChatDataModule, GKDModule
 from lightning_gkd.callbacks.held_out_eval import HeldOutEvaluation
@@ -96,10 +96,6 @@ def test_without_a_teacher_there_is_no_gap(student, tokenizer, tmp_path):
     assert not any(key.endswith("_gap_closed") for key in logged(tmp_path))
 
 
-def _default_sigint() -> None:  # a child of a shell script or CI runner may inherit an ignored SIGINT
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.slow
 def test_a_run_resumed_after_ctrl_c_reports_its_own_start_as_before(tmp_path):
     """The default toy job (its shipped student, 24 test rows), Ctrl-C after step 10, then ckpt_path=last: the
@@ -117,26 +113,14 @@ def test_a_run_resumed_after_ctrl_c_reports_its_own_start_as_before(tmp_path):
         "method.lmbda=0.0",  # supervised steps: the student moves fast and the test stays short
     ]
     run_dir, log = tmp_path / "outputs" / "runs" / "a", tmp_path / "first_run.log"
-    with open(log, "w") as sink:
-        process = subprocess.Popen(
-            [*command, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000", "trainer.val_check_interval=10"],
-            cwd=tmp_path,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=_default_sigint,
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while not list((run_dir / "checkpoints").glob("step*.ckpt")):
-                assert process.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no checkpoint within 300 s"
-                time.sleep(0.2)
-            process.send_signal(signal.SIGINT)
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
+    process = signal_after_first_checkpoint(
+        [*command, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000", "trainer.val_check_interval=10"],
+        cwd=tmp_path,
+        run_dir=run_dir,
+        log=log,
+        signum=signal.SIGINT,
+        timeout=300,
+    )
     assert process.returncode == 130, log.read_text()[-3000:]
     interrupted = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     step = interrupted["global_step"]

@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers.fitting import small_trainer
 from helpers.paths import ROOT
+from helpers.signals import child_default_sigint, signal_after_first_checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_gkd import ChatDataModule, GKDModule
@@ -252,40 +253,19 @@ def trained_steps(run_dir) -> list[int]:
         return [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")]
 
 
-def _default_sigint() -> None:  # a child of a shell script or CI runner may inherit an ignored SIGINT
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.slow
 def test_ctrl_c_on_the_command_line_saves_exits_130_and_ckpt_path_last_finishes(tmp_path):
     """A real `python -m lightning_gkd.cli.train`, Ctrl-C (SIGINT) once it has trained a few steps, then
     `ckpt_path=last` from a new launch: the run ends at max_steps in its own folder, every step trained once."""
     run_dir, log = tmp_path / "outputs" / "runs" / "a", tmp_path / "first_run.log"
-    with open(log, "w") as sink:
-        process = subprocess.Popen(
-            [
-                *COMMON,
-                f"hydra.run.dir={run_dir}",
-                "trainer.max_steps=100000",
-                "callbacks.model_checkpoint.every_n_train_steps=2",
-            ],
-            cwd=tmp_path,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=_default_sigint,
-        )
-        try:
-            deadline = time.monotonic() + 180
-            while not list((run_dir / "checkpoints").glob("step*.ckpt")):
-                assert process.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no training step within 180 s"
-                time.sleep(0.2)
-            process.send_signal(signal.SIGINT)
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
+    command = [*COMMON, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000"]
+    process = signal_after_first_checkpoint(
+        [*command, "callbacks.model_checkpoint.every_n_train_steps=2"],
+        cwd=tmp_path,
+        run_dir=run_dir,
+        log=log,
+        signum=signal.SIGINT,
+    )
     output = log.read_text()
     assert process.returncode == 130, output[-3000:]
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -340,7 +320,7 @@ def test_a_second_ctrl_c_on_the_command_line_aborts_without_waiting_for_the_step
             stdout=sink,
             stderr=subprocess.STDOUT,
             text=True,
-            preexec_fn=_default_sigint,
+            preexec_fn=child_default_sigint,
         )
         try:
             deadline = time.monotonic() + 180
@@ -392,7 +372,7 @@ def test_ctrl_c_under_ddp_stops_every_rank_after_the_same_step(tmp_path):
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # its own process group, as a terminal's foreground job
-            preexec_fn=_default_sigint,
+            preexec_fn=child_default_sigint,
         )
         try:
             deadline = time.monotonic() + 240

@@ -6,7 +6,6 @@ import csv
 import math
 
 import pytest
-import torch
 from helpers.hydra_compose import compose_train
 from helpers.opd_metrics import OPD_METRICS
 from transformers import AutoModelForCausalLM
@@ -28,12 +27,7 @@ FAST = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_method_opd_composes_and_trains_with_grouped_generation(tmp_path):

@@ -41,12 +41,7 @@ EXACT_SAMPLER = partial(KVCacheSampler, matmul_precision="highest")
 STOPS = list(range(3, 25))  # many "EOS" ids: random tiny models then end their samples at uneven lengths
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 class Recording(Sampler):

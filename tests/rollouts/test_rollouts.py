@@ -29,6 +29,7 @@ from lightning_gkd.samplers import KVCacheSampler
 from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.toy.tools import TOOLS, tool_call, tool_rows
 from tests.helpers.scripted_sampler import ScriptedSampler
+from tests.helpers.tool_runs import grouped_tool_run, reference_script
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +89,6 @@ def rollout_for(tokenizer, tools=TOOLS, *, max_iterations=4, max_transcript_toke
     )
 
 
-def scripted_rows(rows):
-    """A script that writes each row's reference transcript (its assistant turns, in order)."""
-    return {
-        row["messages"][0]["content"]: [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-        for row in rows
-    }
-
-
 def run(tokenizer, rows, script, **kwargs):
     rollout = rollout_for(tokenizer, **kwargs)
     sampler = ScriptedSampler(tokenizer, script)
@@ -113,7 +106,7 @@ def test_a_three_call_transcript_labels_exactly_the_assistant_tokens(tool_tokeni
         tool_tokenizer, columns=["facts"], carry_prompt_messages=True, tools=rollout.tools, first_turn_prompts=True
     )
     batch = collator([row])
-    sampler = ScriptedSampler(tool_tokenizer, scripted_rows([row]))
+    sampler = ScriptedSampler(tool_tokenizer, reference_script([row]))
     out, stats = rollout.run(lambda i, m, s: sampler.sample(None, i, m, seed=s), batch, seed=0)
     # the transcript is the reference conversation, token for token
     reference = tokenize_chat(tool_tokenizer, row["messages"], 10**6, assistant_turns="all", tools=rollout.tools)
@@ -145,7 +138,7 @@ def test_a_three_call_transcript_labels_exactly_the_assistant_tokens(tool_tokeni
 
 def test_rows_finish_at_different_turns_and_each_turn_samples_only_the_rows_still_going(tool_tokenizer):
     rows = tool_rows("test", 2)
-    script = scripted_rows(rows)
+    script = reference_script(rows)
     first = rows[0]["messages"][0]["content"]
     script[first] = [rows[0]["answer"]]  # answers at once, without tools
     rollout = rollout_for(tool_tokenizer)
@@ -216,7 +209,7 @@ def test_the_token_cap_truncates_at_a_turn_boundary_and_is_counted(tool_tokenize
 
 def test_tools_read_their_rows_state(tool_tokenizer):
     rows = tool_rows("test", 3)
-    transcripts, stats = run(tool_tokenizer, rows, scripted_rows(rows))
+    transcripts, stats = run(tool_tokenizer, rows, reference_script(rows))
     for row, transcript in zip(rows, transcripts, strict=True):
         assert transcript == row["messages"]
     with pytest.raises(RuntimeError, match="only available inside a tool"):
@@ -335,7 +328,7 @@ def fit_with_tools(module, tokenizer, rows, tmp_path, steps=2, batch_size=2, **d
 @pytest.mark.parametrize("method", ["gkd", "seq_kd", "opd"])
 def test_an_on_policy_step_trains_on_the_whole_transcript_and_logs_tool_metrics(tool_tokenizer, method, tmp_path):
     rows = tool_rows("train", 4)
-    sampler = ScriptedSampler(tool_tokenizer, scripted_rows(rows))
+    sampler = ScriptedSampler(tool_tokenizer, reference_script(rows))
     student = tiny_causal_lm({**TINY_STUDENT}, tool_tokenizer, seed=0)
     teacher = tiny_causal_lm({**TINY_TEACHER}, tool_tokenizer, seed=1)
     common = dict(
@@ -397,52 +390,12 @@ def test_a_cache_teacher_is_refused_with_tools(tool_tokenizer, tmp_path):
         )
 
 
-def _grouped_tool_run(tokenizer, rows, tmp_path, *, max_steps, ckpt_path=None, every=None):
-    from functools import partial
-
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    student = tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0)
-    teacher = tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1)
-    module = GKDModule(
-        student,
-        teacher,
-        tokenizer,
-        lmbda=0.5,
-        sampling={"sampler": ScriptedSampler(tokenizer, scripted_rows(rows)), "max_new_tokens": 64},
-        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
-        training={"seed": 5, "optimizer": partial(torch.optim.AdamW, lr=1e-2)},
-    )
-    datamodule = ChatDataModule(
-        tokenizer,
-        rows,
-        batch_size=2,
-        max_length=400,
-        steps_per_generation=3,
-        seed=5,
-        assistant_turns="all",
-        length_check_rows=4,
-    )
-    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every else []
-    trainer = small_trainer(
-        tmp_path, csv=True, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(every)
-    )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    import csv
-
-    with open(tmp_path / "metrics.csv") as handle:
-        table = list(csv.DictReader(handle))
-    return [float(r["train/loss"]) for r in table if r.get("train/loss")], [
-        float(r["train/on_policy"]) for r in table if r.get("train/on_policy")
-    ]
-
-
 def test_a_resume_in_the_middle_of_a_group_of_transcripts_repeats_the_uninterrupted_run(tool_tokenizer, tmp_path):
     rows = tool_rows("train", 12)  # batch 2, k=3: two groups of 6 transcripts per epoch
-    full_losses, full_flips = _grouped_tool_run(tool_tokenizer, rows, tmp_path / "full", max_steps=8)
-    _grouped_tool_run(tool_tokenizer, rows, tmp_path / "first", max_steps=8, every=4)
+    full_losses, full_flips = grouped_tool_run(tool_tokenizer, rows, tmp_path / "full", max_steps=8)
+    grouped_tool_run(tool_tokenizer, rows, tmp_path / "first", max_steps=8, every=4)
     ckpt = tmp_path / "first" / "ckpt" / "epoch=0-step=4.ckpt"
-    resumed_losses, resumed_flips = _grouped_tool_run(
+    resumed_losses, resumed_flips = grouped_tool_run(
         tool_tokenizer, rows, tmp_path / "resumed", max_steps=8, ckpt_path=str(ckpt)
     )
     assert 0 < sum(full_flips) < 8  # sampled (transcript) groups and dataset groups both happened
@@ -491,7 +444,7 @@ def test_the_teachers_score_of_a_transcript_equals_scoring_it_as_a_dataset_row(t
     collator = ChatMLCollator(
         tool_tokenizer, columns=["facts"], carry_prompt_messages=True, tools=rollout.tools, first_turn_prompts=True
     )
-    sampler = ScriptedSampler(tool_tokenizer, scripted_rows(rows))
+    sampler = ScriptedSampler(tool_tokenizer, reference_script(rows))
     sampled, _ = rollout.run(lambda i, m, s: sampler.sample(None, i, m, seed=s), collator(rows), seed=0)
     dataset = ChatMLCollator(tool_tokenizer, assistant_turns="all", tools=rollout.tools)(rows)
     # the dataset row labels the template's newline after each end-of-turn token; the student never wrote it
@@ -515,7 +468,7 @@ def test_the_asynchronous_producer_runs_whole_rollouts_with_tools_one_step_ahead
     from lightning_gkd.asynchronous import InProcessEngine
 
     rows = tool_rows("train", 6)
-    scripted = ScriptedSampler(tool_tokenizer, scripted_rows(rows))
+    scripted = ScriptedSampler(tool_tokenizer, reference_script(rows))
     module = GKDModule(
         tiny_causal_lm({**TINY_STUDENT}, tool_tokenizer, seed=0),
         tiny_causal_lm({**TINY_TEACHER}, tool_tokenizer, seed=1),

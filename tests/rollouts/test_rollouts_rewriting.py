@@ -24,6 +24,7 @@ from lightning_gkd.toy.tiny import TINY_STUDENT, TINY_TEACHER, tiny_causal_lm
 from lightning_gkd.toy.tools import TOOLS, tool_rows
 from tests.helpers.rewriting_templates import DROPS_EARLIER_REASONING, REWRITES_TOOL_CALLS, tokenizer_with
 from tests.helpers.scripted_sampler import ScriptedSampler
+from tests.helpers.tool_runs import grouped_tool_run, reference_script
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +46,6 @@ def thinking_rows(count: int, split: str = "train") -> list[dict]:
     return rows
 
 
-def script_of(rows: list[dict]) -> dict[str, list[str]]:
-    return {
-        row["messages"][0]["content"]: [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-        for row in rows
-    }
-
-
 def rollout_for(tokenizer, **options) -> MultiTurnRollout:
     environment, schemas = build_environment(list(TOOLS), None, tokenizer, timeout=5.0)
     return MultiTurnRollout(
@@ -70,7 +64,7 @@ def roll(tokenizer, rows, rollout=None, sampler=None):
     collator = ChatMLCollator(
         tokenizer, columns=["facts"], carry_prompt_messages=True, tools=rollout.tools, first_turn_prompts=True
     )
-    sampler = sampler or ScriptedSampler(tokenizer, script_of(rows))
+    sampler = sampler or ScriptedSampler(tokenizer, reference_script(rows))
     return rollout.run(lambda i, m, s: sampler.sample(None, i, m, seed=s), collator(rows), seed=0)
 
 
@@ -272,7 +266,7 @@ def test_gkd_and_opd_steps_train_on_every_segment_of_a_rewritten_transcript(reas
     rows = thinking_rows(4)
     common = dict(
         rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
-        sampling={"sampler": ScriptedSampler(tok, script_of(rows)), "max_new_tokens": 64},
+        sampling={"sampler": ScriptedSampler(tok, reference_script(rows)), "max_new_tokens": 64},
         validation={"metrics": {"success": lambda p, r: sum(a == b for a, b in zip(p, r, strict=True)) / len(p)}},
     )
     student, teacher = tiny_causal_lm(TINY_STUDENT, tok, seed=0), tiny_causal_lm(TINY_TEACHER, tok, seed=1)
@@ -307,41 +301,10 @@ def test_opd_refuses_returns_across_turns_on_transcripts_the_template_splits(rea
         tok,
         rollout=rollout,
         policy_gradient={"gamma": 0.9},
-        sampling={"sampler": ScriptedSampler(tok, script_of(rows)), "max_new_tokens": 64},
+        sampling={"sampler": ScriptedSampler(tok, reference_script(rows)), "max_new_tokens": 64},
     )
     with pytest.raises(ValueError, match=r"split 2 transcripts into several rows"):
         fit(module, tok, rows, tmp_path, steps=1)
-
-
-def _grouped_run(tokenizer, rows, tmp_path, *, max_steps, ckpt_path=None, every=None):
-    from functools import partial
-
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    module = GKDModule(
-        tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
-        tiny_causal_lm(TINY_TEACHER, tokenizer, seed=1),
-        tokenizer,
-        lmbda=0.5,
-        sampling={"sampler": ScriptedSampler(tokenizer, script_of(rows)), "max_new_tokens": 64},
-        rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
-        training={"seed": 5, "optimizer": partial(torch.optim.AdamW, lr=1e-2)},
-    )
-    datamodule = ChatDataModule(
-        tokenizer, rows, batch_size=2, max_length=400, steps_per_generation=3, seed=5, assistant_turns="last"
-    )
-    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1)] if every else []
-    trainer = small_trainer(
-        tmp_path, csv=True, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(every)
-    )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    import csv
-
-    with open(tmp_path / "metrics.csv") as handle:
-        table = list(csv.DictReader(handle))
-    return [float(r["train/loss"]) for r in table if r.get("train/loss")], [
-        float(r["train/on_policy"]) for r in table if r.get("train/on_policy")
-    ]
 
 
 def test_a_resume_in_the_middle_of_a_group_of_split_transcripts_repeats_the_uninterrupted_run(
@@ -351,10 +314,12 @@ def test_a_resume_in_the_middle_of_a_group_of_split_transcripts_repeats_the_unin
     (inside the second group) trains on the same rows."""
     tok = rewriting_tokenizer
     rows = tool_rows("train", 12)
-    full_losses, full_flips = _grouped_run(tok, rows, tmp_path / "full", max_steps=8)
-    _grouped_run(tok, rows, tmp_path / "first", max_steps=8, every=4)
+    full_losses, full_flips = grouped_tool_run(tok, rows, tmp_path / "full", assistant_turns="last", max_steps=8)
+    grouped_tool_run(tok, rows, tmp_path / "first", assistant_turns="last", max_steps=8, every=4)
     ckpt = tmp_path / "first" / "ckpt" / "epoch=0-step=4.ckpt"
-    resumed_losses, resumed_flips = _grouped_run(tok, rows, tmp_path / "resumed", max_steps=8, ckpt_path=str(ckpt))
+    resumed_losses, resumed_flips = grouped_tool_run(
+        tok, rows, tmp_path / "resumed", assistant_turns="last", max_steps=8, ckpt_path=str(ckpt)
+    )
     assert 0 < sum(full_flips) < 8
     assert resumed_flips == full_flips[4:]
     assert resumed_losses == full_losses[4:]
@@ -376,7 +341,7 @@ def test_a_teacher_of_another_tokenizer_scores_each_turn_in_its_own_rendering(tm
         teacher_tokenizer=teacher_tok,
         lmbda=1.0,
         rollout={"tools": list(TOOLS), "tool_state_columns": ["facts"]},
-        sampling={"sampler": ScriptedSampler(student_tok, script_of(rows)), "max_new_tokens": 64},
+        sampling={"sampler": ScriptedSampler(student_tok, reference_script(rows)), "max_new_tokens": 64},
         validation={"metrics": {}},
     )
     assert module.rollout.split_turns and type(module.loss).__name__ == "CrossTokenizerDistillation"
@@ -395,7 +360,7 @@ def test_a_teacher_of_another_tokenizer_scores_each_turn_in_its_own_rendering(tm
         ids = teacher_rows["input_ids"][r][teacher_rows["attention_mask"][r].bool()].tolist()
         assert teacher_tok.decode(ids) == prompt + completions[r].text + teacher_tok.eos_token
         turn = len([m for m in context if m["role"] == "assistant"])
-        assert completions[r].text == script_of(rows)[context[0]["content"]][turn]
+        assert completions[r].text == reference_script(rows)[context[0]["content"]][turn]
     assert torch.isfinite(torch.tensor(float(trainer.callback_metrics["train/loss"])))
 
 

@@ -17,18 +17,13 @@ from lightning_gkd.toy.tiny import TINY_STUDENT, asset_path, tiny_causal_lm
 from lightning_gkd.toy.tools import TOOLS, tool_rows
 from tests.helpers.rewriting_templates import REWRITES_TOOL_CALLS
 from tests.helpers.scripted_sampler import ScriptedSampler
+from tests.helpers.tool_runs import reference_script
 
 TOOLS_ROLLOUT = {"tools": list(TOOLS), "tool_state_columns": ["facts"]}
 FAST = {"retries": 2, "backoff": 0.01, "timeout": 30.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The fake server's forwards run in its request threads beside the client's (see tests/teachers/test_server)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +38,6 @@ def server(toy_tools):
         yield fake
 
 
-def script_of(rows):
-    return {
-        row["messages"][0]["content"]: [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-        for row in rows
-    }
-
-
 def module_with(teacher, tokenizer, rows, **kwargs) -> GKDModule:
     return GKDModule(
         tiny_causal_lm(TINY_STUDENT, tokenizer, seed=0),
@@ -58,7 +46,7 @@ def module_with(teacher, tokenizer, rows, **kwargs) -> GKDModule:
         lmbda=1.0,
         divergence={"beta": 0.0},
         rollout=TOOLS_ROLLOUT,
-        sampling={"sampler": ScriptedSampler(tokenizer, script_of(rows)), "max_new_tokens": 64},
+        sampling={"sampler": ScriptedSampler(tokenizer, reference_script(rows)), "max_new_tokens": 64},
         validation={"metrics": {}},
         **kwargs,
     )
@@ -78,7 +66,7 @@ def test_a_top_k_server_scores_a_tool_transcript_as_the_teacher_in_process(toy_t
     collator = ChatMLCollator(
         tokenizer, columns=["facts"], carry_prompt_messages=True, tools=rollout.tools, first_turn_prompts=True
     )
-    scripted = ScriptedSampler(tokenizer, script_of(rows))
+    scripted = ScriptedSampler(tokenizer, reference_script(rows))
     out, stats = rollout.run(lambda i, m, s: scripted.sample(None, i, m, seed=s), collator(rows), seed=0)
     assert stats.segments == ([1, 1, 1] if template == "chatml" else [4, 4, 4])
     ours, theirs = served.distillation_loss(out), local.distillation_loss(out)

@@ -25,13 +25,7 @@ from lightning_gkd.toy import addition_rows
 FAST: dict[str, Any] = {"retries": 2, "backoff": 0.01, "timeout": 20.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The fake server's forwards run in its request threads beside the client's: one intra-op thread each."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def prompts(tokenizer, size: int = 6) -> tuple[torch.Tensor, torch.Tensor]:

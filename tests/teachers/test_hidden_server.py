@@ -31,13 +31,7 @@ from lightning_gkd.testing.fake_vllm_server import FakeVLLMServer
 FAST = {"retries": 2, "backoff": 0.01, "timeout": 10.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The fake server's forwards run in its request threads beside the client's: one intra-op thread each."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture()

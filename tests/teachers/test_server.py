@@ -31,14 +31,7 @@ from lightning_gkd.toy.tiny import asset_path
 FAST = {"retries": 3, "backoff": 0.01, "timeout": 10.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The fake server's forwards run in its request threads beside the client's pool: with several intra-op
-    threads each, they spin against each other (and other processes) on a small CPU, 40x slower here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
