@@ -71,8 +71,9 @@ class Sampler(ABC):
         """Raise ValueError for a factory's options (``functools.partial`` keywords) the sampler would refuse."""
 
     @staticmethod
-    def check_teachers(plan: Any) -> None:
-        """Raise ValueError for teachers (the method's ``TeacherPlan``) this sampler cannot work with."""
+    def check_teachers(plan: Any, **options: Any) -> None:
+        """Raise ValueError for teachers (the method's ``TeacherPlan``) this sampler cannot work with, given the
+        factory's ``options`` (``functools.partial`` keywords)."""
 
     # -- the lifecycle a method drives ------------------------------------------------------------------------------
     def bind_teachers(self, sources: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from lightning_gkd.ops.decoding.sampling import validate_sampling_args
@@ -56,11 +57,12 @@ class SamplingSettings:
         }
 
     def check_teachers(self, plan: Any) -> None:
-        """The sampler's check of the method's teachers (``TeacherPlan``) before any model loads: speculative KD
-        needs one in-process teacher."""
+        """The sampler's check of the method's teachers (``TeacherPlan``) before any model loads, with the factory's
+        options (speculative KD: a teacher that can verify drafts; a served one's ``top_k`` at least
+        ``accept_top_k``)."""
         cls = sampler_class(self.engine)
         if cls is not None:
-            cls.check_teachers(plan)
+            cls.check_teachers(plan, **(self.engine.keywords if isinstance(self.engine, partial) else {}))
 
     def build(self, tokenizer: Any) -> Sampler:
         """The sampler: ``sampler`` itself, or what its factory makes with ``tokenizer`` and ``options()``."""

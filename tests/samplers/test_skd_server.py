@@ -160,3 +160,19 @@ def test_teachers_that_cannot_verify_are_refused(teacher):
     sampler = SpeculativeKDSampler(tokenizer=None, accept_top_k=500)
     sampler.bind_teachers({"": LocalTeacher(teacher)})
     assert sampler.teacher is teacher
+
+
+def test_a_method_refuses_accept_top_k_above_the_servers_before_any_model_loads(tmp_path):
+    """Through GKDModule (as Hydra builds it): the factory's accept_top_k meets the plan's top_k before the student
+    (a folder that does not exist) would load."""
+    from lightning_gkd import GKDModule
+    from lightning_gkd.data.tokenizer import build_chatml_tokenizer
+
+    with pytest.raises(ValueError, match=r"accept_top_k=25 is above the served teacher's top_k=20"):
+        GKDModule(
+            str(tmp_path / "no-student-here"),
+            {"kind": "server", "url": "http://127.0.0.1:9", "top_k": 20},
+            build_chatml_tokenizer(),
+            lmbda=1.0,
+            sampling={"sampler": partial(SpeculativeKDSampler, accept_top_k=25)},
+        )
