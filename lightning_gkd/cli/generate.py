@@ -33,7 +33,7 @@ from lightning_gkd.evaluation.metrics import decode_until_eos
 from lightning_gkd.models.loading import check_hub_id_reachable, load_causal_lm
 from lightning_gkd.ops.decoding.sampling import complete_prompts, derive_seed, eos_ids
 from lightning_gkd.ops.hf.forward import resolve_eos_token_id
-from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, build_rollout
+from lightning_gkd.rollouts import MultiTurnRollout, RolloutSettings, RolloutStats, build_rollout
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 from lightning_gkd.rollouts.rollout import SampleTurn
 
@@ -187,14 +187,34 @@ def act(
     *,
     max_new_tokens: int,
     batch_size: int = 16,
-) -> list[list[dict[str, Any]]]:
+) -> tuple[list[list[dict[str, Any]]], RolloutStats]:
     """Each conversation rolled out with ``rollout``'s tools, each model turn by ``turn`` (seeded by the rollout):
-    the transcripts."""
+    the transcripts, and what the tools did."""
     chats = [{"messages": row.messages, **row.columns} for row in rows]
-    transcripts, _ = rollout_rows(
+    return rollout_rows(
         model, tokenizer, chats, rollout, max_new_tokens=max_new_tokens, batch_size=batch_size, sample=turn
     )
-    return transcripts
+
+
+def tool_report(transcripts: Sequence[Sequence[Mapping[str, Any]]], stats: RolloutStats) -> list[str]:
+    """What a user of ``--tools`` must hear on stderr: the calls made, and when any failed, how many of each kind
+    and the first failure's message (a tool that raised on every row, e.g. given a state column of another type,
+    would otherwise leave only garbage answers)."""
+    calls, failures = sum(stats.calls), sum(stats.failures.values())
+    lines = [f"tool calls: {calls} in {len(transcripts)} transcripts, {failures} failed"]
+    if failures:
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(stats.failures.items()) if count)
+        first = next(
+            (
+                str(message["content"])
+                for transcript in transcripts
+                for message in transcript
+                if message.get("role") == "tool" and str(message.get("content", "")).startswith('{"error"')
+            ),
+            None,
+        )
+        lines.append(f"warning: {failures} of {calls} tool calls failed ({kinds}); the first: {first}")
+    return lines
 
 
 def output_rows(
@@ -340,7 +360,7 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
         rollout = build_rollout(
             tokenizer, rollout_settings, eos_token_ids=eos_ids(resolve_eos_token_id(model, tokenizer))
         )
-        transcripts = act(
+        transcripts, stats = act(
             model,
             tokenizer,
             rows,
@@ -351,6 +371,8 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
         )
         items = output_rows(rows, final_answers(transcripts), transcripts)
         write(items, args.output, stdout or sys.stdout)
+        for line in tool_report(transcripts, stats):
+            print(line, file=sys.stderr, flush=True)
         return
     conversations = [row.messages for row in rows]
     completions = complete(

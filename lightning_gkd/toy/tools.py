@@ -36,7 +36,9 @@ def lookup(key: str) -> int:
     Args:
         key: The key, one lowercase letter.
     """
-    facts = json.loads(row_state()["facts"])
+    facts = row_state()["facts"]
+    if isinstance(facts, str):  # the shipped rows hold JSON text; a jsonl row may hold the object itself
+        facts = json.loads(facts)
     if key not in facts:
         raise KeyError(f"no fact named {key!r}")
     return int(facts[key])

@@ -3,6 +3,7 @@ and stdin with its known answers (greedy, deterministic); prompt formats; errors
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -176,3 +177,24 @@ def test_with_tools_each_prompt_is_rolled_out_and_its_transcript_written(tmp_pat
     for item in items:
         assert item["transcript"][-1] == {"role": "assistant", "content": item["completion"]}
     assert [m["role"] for m in items[0]["transcript"]].count("tool") == 3  # lookup, lookup, add
+
+
+def test_with_tools_a_state_column_as_a_json_object_works_and_failures_are_reported(tmp_path, capsys):
+    """`"facts": {"b": 37, ...}` in agent.jsonl (natural JSON) reaches the toy lookup as an object and works; a tool
+    that fails is reported on stderr with how many calls failed and the first error, not left in the transcripts."""
+    from lightning_gkd.toy import tool_rows
+    from lightning_gkd.toy.tools import TOOLS
+
+    rows = [{**row, "facts": json.loads(row["facts"])} for row in tool_rows("test", 4)]
+    prompts = tmp_path / "agent.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = [asset_path("toy_tools/teacher"), "--prompts", str(prompts), "--output", "-", "--max-new-tokens", "24"]
+    out = io.StringIO()
+    main([*common, "--tools", *TOOLS, "--tool-state-columns", "facts"], stdout=out)
+    items = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert sum(item["completion"] == item["reference"] for item in items) >= 3
+    assert "tool calls: 12 in 4 transcripts, 0 failed" in capsys.readouterr().err
+    # the state column left out: every lookup raises, and the run says so
+    main([*common, "--tools", *TOOLS], stdout=io.StringIO())
+    err = capsys.readouterr().err
+    assert re.search(r"warning: \d+ of \d+ tool calls failed \(exception \d+\); the first: \{\"error\": ", err), err
