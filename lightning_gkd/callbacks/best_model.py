@@ -96,6 +96,8 @@ class BestModel(L.Callback):
         rows = getattr(datamodule, "val_rows", None)
         if name not in metrics or not rows or getattr(datamodule, "val_names", None) or not trainer.limit_val_batches:
             return  # a loss, a named set's figure, or no validation: no start to compare with
+        if "messages" not in rows[0]:
+            return  # preference pairs (DPO): validation scores them its own way
         from lightning_gkd.callbacks.held_out_eval import score_rows
 
         rows = validated_rows(trainer, rows)

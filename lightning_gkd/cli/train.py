@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import lightning as L
@@ -37,6 +37,7 @@ from lightning_gkd.models.vision import check_processor_fits, is_vision_language
 from lightning_gkd.ops.hf.forward import float32_matmul_precision, is_peft_model
 from lightning_gkd.teachers.base import TeacherUnavailable
 from lightning_gkd.training.checkpoint_io import use_safe_checkpoint_io
+from lightning_gkd.training.nonfinite import NonFiniteLoss
 from lightning_gkd.training.quiet import quiet_run
 from lightning_gkd.training.resume import checkpoint_step, continue_csv_logs, fold_launch_folder, plan_resume
 from lightning_gkd.training.run_record import (
@@ -75,7 +76,9 @@ def print_config_line(cfg: DictConfig) -> None:
     if HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()
         overrides = " ".join(hydra_cfg.overrides.task)
-        folder = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None, throw_on_missing=False)
+        folder = OmegaConf.select(
+            cast(DictConfig, hydra_cfg), "runtime.output_dir", default=None, throw_on_missing=False
+        )
         if folder and hydra_cfg.output_subdir:  # a command's run (a config composed in process saves none)
             saved = f"; the full config: {Path(folder) / hydra_cfg.output_subdir / 'config.yaml'}"
     print(f"config: {overrides or 'the defaults'}{saved} (print_config=true prints it)", flush=True)
@@ -194,6 +197,9 @@ def fit(run: Run) -> dict[str, Any]:
         stopped_by_signal, teacher_unavailable, status = True, None, "stopped"
     except TeacherUnavailable as error:  # TeacherOutage saved checkpoints/last.ckpt at the last finished step
         stopped_by_signal, teacher_unavailable, status = False, str(error), "stopped"
+    except NonFiniteLoss:  # NonFiniteStop saved checkpoints/last.ckpt before the bad step: resumable, and an error
+        status = "stopped"
+        raise
     except Exception:
         status = "failed"
         raise

@@ -46,7 +46,7 @@ from lightning_gkd.ops.hf.model_inputs import causal_lm_logits
 from lightning_gkd.samplers.base import Sampler
 from lightning_gkd.training.checkpoint_io import drop_frozen_state, fill_frozen_state
 from lightning_gkd.training.export import export_module
-from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
+from lightning_gkd.training.nonfinite import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop
 from lightning_gkd.training.normalization import StepTokenNormalizer
 from lightning_gkd.training.optimizers import adamw, amp_clipping, build_optimizer
 from lightning_gkd.training.quiet import ignore_frozen_eval_warning, silence_known_noise
@@ -172,8 +172,9 @@ class CausalLMModule(L.LightningModule):
 
     Every training loss is checked (``lightning_gkd.training.nonfinite``): a non-finite one raises
     ``RuntimeError`` naming the global step and which model (``model_role`` or a frozen model) produced
-    non-finite logits, before anything is updated with it; with ``training.nonfinite="skip"`` the batch is skipped
-    with a warning instead (single process only).
+    non-finite logits, before anything is updated with it, and ``NonFiniteStop`` saves ``last.ckpt``, the state before
+    that step; under several processes every rank stops together, the error naming the rank(s). With
+    ``training.nonfinite="skip"`` the batch is skipped with a warning instead (single process only).
     """
 
     frozen_names: tuple[str, ...] = ()
@@ -279,7 +280,12 @@ class CausalLMModule(L.LightningModule):
 
     def skip_nonfinite(self, loss: torch.Tensor) -> bool:
         """Check a training loss: True when the batch must be skipped (``nonfinite="skip"``), False when it is
-        finite; raises ``RuntimeError`` naming the step and the model with non-finite logits otherwise."""
+        finite; raises ``NonFiniteLoss`` (a ``RuntimeError``) naming the step and the model with non-finite logits
+        otherwise. Under several processes the ranks agree first (one all-reduce of a flag): every rank raises when
+        any rank's loss is non-finite, naming the rank(s)."""
+        trainer = getattr(self, "_trainer", None)  # None when called outside a fit
+        if trainer is not None:
+            self.nonfinite_guard.check_ranks(loss, self.global_step, trainer)
         return self.nonfinite_guard.check(loss, step=self.global_step)
 
     def step_loss(self, mean_loss: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
@@ -335,6 +341,10 @@ class CausalLMModule(L.LightningModule):
     def count_trained_tokens(self, labels: torch.Tensor) -> None:
         """Record the completion tokens (labels != -100) this training step trains on."""
         self.throughput.count(labels)
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        # a non-finite loss that stops the fit: a checkpoint of the state before that step, and where it is
+        return [NonFiniteStop()]
 
     # -- modes, optimizers ------------------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> CausalLMModule:
@@ -444,8 +454,13 @@ class CausalLMModule(L.LightningModule):
         names = self.val_names()
         return f"val/{names[dataloader_idx]}/" if names else "val/"
 
+    def validation_batch_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        """The loss ``validation_step`` logs: ``completion_loss(batch)`` (a method whose teacher can fail makes the
+        ranks agree here first)."""
+        return self.completion_loss(batch)
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
-        out = self.completion_loss(batch)
+        out = self.validation_batch_loss(batch)
         prefix = self.val_prefix(dataloader_idx)
         self.log(
             f"{prefix}loss",

@@ -41,7 +41,7 @@ from lightning_gkd.teachers import LocalTeacher, TeacherUnavailable
 from lightning_gkd.teachers.spec import TeacherPlan, build_teachers
 from lightning_gkd.training.sampler_shutdown import SamplerShutdown
 from lightning_gkd.training.settings import TrainingSettings
-from lightning_gkd.training.teacher_outage import TeacherOutage, stop_ranks_together
+from lightning_gkd.training.teacher_outage import BEFORE_UPDATE, IN_VALIDATION, TeacherOutage, stop_ranks_together
 
 Source = Literal["dataset", "student", "teacher"]  # where a batch's completions come from
 # salts that keep the coin flip's, the sampler's and the group shuffle's random streams apart
@@ -298,7 +298,7 @@ class OnPolicyModule(CausalLMModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         # an interrupted fit calls no module hook: this callback stops the engines then (SIGTERM, errors)
-        callbacks: list[L.Callback] = [SamplerShutdown(self.close_engines)]
+        callbacks: list[L.Callback] = [*super().configure_callbacks(), SamplerShutdown(self.close_engines)]
         if self.teacher_can_be_unavailable:
             callbacks.append(TeacherOutage())  # a teacher server that stays down: checkpoint, resume hint
         return callbacks
@@ -310,11 +310,24 @@ class OnPolicyModule(CausalLMModule):
         remote_engine = self.rollout_engine is not None and self.rollout_engine.remote
         return remote_engine or any(not isinstance(source, LocalTeacher) for source in self.teacher_sources.values())
 
-    def stop_ranks_together(self, failure: TeacherUnavailable | None) -> None:
+    def stop_ranks_together(self, failure: TeacherUnavailable | None, *, where: str = BEFORE_UPDATE) -> None:
         """With a served teacher under several processes: every rank raises ``TeacherUnavailable`` when any rank's
-        teacher failed in this step (``training.teacher_outage.stop_ranks_together``; one small all-reduce)."""
+        teacher failed in this step or validation batch (``training.teacher_outage.stop_ranks_together``; one small
+        all-reduce)."""
         if self.teacher_can_be_unavailable:
-            stop_ranks_together(failure, self.trainer)
+            stop_ranks_together(failure, self.trainer, where=where)
+
+    def validation_batch_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        """``completion_loss(batch)``; with a served teacher under several processes the ranks agree after it, so a
+        teacher that fails for one rank stops every rank together instead of leaving the others in validation's
+        metric sync (``stop_ranks_together``)."""
+        try:
+            out = self.completion_loss(batch)
+        except TeacherUnavailable as failure:
+            self.stop_ranks_together(failure, where=IN_VALIDATION)
+            raise
+        self.stop_ranks_together(None, where=IN_VALIDATION)
+        return out
 
     def check_datamodule(self, datamodule: L.LightningDataModule) -> None:
         super().check_datamodule(datamodule)
