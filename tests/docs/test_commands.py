@@ -461,3 +461,47 @@ def test_unmarked_commands_run(where, tmp_path, monkeypatch):
         args = list(command.args) if command.config is None else short_overrides(command, run, tmp_path)
         status = run_entry_point(command.program, args, command.stdin, monkeypatch)
         assert status == 0, f"{command.where}: `{command.text}` exited with {status} (ran: {command.program} {args})"
+
+
+# -- the documented recipes improve the student ----------------------------------------------------------------------
+#: Short documented training commands, run as written (only the held-out rows trimmed, and the run folder set): each
+#: must end with the student no worse than it started (held-out "after" >= "before"). (page, the command's text, the
+#: held-out metric). The longer ones (studies, hub models) are measured in docs/results.md instead.
+IMPROVING = [
+    ("README.md", "lightning-gkd", "accuracy"),
+    (
+        "docs/methods/opd.md",
+        "lightning-gkd method=opd method.policy_gradient.kl_coef=1.0",
+        "accuracy",
+    ),
+    (
+        "docs/tools.md",
+        "lightning-gkd experiment=toy_tools method.divergence.beta=0 optimizer.lr=1e-2 trainer.max_steps=50",
+        "success",
+    ),
+]
+HELD_OUT_ROWS = 128
+
+
+def documented(page: str, text: str) -> DocCommand:
+    """The command ``text`` shown on ``page`` (its comment left out); fails when the page no longer shows it."""
+    found = [c for c in COMMANDS if c.page == page and " ".join([c.program, *c.args]) == text and not c.needs]
+    assert found, f"{page} no longer shows `{text}`: update IMPROVING with the command it shows now"
+    return found[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "text", "metric"), IMPROVING, ids=[text for _, text, _ in IMPROVING])
+def test_documented_recipes_leave_the_student_no_worse_than_it_started(page, text, metric, tmp_path, monkeypatch):
+    from lightning_gkd.cli.train import run
+
+    command = documented(page, text)
+    overrides, _ = hydra_overrides(command)
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_train(
+        tmp_path, [*overrides, f"+data.test_data.num_rows={HELD_OUT_ROWS}", f"paths.cache_dir={tmp_path}"]
+    )
+    GlobalHydra.instance().clear()
+    held_out = run(cfg)["held_out"]
+    before, after = held_out["before"][metric], held_out["after"][metric]
+    assert after >= before, f"{command.where}: `{text}` took held-out {metric} from {before:.3f} to {after:.3f}"
