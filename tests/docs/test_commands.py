@@ -469,6 +469,10 @@ def test_unmarked_commands_run(where, tmp_path, monkeypatch):
 #: held-out metric). The longer ones (studies, hub models) are measured in docs/results.md instead.
 IMPROVING = [
     ("README.md", "lightning-gkd", "accuracy"),
+    ("README.md", "lightning-gkd method=sft", "accuracy"),
+    ("README.md", "lightning-gkd method.seq_kd=true method.lmbda=0.0", "accuracy"),
+    ("README.md", "lightning-gkd method.lmbda=1.0 method.divergence.beta=1.0", "accuracy"),
+    ("README.md", "lightning-gkd model.student.lora.r=8", "accuracy"),
     (
         "docs/methods/opd.md",
         "lightning-gkd method=opd method.policy_gradient.kl_coef=1.0",
