@@ -1,12 +1,16 @@
-"""Make the toy agentic task's assets: a BPE tokenizer learned on its tool transcripts, a teacher trained (SFT,
-every assistant turn) to act with the tools, and a smaller student given a brief SFT so it starts well below the
-teacher. Writes lightning_gkd/assets/toy_tools/{teacher,student_init} and a manifest.
+"""Make a toy agentic task's assets: a BPE tokenizer learned on its tool transcripts, a teacher trained (SFT) to act
+with the tools, and a smaller student given a brief SFT on the clean transcripts so it starts well below the
+teacher. Writes lightning_gkd/assets/<task's folder>/{teacher,student_init} and a manifest.
 
-    python scripts/train_toy_tools.py --threads 2
+    python scripts/train_toy_tools.py --threads 2                    # toy_tools (lightning_gkd.toy.tools)
+    python scripts/train_toy_tools.py --task recovery --threads 2    # toy_recovery (lightning_gkd.toy.recovery)
 
-Success is measured the way the task is used: greedy multi-turn rollouts with the task's tools (lookup, add) on
-held-out rows; a row succeeds when the transcript's last assistant message is the right sum. The teacher must reach
---required on the test split, else the script exits non-zero."""
+The recovery task's teacher also trains on error->retry episodes (``lightning_gkd.toy.recovery.teacher_rows``: the
+injected miscopies are context, never labels); its student start sees the clean transcripts only.
+
+Success is measured the way the task is used: greedy multi-turn rollouts with the task's tools on held-out rows; a
+row succeeds when the transcript's last assistant message is the row's answer. The teacher must reach --required on
+the test split, else the script exits non-zero."""
 
 from __future__ import annotations
 
@@ -15,8 +19,11 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -26,51 +33,151 @@ from lightning_gkd import ChatDataModule
 from lightning_gkd.cli.compose import build_method
 from lightning_gkd.data.tokenizer import TOOLS_CHATML_TEMPLATE, build_chatml_bpe_tokenizer, load_tokenizer
 from lightning_gkd.evaluation.metrics import exact_match
+from lightning_gkd.models.loading import load_causal_lm
 from lightning_gkd.rollouts import build_environment
 from lightning_gkd.rollouts.evaluate import final_answers, rollout_rows
 from lightning_gkd.studies.step_timing import plain_trainer
-from lightning_gkd.toy.tiny import TOOLS_STUDENT, TOOLS_TEACHER, tiny_causal_lm
-from lightning_gkd.toy.tools import MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS, TOOLS, task_rollout, tool_rows
+from lightning_gkd.toy import recovery, tools
+from lightning_gkd.toy.tiny import (
+    PACKAGE_ASSETS,
+    RECOVERY_STUDENT,
+    RECOVERY_TEACHER,
+    TOOLS_STUDENT,
+    TOOLS_TEACHER,
+    asset_path,
+    tiny_causal_lm,
+)
 
-ASSETS = Path(__file__).resolve().parents[1] / "lightning_gkd" / "assets" / "toy_tools"
-MAX_LENGTH = MAX_TRANSCRIPT_TOKENS
+
+@dataclass(frozen=True)
+class AssetTask:
+    """What the script trains for one task: its module's rows, tools and rollout, the teacher's training rows (and
+    which of their assistant turns are labels), the model shapes, the folder and the defaults of its options."""
+
+    folder: str
+    description: str
+    tools: tuple[str, ...]
+    rows: Callable[[str], list[dict[str, Any]]]
+    teacher_rows: Callable[[], list[dict[str, Any]]]
+    teacher_turns: str
+    teacher_collator: Callable[[Any], Any] | None
+    rollout: Callable[[Any], Any]
+    max_new_tokens: int
+    max_length: int
+    iterations: int
+    teacher_config: dict[str, Any]
+    student_config: dict[str, Any]
+    defaults: dict[str, Any]
+    #: an asset folder whose tokenizer the task reuses and whose teacher and student_init its models start from
+    init_from: str | None = None
 
 
-def build_tokenizer(merges: int):
-    """Byte-level BPE learned on the training transcripts (tools rendered), plus the call markers as added tokens
-    (as Qwen2.5's tokenizer has them), with the tool-rendering ChatML template."""
+TASKS = {
+    "tools": AssetTask(
+        folder="toy_tools",
+        description="lightning_gkd.toy.tools (sum of two of a row's facts, read with lookup and added with add: "
+        "three tool calls, then the answer; success = the last assistant message is the sum)",
+        tools=tools.TOOLS,
+        rows=tools.tool_rows,
+        teacher_rows=lambda: tools.tool_rows("train"),
+        teacher_turns="all",
+        teacher_collator=None,
+        rollout=tools.task_rollout,
+        max_new_tokens=tools.MAX_NEW_TOKENS,
+        max_length=tools.MAX_TRANSCRIPT_TOKENS,
+        iterations=tools.MAX_TOOL_CALLING_ITERATIONS,
+        teacher_config=TOOLS_TEACHER,
+        student_config=TOOLS_STUDENT,
+        defaults={"teacher_steps": 3000, "teacher_every": 250, "student_target": 0.2, "student_eval_from": 600},
+    ),
+    "recovery": AssetTask(
+        folder="toy_recovery",
+        description="lightning_gkd.toy.recovery (a 4-letter key leads through a row's directory, read with lookup, "
+        "to another key and then a number: two calls copying keys, then the answer; a miscopied key is a tool error "
+        "the agent must recover from by calling again; success = the last assistant message is the number)",
+        tools=recovery.TOOLS,
+        rows=recovery.recovery_rows,
+        teacher_rows=lambda: recovery.teacher_rows(20000),
+        teacher_turns="all",
+        teacher_collator=recovery.MistakeMasking,
+        rollout=recovery.task_rollout,
+        max_new_tokens=recovery.MAX_NEW_TOKENS,
+        max_length=recovery.MAX_TRANSCRIPT_TOKENS,
+        iterations=recovery.MAX_TOOL_CALLING_ITERATIONS,
+        teacher_config=RECOVERY_TEACHER,
+        student_config=RECOVERY_STUDENT,
+        defaults={"teacher_steps": 600, "teacher_every": 50, "student_target": 0.3, "student_eval_from": 20},
+        init_from="toy_tools",
+    ),
+}
+
+
+def build_tokenizer(task: AssetTask, merges: int) -> Any:
+    """The tokenizer of ``task.init_from``'s teacher where the task starts from other assets; else byte-level BPE
+    learned on the teacher's training transcripts (tools rendered), plus the call markers as added tokens (as
+    Qwen2.5's tokenizer has them), with the tool-rendering ChatML template. Returns the tokenizer."""
+    if task.init_from is not None:
+        return load_tokenizer(asset_path(f"{task.init_from}/teacher"))
     plain = build_chatml_bpe_tokenizer([], merges=0)
     plain.chat_template = TOOLS_CHATML_TEMPLATE
-    _, schemas = build_environment(list(TOOLS), None, plain, timeout=5)
-    corpus = [plain.apply_chat_template(r["messages"], tools=schemas, tokenize=False) for r in tool_rows("train")]
+    _, schemas = build_environment(list(task.tools), None, plain, timeout=5)
+    whole = [r for r in task.teacher_rows() if not str(r["messages"][-1]["content"]).startswith("<tool_call>")]
+    corpus = [plain.apply_chat_template(r["messages"], tools=schemas, tokenize=False) for r in whole]
     tokenizer = build_chatml_bpe_tokenizer(corpus, merges=merges)
     tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
     tokenizer.chat_template = TOOLS_CHATML_TEMPLATE
     return tokenizer
 
 
-def success(model, tokenizer, rows) -> float:
-    transcripts, _ = rollout_rows(model, tokenizer, rows, task_rollout(tokenizer), max_new_tokens=MAX_NEW_TOKENS)
+def initial_model(task: AssetTask, tokenizer: Any, role: str, seed: int) -> Any:
+    """The model ``role`` ("teacher" or "student_init") starts from: ``task.init_from``'s (its context length set to
+    the task's; RoPE has no weights for it), else a random one of the task's shape. Returns the model."""
+    config = task.teacher_config if role == "teacher" else task.student_config
+    if task.init_from is None:
+        return tiny_causal_lm(config, tokenizer, seed=seed)
+    model = load_causal_lm(asset_path(f"{task.init_from}/{role}"))
+    model.config.max_position_embeddings = config["max_position_embeddings"]
+    return model
+
+
+def success(task: AssetTask, model, tokenizer, rows) -> float:
+    """Greedy rollouts of ``rows`` with the task's tools: the share whose final answer is the row's answer."""
+    rollout = task.rollout(tokenizer)
+    transcripts, _ = rollout_rows(model, tokenizer, rows, rollout, max_new_tokens=task.max_new_tokens)
     return exact_match(final_answers(transcripts), [row["answer"] for row in rows])
 
 
 class RolloutValidation(L.Callback):
     """Every ``every`` steps: greedy rollout success on ``rows``; stops training once it reaches ``target``."""
 
-    def __init__(self, rows, every: int, target: float | None, start: int = 0) -> None:
-        self.rows, self.every, self.target, self.start = rows, every, target, start
+    def __init__(self, task: AssetTask, rows, every: int, target: float | None, start: int = 0) -> None:
+        self.task, self.rows, self.every, self.target, self.start = task, rows, every, target, start
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % self.every or trainer.global_step < self.start:
             return
-        score = success(pl_module.model, pl_module.tokenizer, self.rows)
+        score = success(self.task, pl_module.model, pl_module.tokenizer, self.rows)
         print(f"step {trainer.global_step}: val success {score:.4f}", flush=True)
         if self.target is not None and score >= self.target:
             trainer.should_stop = True
 
 
 def sft(
-    model, tokenizer, *, steps: int, lr: float, batch_size: int, seed: int, target: float, every: int, root, start=0
+    task: AssetTask,
+    model,
+    tokenizer,
+    rows,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    target: float,
+    every: int,
+    root,
+    start=0,
+    assistant_turns: str = "all",
+    collator: Callable[[Any], Any] | None = None,
 ):
     L.seed_everything(seed, workers=True)
     module = build_method(
@@ -83,21 +190,26 @@ def sft(
         ),
     )
     data = ChatDataModule(
-        tokenizer, tool_rows("train"), batch_size=batch_size, max_length=MAX_LENGTH, seed=seed, assistant_turns="all"
+        tokenizer, rows, batch_size=batch_size, max_length=task.max_length, seed=seed, assistant_turns=assistant_turns
     )
-    _, schemas = build_environment(list(TOOLS), None, tokenizer, timeout=5)
+    _, schemas = build_environment(list(task.tools), None, tokenizer, timeout=5)
     data.use_rollouts(schemas)
-    validation = RolloutValidation(tool_rows("val")[:128], every, target, start)
+    if collator is not None:  # e.g. the recovery teacher's: its injected miscopies are never labels
+        data.collator = collator(data.collator)
+    validation = RolloutValidation(task, task.rows("val")[:128], every, target, start)
     trainer = plain_trainer(steps, callbacks=[validation], default_root_dir=root)
     trainer.fit(module, datamodule=data)
     return module
 
 
-def make_student(args, tokenizer, test):
-    """The student's start: a brief SFT stopped once its validation success passes --student-target."""
+def make_student(args, task: AssetTask, tokenizer, test):
+    """The student's start: a brief SFT on the clean transcripts stopped once its validation success passes
+    --student-target."""
     student = sft(
-        tiny_causal_lm(TOOLS_STUDENT, tokenizer, seed=args.seed + 1),
+        task,
+        initial_model(task, tokenizer, "student_init", args.seed + 1),
         tokenizer,
+        task.rows("train"),
         steps=args.student_steps,
         lr=args.lr,
         batch_size=args.batch_size,
@@ -105,16 +217,17 @@ def make_student(args, tokenizer, test):
         target=args.student_target,
         every=args.student_every,
         start=args.student_eval_from,
-        root=args.out.parent / ".train_tools_student",
+        root=args.out.parent / f".train_{task.folder}_student",
     )
-    student_success = success(student.model, tokenizer, test)
+    student_success = success(task, student.model, tokenizer, test)
     print(f"student start: {student.global_step} steps, test success {student_success:.4f}", flush=True)
     return student, student_success
 
 
-def student_entry(args, student, student_success) -> dict:
+def student_entry(args, task: AssetTask, student, student_success) -> dict:
     return {
-        "config": TOOLS_STUDENT,
+        "config": task.student_config,
+        "initialised_from": f"assets/{task.init_from}/student_init" if task.init_from else "random",
         "sft_steps": student.global_step,
         "schedule_steps": args.student_steps,
         "validated": f"every {args.student_every} steps from {args.student_eval_from}, target {args.student_target}",
@@ -122,13 +235,13 @@ def student_entry(args, student, student_success) -> dict:
     }
 
 
-def remake_student(args, test, started: float) -> int:
+def remake_student(args, task: AssetTask, test, started: float) -> int:
     """--reuse-teacher: a new student start beside the teacher already in --out; the manifest's other entries kept."""
     manifest = json.loads((args.out / "manifest.json").read_text())
     tokenizer = load_tokenizer(args.out / "teacher")
-    student, student_success = make_student(args, tokenizer, test)
+    student, student_success = make_student(args, task, tokenizer, test)
     student.export(args.out / "student_init")
-    manifest["student_init"] = student_entry(args, student, student_success)
+    manifest["student_init"] = student_entry(args, task, student, student_success)
     manifest["student_command"] = "python scripts/train_toy_tools.py " + " ".join(sys.argv[1:])
     manifest["student_seconds"] = round(time.perf_counter() - started, 1)
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -138,13 +251,19 @@ def remake_student(args, test, started: float) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ASSETS)
+    parser.add_argument("--task", choices=sorted(TASKS), default="tools")
+    parser.add_argument("--out", type=Path, default=None, help="default: lightning_gkd/assets/<the task's folder>")
     parser.add_argument("--merges", type=int, default=200)
-    parser.add_argument("--teacher-steps", type=int, default=3000)
+    parser.add_argument("--teacher-steps", type=int, default=None, help="default: tools 3000, recovery 1000")
+    parser.add_argument(
+        "--teacher-every", type=int, default=None, help="teacher validation every N steps (tools 250, recovery 100)"
+    )
     parser.add_argument("--student-steps", type=int, default=2000, help="length of the student's LR schedule")
-    parser.add_argument("--student-target", type=float, default=0.2)
+    parser.add_argument("--student-target", type=float, default=None, help="default: tools 0.2, recovery 0.3")
     parser.add_argument("--student-every", type=int, default=10, help="student validation every this many steps")
-    parser.add_argument("--student-eval-from", type=int, default=600, help="first step the student is validated")
+    parser.add_argument(
+        "--student-eval-from", type=int, default=None, help="first student validation step (tools 600, recovery 100)"
+    )
     parser.add_argument(
         "--reuse-teacher",
         action="store_true",
@@ -157,47 +276,67 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    task = TASKS[args.task]
+    for name, value in task.defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.out = args.out or PACKAGE_ASSETS / task.folder
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    test = tool_rows("test")
+    test = task.rows("test")
     if args.reuse_teacher:
-        return remake_student(args, test, started)
-    tokenizer = build_tokenizer(args.merges)
+        return remake_student(args, task, test, started)
+    tokenizer = build_tokenizer(task, args.merges)
     print(f"tokenizer: {len(tokenizer)} tokens", flush=True)
     teacher = sft(
-        tiny_causal_lm(TOOLS_TEACHER, tokenizer, seed=args.seed),
+        task,
+        initial_model(task, tokenizer, "teacher", args.seed),
         tokenizer,
+        task.teacher_rows(),
         steps=args.teacher_steps,
         lr=args.lr,
         batch_size=args.batch_size,
         seed=args.seed,
         target=args.target,
-        every=250,
-        root=args.out.parent / ".train_tools_teacher",
+        every=args.teacher_every,
+        root=args.out.parent / f".train_{task.folder}_teacher",
+        assistant_turns=task.teacher_turns,
+        collator=task.teacher_collator,
     )
-    teacher_success = success(teacher.model, tokenizer, test)
+    teacher_success = success(task, teacher.model, tokenizer, test)
     print(f"teacher: {teacher.global_step} steps, test success {teacher_success:.4f}", flush=True)
     if teacher_success < args.required:
         print(f"teacher test success {teacher_success:.4f} < {args.required}; raise --teacher-steps", file=sys.stderr)
         return 1
-    student, student_success = make_student(args, tokenizer, test)
+    student, student_success = make_student(args, task, tokenizer, test)
     args.out.mkdir(parents=True, exist_ok=True)
     teacher.export(args.out / "teacher")
     student.export(args.out / "student_init")
     manifest = {
-        "task": "lightning_gkd.toy.tools (sum of two of a row's facts, read with lookup and added with add: "
-        "three tool calls, then the answer; success = the last assistant message is the sum)",
+        "task": task.description,
         "tokenizer": {
             "builder": "lightning_gkd.data.tokenizer.build_chatml_bpe_tokenizer on the training transcripts, plus "
             "<tool_call> and </tool_call> as added tokens; chat template TOOLS_CHATML_TEMPLATE",
             "merges": args.merges,
             "vocabulary_size": len(tokenizer),
+        }
+        if task.init_from is None
+        else {"reused": f"assets/{task.init_from}/teacher's", "vocabulary_size": len(tokenizer)},
+        "teacher": {
+            "config": task.teacher_config,
+            "initialised_from": f"assets/{task.init_from}/teacher" if task.init_from else "random",
+            "sft_steps": teacher.global_step,
+            "training_rows": "every assistant turn of the training transcripts"
+            if task.teacher_turns == "all"
+            else "lightning_gkd.toy.recovery.teacher_rows(20000): the training transcripts, 40% of them with injected "
+            "miscopies followed by the error and the correct retry; every assistant turn labelled but the miscopies "
+            "(recovery.MistakeMasking)",
+            "test_success": teacher_success,
         },
-        "teacher": {"config": TOOLS_TEACHER, "sft_steps": teacher.global_step, "test_success": teacher_success},
-        "student_init": student_entry(args, student, student_success),
-        "evaluation": f"greedy rollouts, max_tool_calling_iterations=4, {MAX_NEW_TOKENS} new tokens a turn, "
-        f"{len(test)} test rows",
+        "student_init": student_entry(args, task, student, student_success),
+        "evaluation": f"greedy rollouts, max_tool_calling_iterations={task.iterations}, {task.max_new_tokens} new "
+        f"tokens a turn, {len(test)} test rows",
         "training": {
             "batch_size": args.batch_size,
             "lr": args.lr,

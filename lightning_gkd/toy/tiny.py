@@ -76,6 +76,10 @@ CHAIN_TEACHER = {**TOY_TEACHER, "max_position_embeddings": 128}
 CHAIN_STUDENT = {**TOY_STUDENT, "max_position_embeddings": 128}
 TOOLS_TEACHER = {**TOY_TEACHER, "max_position_embeddings": 160}
 TOOLS_STUDENT = {**TOY_STUDENT, "max_position_embeddings": 160}
+# The recovery task's (lightning_gkd.toy.recovery; scripts/train_toy_tools.py --task recovery): the tools task's
+# shapes (its models are where they start), with room for transcripts with retries (208 tokens; RoPE, no new weights).
+RECOVERY_TEACHER = {**TOOLS_TEACHER, "max_position_embeddings": 224}
+RECOVERY_STUDENT = {**TOOLS_STUDENT, "max_position_embeddings": 224}
 
 
 def tiny_causal_lm(config: Mapping[str, Any], tokenizer, *, seed: int) -> PreTrainedModel:

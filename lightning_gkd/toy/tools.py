@@ -149,15 +149,34 @@ def failure_kind(messages: Sequence[Mapping[str, Any]], row: Mapping[str, Any]) 
 MAX_TOOL_CALLING_ITERATIONS, MAX_NEW_TOKENS, MAX_TRANSCRIPT_TOKENS = 4, 24, 128
 
 
-def task_rollout(tokenizer: Any) -> Any:
-    """The ``MultiTurnRollout`` this task is trained and scored with (its tools, the row's ``facts``, its caps)."""
+def task_rollout_for(
+    tokenizer: Any,
+    *,
+    tools: Sequence[str],
+    state_columns: Sequence[str],
+    max_tool_calling_iterations: int,
+    max_transcript_tokens: int,
+) -> Any:
+    """A toy agentic task's ``MultiTurnRollout``: its ``tools`` (import paths), the row columns they read, its caps;
+    EOS is the tokenizer's. Returns the rollout (``lightning_gkd.rollouts.build_rollout``)."""
     from lightning_gkd.rollouts import RolloutSettings, build_rollout
 
     settings = RolloutSettings(
-        tools=list(TOOLS),
-        max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS,
+        tools=list(tools),
+        max_tool_calling_iterations=max_tool_calling_iterations,
         tool_timeout=5.0,
-        max_transcript_tokens=MAX_TRANSCRIPT_TOKENS,
-        tool_state_columns=["facts"],
+        max_transcript_tokens=max_transcript_tokens,
+        tool_state_columns=list(state_columns),
     )
     return build_rollout(tokenizer, settings, eos_token_ids=[tokenizer.eos_token_id])
+
+
+def task_rollout(tokenizer: Any) -> Any:
+    """The ``MultiTurnRollout`` this task is trained and scored with (its tools, the row's ``facts``, its caps)."""
+    return task_rollout_for(
+        tokenizer,
+        tools=TOOLS,
+        state_columns=("facts",),
+        max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS,
+        max_transcript_tokens=MAX_TRANSCRIPT_TOKENS,
+    )
