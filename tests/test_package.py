@@ -21,7 +21,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "samplers": {"models", "ops"},
     "teachers": {"data", "evaluation", "models", "ops", "samplers"},
     "training": {"evaluation", "models", "ops", "teachers"},
-    "losses": {"data", "models", "ops", "teachers"},
+    "losses": {"data", "models", "ops", "rollouts", "teachers"},  # rollouts: a teacher renders tool schemas
     "rollouts": {"data", "ops"},
     # asynchronous rollouts: the producer, its engines and the weight snapshots they load
     "asynchronous": {"models", "ops", "samplers", "teachers"},
@@ -43,7 +43,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     # test doubles (a stand-in vLLM server) the tests and the studies share
     "testing": {"data", "models", "ops"},
     # studies and benchmarks built on the package: tables from sweeps of runs, report pages, bench models
-    "studies": {"asynchronous", "data", "evaluation", "models", "ops", "samplers", "toy"},
+    # cli: a study's run builds its method as the command line does (cli.compose.build_method, inside the run)
+    "studies": {"asynchronous", "cli", "data", "evaluation", "models", "ops", "rollouts", "samplers", "toy"},
 }
 
 

@@ -16,6 +16,7 @@ from lightning_gkd.ops.decoding.speculative import (
     BlockVerifier,
     ModelVerifier,
     check_speculative_settings,
+    check_verifiable,
     speculative_completions,
 )
 from lightning_gkd.ops.hf.forward import (
@@ -99,8 +100,6 @@ class SpeculativeKDSampler(Sampler):
             kinds = ", ".join(f"{name or 'teacher'}: {_kind(e)}" for name, e in entries.items())
             raise ValueError(_TEACHER_NEEDED.format(kinds=kinds))
         if entry is not None and entry.kind == "server" and accept_top_k is not None:
-            from lightning_gkd.teachers.server import check_verifiable
-
             check_verifiable(accept_top_k, entry.settings.get("top_k"), str(entry.settings.get("url")))
 
     def bind_teachers(self, sources: Mapping[str, Any]) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_gkd.ops.decoding.sampling import completion_batch, derive_seed, eos_ids, validate_sampling_args
+from lightning_gkd.ops.decoding.speculative import check_verifiable
 from lightning_gkd.ops.divergence.sparse_kd import MASKED_ID
 from lightning_gkd.ops.hf.forward import EosTokenId
 from lightning_gkd.ops.hf.model_inputs import VisionRows
@@ -38,7 +39,6 @@ __all__ = [
     "ServerTeacher",
     "TeacherRequestError",
     "TeacherUnavailable",
-    "check_verifiable",
 ]
 
 
@@ -211,20 +211,6 @@ class ServerTeacher(TeacherBase):
                 f"(got {type(entries).__name__}); is it a vLLM server?"
             )
         return [entry or {} for entry in entries]
-
-
-def check_verifiable(accept_top_k: int, top_k: int | None, where: str = "the teacher server") -> None:
-    """ValueError unless speculative KD's ``accept_top_k`` (K) fits a served teacher's ``top_k`` (k): deciding
-    whether a draft is among the teacher's top-K needs all K of them."""
-    k = 20 if top_k is None else top_k  # ServerTeacher's default
-    if accept_top_k > k:
-        raise ValueError(
-            f"sampler.accept_top_k={accept_top_k} is above the served teacher's top_k={k} ({where}): speculative "
-            f"KD keeps a draft when it is among the teacher's top-{accept_top_k}, and the server returns only its "
-            f"top-{k}. "
-            f"Lower sampler.accept_top_k to {k} or less, or raise teacher.top_k to {accept_top_k} (and the server's "
-            "--max-logprobs with it)."
-        )
 
 
 class ServerBlockVerifier:

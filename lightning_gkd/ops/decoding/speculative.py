@@ -430,3 +430,17 @@ def speculative_completions(
         prompt_ids, prompt_attention_mask, sample.tokens, settings.get("eos_token_id"), sample.logprobs
     )
     return batch, sample
+
+
+def check_verifiable(accept_top_k: int, top_k: int | None, where: str = "the teacher server") -> None:
+    """ValueError unless speculative KD's ``accept_top_k`` (K) fits a served teacher's ``top_k`` (k): deciding
+    whether a draft is among the teacher's top-K needs all K of them."""
+    k = 20 if top_k is None else top_k  # ServerTeacher's default
+    if accept_top_k > k:
+        raise ValueError(
+            f"sampler.accept_top_k={accept_top_k} is above the served teacher's top_k={k} ({where}): speculative "
+            f"KD keeps a draft when it is among the teacher's top-{accept_top_k}, and the server returns only its "
+            f"top-{k}. "
+            f"Lower sampler.accept_top_k to {k} or less, or raise teacher.top_k to {accept_top_k} (and the server's "
+            "--max-logprobs with it)."
+        )
