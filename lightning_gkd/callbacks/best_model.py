@@ -186,4 +186,4 @@ def validated_rows(trainer: L.Trainer, rows: Any) -> Any:
         kept = int(batches * limit) if limit < 1.0 else batches
     else:
         kept = min(int(limit), batches)
-    return rows[: kept * size]
+    return [rows[index] for index in range(min(kept * size, len(rows)))]  # a list also of a datasets.Dataset's rows

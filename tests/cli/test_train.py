@@ -163,7 +163,7 @@ def test_command_line_entry_points(tmp_path, launcher):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "== lightning_gkd summary ==" in result.stdout and "train/on_policy_fraction: 1.0000" in result.stdout
-    assert "seed: 42" in result.stdout and "lmbda: 1.0" in result.stdout  # the composed config is printed
+    assert "config: experiment=debug method.lmbda=1.0" in result.stdout  # the config's line: the overrides
     assert (tmp_path / "run" / "student" / "model.safetensors").is_file()
     card = (tmp_path / "run" / "student" / "README.md").read_text()  # the model card of the default run
     assert "## Method: GKDModule" in card and "- lmbda: `1.0`" in card and "- steps: 4" in card
