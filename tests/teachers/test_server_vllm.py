@@ -285,23 +285,6 @@ class StopServerAfter(L.Callback):
             stop(self.process)
 
 
-def test_a_killed_server_stops_gkd_with_a_resumable_checkpoint(served, toy, batch, tmp_path):
-    """Last in the module: it stops the module's server (after two steps of a run against it)."""
-    url, process = served
-    _, tokenizer = toy
-    spec = {"kind": "server", "url": url, "top_k": 20, "retries": 2, "backoff": 0.05}
-    module = gkd_module(spec, tokenizer)
-    with pytest.raises(TeacherUnavailable, match=r"after 3 attempt\(s\)") as raised:
-        fit_gkd(module, tokenizer, tmp_path, steps=5, callbacks=[StopServerAfter(process, 2)])
-    assert url in str(raised.value)
-    saved = next(tmp_path.glob("**/checkpoints/last.ckpt"))
-    assert torch.load(saved, weights_only=True)["global_step"] == 2  # nothing trained on the failed batch
-    teacher = ServerTeacher(url, top_k=20, retries=0)
-    with pytest.raises(TeacherUnavailable):
-        teacher.topk(batch, supervised_positions(batch["labels"]))
-    teacher.close()
-
-
 def test_speculative_kd_verified_by_the_server_samples_as_the_local_teacher(served, toy):
     """sampler=skd's served verifier (``ServerBlockVerifier``) against the real server: with a sampling top_k (5)
     inside the served top-k (20) and accept_top_k <= 20, every keep/replace decision and token is the in-process
@@ -335,3 +318,20 @@ def test_speculative_kd_verified_by_the_server_samples_as_the_local_teacher(serv
     assert local.replaced.any()  # the teacher replaced some drafts
     assert torch.equal(served_sample.tokens, local.tokens) and torch.equal(served_sample.replaced, local.replaced)
     torch.testing.assert_close(served_sample.logprobs, local.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_killed_server_stops_gkd_with_a_resumable_checkpoint(served, toy, batch, tmp_path):
+    """Last in the module: it stops the module's server (after two steps of a run against it)."""
+    url, process = served
+    _, tokenizer = toy
+    spec = {"kind": "server", "url": url, "top_k": 20, "retries": 2, "backoff": 0.05}
+    module = gkd_module(spec, tokenizer)
+    with pytest.raises(TeacherUnavailable, match=r"after 3 attempt\(s\)") as raised:
+        fit_gkd(module, tokenizer, tmp_path, steps=5, callbacks=[StopServerAfter(process, 2)])
+    assert url in str(raised.value)
+    saved = next(tmp_path.glob("**/checkpoints/last.ckpt"))
+    assert torch.load(saved, weights_only=True)["global_step"] == 2  # nothing trained on the failed batch
+    teacher = ServerTeacher(url, top_k=20, retries=0)
+    with pytest.raises(TeacherUnavailable):
+        teacher.topk(batch, supervised_positions(batch["labels"]))
+    teacher.close()
